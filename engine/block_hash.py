@@ -1,0 +1,53 @@
+"""The one way a KV block hash is made. Router and workers both call this.
+
+A block's hash chains through its parent: ``hash(parent, tokens, extra)``.
+The first block's parent is a fixed seed mixed with the tenant salt, so two
+tenants with different salts never share a block. Hashes are 64-bit ints,
+stable across processes and machines (blake2b, not Python's ``hash``).
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Sequence
+
+ROOT_SEED = b"pdserve-kv-v1"
+
+
+def root_hash(cache_salt: str | None) -> int:
+    """Parent hash of a prompt's first block, with the tenant salt folded in."""
+    h = hashlib.blake2b(ROOT_SEED + (cache_salt or "").encode("utf-8"), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra: bytes = b"") -> int:
+    """Chained hash of one full block: position-aware through the parent."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(parent_hash.to_bytes(8, "little"))
+    h.update(array("I", token_ids).tobytes())
+    if extra:
+        h.update(extra)
+    return int.from_bytes(h.digest(), "little")
+
+
+def content_hash(token_ids: Sequence[int]) -> int:
+    """Position-free hash of a block's tokens alone (for debugging / events)."""
+    return int.from_bytes(hashlib.blake2b(array("I", token_ids).tobytes(), digest_size=8).digest(), "little")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                 start: int = 0, parent: int | None = None) -> list[int]:
+    """Chained hashes of every *full* block of ``token_ids``.
+
+    ``start``/``parent`` let a caller extend a list it already has: pass the
+    index of the first block to hash and the hash of the block before it.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    out: list[int] = []
+    prev = root_hash(cache_salt) if parent is None else parent
+    n_full = len(token_ids) // block_size
+    for b in range(start, n_full):
+        prev = hash_block_tokens(prev, token_ids[b * block_size:(b + 1) * block_size])
+        out.append(prev)
+    return out
