@@ -52,6 +52,11 @@ class Request:
     # index among n>1 samples of one prompt (0 for n == 1)
     sample_index: int = 0
     stop_reason: int | str | None = None
+    # prefill role: when finished, keep the blocks (for a remote reader) until
+    # the scheduler is told to release them
+    hold_kv_on_finish: bool = False
+    # tokens the engine must not exceed (prompt + output), set from max_model_len
+    max_total_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
