@@ -1,0 +1,54 @@
+"""`pdserve` command line: serve | generate | bench | plan | simulate.
+
+Each subcommand lives in its own module exposing `register(subparsers)`,
+which adds its parser and sets `func(args) -> int`. Modules are imported
+lazily so `pdserve plan` does not pay for Ray or torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "serve": "cluster.serve_cli",
+    "generate": "cluster.generate_cli",
+    "bench": "cluster.bench.cli",
+    "plan": "cluster.planner.cli",
+    "simulate": "cluster.sim.cli",
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name, module in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            continue
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith(module.rsplit(".", 1)[0]):
+                continue   # subcommand not built yet
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    only = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""`pdserve serve` configuration: one typed, frozen object.
+
+Sources, lowest to highest precedence: defaults, a YAML file (`--config`),
+environment variables `PDSERVE_<KEY>` (upper case), command-line flags.
+YAML keys and env names are the field names below; flags are the same
+names with dashes (`--grpc-port`). The Helm chart renders exactly these keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
+          "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gi": 2**30, "gib": 2**30,
+          "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40}
+
+ROUTER_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
+TRANSFER_BACKENDS = ("auto", "nixl", "ucxx", "tcp")
+
+
+def parse_size(value: str | int) -> int:
+    """'1GiB' -> 1073741824; plain integers are bytes."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ValueError(f"cannot read size {value!r}: write e.g. '512MiB', '2GiB' or a byte count")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    # model and engine
+    model: str = ""                       # HF dir or .gguf; "" = the default SmolLM2 GGUF
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory: str = "1GiB"         # per worker
+    num_kv_blocks: int = 0                # > 0 overrides kv_cache_memory
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # endpoints
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    metrics_port: int = 9400
+    http_port: int = 8000                 # 0 = off
+    # pools
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    colocated: bool = False               # workers do both phases, no handoff
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    torch_threads: int = 1
+    # routing
+    router_policy: str = "prefix_aware"
+    router_temperature: float = 0.0       # 0 = pick the minimum cost
+    local_prefill_threshold: int = 64     # uncached prompt tokens at or below: decode prefills itself
+    local_prefill_hit_ratio: float = 0.8  # decode holds >= this share of the prefix: prefill locally
+    # transfer and leases
+    transfer_backend: str = "auto"
+    lease_ttl: float = 30.0               # seconds a prefill node pins handed-off blocks
+    transfer_timeout: float = 10.0
+    # admission
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1_000_000
+    request_timeout: float = 600.0
+    # ray
+    address: str = ""                     # "" = start a local Ray cluster
+    ray_temp_dir: str = ""
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, "
+                             f"got {self.router_policy!r}")
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}, "
+                             f"got {self.transfer_backend!r}")
+        for name in ("prefill_workers", "decode_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.decode_workers < 1:
+            raise ValueError("decode_workers must be >= 1: someone has to stream tokens")
+        if not self.colocated and self.prefill_workers < 1:
+            raise ValueError("prefill_workers must be >= 1 unless --colocated is set")
+        for name in ("grpc_port", "metrics_port", "http_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be a TCP port (0-65535)")
+        if self.lease_ttl <= 0 or self.transfer_timeout <= 0:
+            raise ValueError("lease_ttl and transfer_timeout must be positive seconds")
+        parse_size(self.kv_cache_memory)
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        return parse_size(self.kv_cache_memory)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_sources(cls, yaml_path: str | None = None, env: Mapping[str, str] | None = None,
+                     overrides: Mapping[str, Any] | None = None) -> "ServeConfig":
+        values: dict[str, Any] = {}
+        if yaml_path:
+            values.update(_read_yaml(yaml_path))
+        values.update(_read_env(os.environ if env is None else env))
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls(**_coerce(values))
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config file must be a mapping of key: value")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - set(ServeConfig.keys()))
+    if unknown:
+        raise ValueError(f"{path}: unknown config keys {unknown}; valid keys: {', '.join(ServeConfig.keys())}")
+    return data
+
+
+def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out = {}
+    for key in ServeConfig.keys():
+        name = "PDSERVE_" + key.upper()
+        if name in env:
+            out[key] = env[name]
+    return out
+
+
+def _coerce(values: dict[str, Any]) -> dict[str, Any]:
+    types = {f.name: f.type for f in fields(ServeConfig)}
+    out = {}
+    for k, v in values.items():
+        t = types[k]
+        try:
+            if t == "bool" and isinstance(v, str):
+                out[k] = v.strip().lower() in ("1", "true", "yes", "on")
+            elif t == "int" and not isinstance(v, bool):
+                out[k] = int(v)
+            elif t == "float":
+                out[k] = float(v)
+            else:
+                out[k] = str(v) if t == "str" else v
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"config key {k!r}: cannot read {v!r} as {t}") from e
+    return out
+
+
+def replace(cfg: ServeConfig, **changes: Any) -> ServeConfig:
+    return dataclasses.replace(cfg, **changes)
