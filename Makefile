@@ -28,8 +28,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "not slow and not smollm2" $(PYTEST_ARGS)
 
+# Generates cluster/pb/pdserve/v1/*; the sed makes the *_grpc.py import its
+# sibling relatively, so it works from the repo and from an installed wheel.
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=cluster/pb --grpc_python_out=cluster/pb --pyi_out=cluster/pb proto/pdserve/v1/generation.proto
+	sed -i 's/^from pdserve\.v1 import /from . import /' cluster/pb/pdserve/v1/generation_pb2_grpc.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -49,7 +49,8 @@ class StepDelta:
     """New tokens of one sequence produced by one engine step (streaming)."""
     request_id: str
     new_token_ids: tuple[int, ...]
-    new_text: str
+    index: int = 0                      # which of the n samples (n > 1)
+    new_text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()

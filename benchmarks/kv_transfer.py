@@ -1,0 +1,154 @@
+"""KV transfer benchmark: local memcpy vs every installed backend, one JSON line.
+
+Cases: the KV of a 512- and a 4096-token SmolLM2-135M prompt (30 layers x 2 x
+3 KV heads x 16 tokens x 64 dims x fp32 = 737280 bytes per block) read through
+a realistic fragmented block table, and 256 MiB in 1 MiB blocks (shuffled:
+one descriptor per block). Two processes: a source child per backend, the
+reader here.
+
+    .venv/bin/python benchmarks/kv_transfer.py [--iters 5] [--backends nixl,tcp]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+KV_BLOCK = 30 * 2 * 3 * 16 * 64 * 4          # 737280
+MIB = 1 << 20
+POOLS = {"kv": (320, KV_BLOCK), "bulk": (272, MIB)}
+CASES = {"prompt_512": ("kv", 512 // 16), "prompt_4096": ("kv", 4096 // 16), "bulk_256MiB": ("bulk", 256)}
+
+
+def fragmented_table(rng: random.Random, num_blocks: int, count: int) -> list[int]:
+    """Free-list after churn: runs of 1-8 consecutive blocks in random places."""
+    free = list(range(num_blocks))
+    runs = [free[i:i + rng.randint(1, 8)] for i in range(0, num_blocks, 8)]
+    rng.shuffle(runs)
+    return [b for run in runs for b in run][:count]
+
+
+def tables(case: str, seed: int = 0) -> tuple[list[int], list[int]]:
+    pool, count = CASES[case]
+    rng = random.Random(seed)
+    n = POOLS[pool][0]
+    if pool == "bulk":
+        return rng.sample(range(n), count), rng.sample(range(n), count)
+    return fragmented_table(rng, n, count), fragmented_table(rng, n, count)
+
+
+def engine_config(variant: str):
+    if variant == "nixl_pthread_off":
+        from kvtransfer.nixl_backend import NixlConfig
+        return "nixl", NixlConfig(progress_thread=False)
+    return variant, None
+
+
+def make_pools(backend: str, variant: str, role: str):
+    import torch
+    from kvtransfer.layout import KVPoolLayout
+    from kvtransfer.registry import create_engine
+    backend, config = engine_config(variant)
+    out = {}
+    for pool, (n, bpb) in POOLS.items():
+        tensor = torch.randint(0, 256, (n, bpb), dtype=torch.uint8) if role == "src" else torch.zeros(n, bpb, dtype=torch.uint8)
+        eng = create_engine(backend, f"{role}-{variant}-{pool}-{os.getpid()}", config)
+        eng.register_pool(KVPoolLayout.from_tensor(tensor))
+        out[pool] = (eng, tensor)
+    return out
+
+
+def source_main(variant: str, conn) -> None:
+    pools = make_pools(variant, variant, "src")
+    conn.send({p: (e.peer_info(), t[:, :64].clone()) for p, (e, t) in pools.items()})
+    while not conn.poll(0.005):
+        for eng, _ in pools.values():
+            eng.get_notifications()   # what a prefill worker's loop does
+    for eng, _ in pools.values():
+        eng.close()
+
+
+def bench_memcpy(iters: int) -> dict:
+    import torch
+    out = {}
+    for case, (pool, count) in CASES.items():
+        nbytes = count * POOLS[pool][1]
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        dst = torch.zeros_like(src)
+        times = []
+        for _ in range(iters + 1):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times[1:])
+        out[case] = {"gbps": round(nbytes / t / 1e9, 2), "latency_ms": round(t * 1e3, 3), "bytes": nbytes}
+    return out
+
+
+def bench_backend(variant: str, iters: int, memcpy: dict) -> dict:
+    import torch
+    from kvtransfer.engine import TransferStatus
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=source_main, args=(variant, child), daemon=True)
+    proc.start()
+    readers = make_pools(variant, variant, "dst")
+    peers = conn.recv()
+    out = {}
+    try:
+        for case in CASES:
+            pool = CASES[case][0]
+            eng, tensor = readers[pool]
+            info, heads = peers[pool]
+            src_ids, dst_ids = tables(case)
+            times, handle = [], None
+            for i in range(iters + 1):
+                tensor.zero_()
+                t0 = time.perf_counter()
+                handle = eng.read(info, src_ids, dst_ids, notify=f"{case}-{i}".encode())
+                status = handle.wait(timeout=60)
+                times.append(time.perf_counter() - t0)
+                if status is not TransferStatus.DONE:
+                    raise RuntimeError(f"{variant}/{case}: {status} {handle.error}")
+            assert all(torch.equal(tensor[d, :64], heads[s]) for s, d in zip(src_ids, dst_ids))
+            t = statistics.median(times[1:])
+            gbps = handle.nbytes / t / 1e9
+            out[case] = {"gbps": round(gbps, 2), "ratio_to_memcpy": round(gbps / memcpy[case]["gbps"], 3),
+                         "latency_ms": round(t * 1e3, 3), "best_gbps": round(handle.nbytes / min(times[1:]) / 1e9, 2),
+                         "descriptors": handle.descriptors,
+                         "bytes_per_descriptor": handle.nbytes // max(handle.descriptors, 1)}
+    finally:
+        conn.send("stop")
+        proc.join(10)
+        for eng, _ in readers.values():
+            eng.close()
+    return out
+
+
+def main() -> None:
+    from kvtransfer.registry import available_backends
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--backends", default="", help="comma list; default every installed one "
+                        "(+ nixl_pthread_off, the progress-thread-off variant)")
+    args = parser.parse_args()
+    variants = args.backends.split(",") if args.backends else available_backends()
+    if not args.backends and "nixl" in variants:
+        variants.insert(1, "nixl_pthread_off")
+    result: dict = {"memcpy": bench_memcpy(args.iters)}
+    for variant in variants:
+        result[variant] = bench_backend(variant, args.iters, result["memcpy"])
+    result["env"] = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    result["cpus"] = os.cpu_count()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Generated protobuf package (pdserve.v1); regenerate with `make proto`."""

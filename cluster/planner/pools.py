@@ -1,0 +1,111 @@
+"""Prefill:decode pool sizing from a request rate and per-node speeds.
+
+    prefill demand (tokens/s) = request_rate * input_len
+    decode demand  (tokens/s) = request_rate * output_len
+    prefill nodes = ceil(prefill demand / per-node prefill tokens/s)
+    decode nodes  = ceil(decode demand / per-node decode tokens/s)
+
+Per-node decode tokens/s is the node's aggregate at its maximum concurrent
+sequences (the batch the KV capacity allows), so decode nodes also hold
+request_rate * output_len / decode_tps_per_seq sequences in flight (Little).
+`measure_speeds` measures both speeds on this machine with pdserve's engine.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    request_rate: float
+    input_len: int
+    output_len: int
+    prefill_tps: float
+    decode_tps: float
+    prefill_demand_tps: float
+    decode_demand_tps: float
+    prefill_nodes: int
+    decode_nodes: int
+    prefill_utilization: float    # demand / capacity of the sized pool
+    decode_utilization: float
+    speeds_source: str            # "given" | "measured"
+
+    @property
+    def ratio(self) -> str:
+        return f"{self.prefill_nodes}:{self.decode_nodes}"
+
+
+def size_pools(request_rate: float, input_len: int, output_len: int, prefill_tps: float,
+               decode_tps: float, speeds_source: str = "given") -> PoolPlan:
+    if request_rate <= 0:
+        raise ValueError(f"--request-rate must be positive requests/s, got {request_rate}")
+    if input_len < 1 or output_len < 1:
+        raise ValueError(f"--input-len and --output-len must be >= 1 token, got {input_len} and {output_len}")
+    if prefill_tps <= 0 or decode_tps <= 0:
+        raise ValueError("--prefill-tps and --decode-tps must be positive tokens/s (or use --measure)")
+    prefill_demand = request_rate * input_len
+    decode_demand = request_rate * output_len
+    prefill_nodes = max(1, math.ceil(prefill_demand / prefill_tps))
+    decode_nodes = max(1, math.ceil(decode_demand / decode_tps))
+    return PoolPlan(request_rate=request_rate, input_len=input_len, output_len=output_len,
+                    prefill_tps=prefill_tps, decode_tps=decode_tps,
+                    prefill_demand_tps=prefill_demand, decode_demand_tps=decode_demand,
+                    prefill_nodes=prefill_nodes, decode_nodes=decode_nodes,
+                    prefill_utilization=prefill_demand / (prefill_nodes * prefill_tps),
+                    decode_utilization=decode_demand / (decode_nodes * decode_tps),
+                    speeds_source=speeds_source)
+
+
+@dataclass(frozen=True)
+class MeasuredSpeeds:
+    prefill_tps: float       # prompt tokens/s, a batch of prompts of input_len
+    decode_tps: float        # generated tokens/s, aggregate over `concurrency` sequences
+    concurrency: int
+    input_len: int
+    output_len: int
+
+
+def _engine_llm_factory() -> Callable[..., object]:
+    try:
+        from engine import LLM
+    except ImportError as e:
+        raise ValueError("--measure runs pdserve's engine (engine.LLM) on this machine, and it is not "
+                         f"available here ({e}); pass --prefill-tps and --decode-tps instead") from None
+    return LLM
+
+
+def measure_speeds(model_path: str, input_len: int, output_len: int, concurrency: int = 8,
+                   llm_factory: Callable[..., object] | None = None,
+                   clock: Callable[[], float] = time.perf_counter) -> MeasuredSpeeds:
+    """Prefill: `concurrency` distinct prompts of input_len with max_tokens=1.
+    Decode: the same count generating output_len tokens; decode time is the
+    run's time minus the prefill time measured just before."""
+    if concurrency < 1 or input_len < 1 or output_len < 2:
+        raise ValueError("--measure needs concurrency >= 1, --input-len >= 1 and --output-len >= 2")
+    factory = llm_factory or _engine_llm_factory()
+    from engine.sampling_params import SamplingParams
+    llm = factory(model=model_path)
+    llm.generate([_prompt(0, 8)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
+
+    prefill_s = _timed(llm, clock, [_prompt(i + 1, input_len) for i in range(concurrency)],
+                       SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    run_s = _timed(llm, clock, [_prompt(i + 1 + concurrency, input_len) for i in range(concurrency)],
+                   SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
+    decode_s = max(run_s - prefill_s, 1e-9)
+    return MeasuredSpeeds(prefill_tps=concurrency * input_len / max(prefill_s, 1e-9),
+                          decode_tps=concurrency * (output_len - 1) / decode_s,
+                          concurrency=concurrency, input_len=input_len, output_len=output_len)
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    """Token ids that differ from the first token on, so no prompt hits another's prefix cache."""
+    return [100 + (seed * 7919 + i * 31) % 1000 for i in range(length)]
+
+
+def _timed(llm, clock: Callable[[], float], prompts, params) -> float:
+    start = clock()
+    llm.generate(prompts, params)
+    return clock() - start

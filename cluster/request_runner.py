@@ -1,0 +1,191 @@
+"""Run one validated request against a backend: transport-neutral streaming.
+
+`RequestRunner.run` validates a `GenerateInput`, admits it, iterates the
+backend in a pump task (the deadline is enforced there; the task isolates the
+backend iterator from the transport's cancellation points) and yields
+`Chunk`s in arrival order; with n > 1 the backend tags deltas with `index`. It records the frontend metrics: TTFT (once
+per request), inter-token latency (each gap of a sequence), end-to-end
+latency, token counters, queue depth and `requests{outcome}`. Leaving early
+(client gone, deadline, error) closes the backend iterators, which aborts the
+requests and frees their blocks, and calls `backend.abort` to be sure.
+Errors surface as `ValidationError` or `BackendError` (code = grpc status name).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from cluster.admission import AdmissionController
+from cluster.backend import BackendError, GenerateJob, GenerationBackend
+from cluster.metrics import Metrics
+from cluster.validation import GenerateInput, Limits, ValidationError, validate_request
+from engine.outputs import StepDelta, TokenLogprob
+
+_END = object()
+log = logging.getLogger(__name__)
+QUEUE_DEPTH = 64    # deltas buffered per request before the backend is made to wait
+
+
+@dataclass(frozen=True)
+class Chunk:
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: tuple[TokenLogprob, ...]
+    prompt_tokens: int
+    completion_tokens: int             # of this sequence so far
+    cached_tokens: int
+    time_to_first_token_s: float | None   # set once the sequence has produced a token
+    elapsed_s: float                   # arrival -> this chunk
+    first: bool                        # first chunk of this sequence
+
+
+@dataclass
+class _Seq:
+    finished: bool = False
+    tokens: int = 0
+    cached: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    sent: int = 0
+
+
+def outcome_of(exc: BaseException | None) -> str:
+    """Label of `pdserve_requests{outcome}`: finished or the lower-case status name."""
+    if exc is None:
+        return "finished"
+    if isinstance(exc, ValidationError):
+        return "invalid_argument"
+    if isinstance(exc, BackendError):
+        return exc.code.lower()
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "cancelled"
+    return "internal"
+
+
+class RequestRunner:
+    def __init__(self, backend: GenerationBackend, metrics: Metrics, limits: Limits,
+                 admission: AdmissionController) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self.limits = limits
+        self.admission = admission
+
+    def validate(self, inp: GenerateInput, *, cache_salt: str | None, deadline: float | None,
+                 arrival_time: float) -> GenerateJob:
+        return validate_request(inp, self.backend.tokenizer(), self.limits, cache_salt=cache_salt,
+                                deadline=deadline, arrival_time=arrival_time)
+
+    async def run(self, inp: GenerateInput, *, cache_salt: str | None = None,
+                  deadline: float | None = None) -> AsyncIterator[Chunk]:
+        """Validate, admit and stream. `deadline` is a time.monotonic() instant."""
+        arrival = time.monotonic()
+        error: BaseException | None = None
+        done = False
+        try:
+            job = self.validate(inp, cache_salt=cache_salt, deadline=deadline, arrival_time=arrival)
+            ticket = self.admission.admit(job)
+            try:
+                self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
+                async with contextlib.aclosing(self._stream(job)) as stream:
+                    async for chunk in stream:
+                        yield chunk
+                done = True
+            finally:
+                self.admission.release(ticket)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            outcome = outcome_of(error if not done else None)
+            self.metrics.requests.labels(outcome=outcome).inc()
+            if done:
+                self.metrics.e2e.observe(time.monotonic() - arrival)
+
+    async def _stream(self, job: GenerateJob) -> AsyncIterator[Chunk]:
+        seqs = [_Seq() for _ in range(job.sampling.n)]
+        queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_DEPTH)
+        pump = asyncio.create_task(self._pump(job, queue))
+        first_token_seen = False
+        try:
+            left = len(seqs)
+            while left:
+                item = await queue.get()
+                if item is _END:
+                    raise BackendError("UNAVAILABLE", "the backend ended the stream before finishing "
+                                       f"{left} of {len(seqs)} sequences; retry the request")
+                if isinstance(item, BaseException):
+                    raise item
+                if not 0 <= item.index < len(seqs) or seqs[item.index].finished:
+                    raise BackendError("INTERNAL", f"the backend sent a delta for sequence {item.index}, "
+                                       f"which is not running (n={len(seqs)})")
+                seq = seqs[item.index]
+                chunk = self._chunk(job, item.index, seq, item)
+                if chunk.token_ids and not first_token_seen:
+                    first_token_seen = True
+                    self.metrics.ttft.observe(chunk.time_to_first_token_s)
+                if item.finish_reason:
+                    seq.finished = True
+                    left -= 1
+                yield chunk
+        finally:
+            await self._cleanup(pump, job, all(s.finished for s in seqs))
+
+    def _chunk(self, job: GenerateJob, index: int, seq: _Seq, d: StepDelta) -> Chunk:
+        now = time.monotonic()
+        if d.new_token_ids:
+            if seq.last_token_at is not None:
+                self.metrics.itl.observe(now - seq.last_token_at)
+            seq.first_token_at = seq.first_token_at or now
+            seq.last_token_at = now
+            seq.tokens += len(d.new_token_ids)
+            self.metrics.generation_tokens.inc(len(d.new_token_ids))
+        seq.cached = max(seq.cached, d.num_cached_tokens)
+        seq.sent += 1
+        ttft = None if seq.first_token_at is None else seq.first_token_at - job.arrival_time
+        return Chunk(request_id=job.request_id, index=index, token_ids=tuple(d.new_token_ids),
+                     text=d.new_text, finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                     logprobs=tuple(d.logprobs), prompt_tokens=d.num_prompt_tokens or len(job.prompt_token_ids),
+                     completion_tokens=seq.tokens, cached_tokens=seq.cached, time_to_first_token_s=ttft,
+                     elapsed_s=now - job.arrival_time, first=seq.sent == 1)
+
+    async def _pump(self, job: GenerateJob, queue: asyncio.Queue) -> None:
+        """Drain the backend iterator into the queue, in its own task (the deadline applies here)."""
+        agen = None
+        timeout = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
+        try:
+            async with asyncio.timeout(timeout):
+                agen = self.backend.generate(job)
+                async for delta in agen:
+                    await queue.put(delta)
+            await queue.put(_END)
+        except TimeoutError:
+            await queue.put(BackendError(
+                "DEADLINE_EXCEEDED", f"the request ran past its deadline ({job.deadline - job.arrival_time:.3g}"
+                " s after arrival); allow more time (client deadline / server request_timeout) or ask for "
+                "fewer tokens"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:   # surfaced to the consumer, which maps it to a status
+            await queue.put(e)
+        finally:
+            aclose = getattr(agen, "aclose", None)   # closing the iterator aborts the request
+            if aclose is not None:
+                await aclose()
+
+    async def _cleanup(self, pump: asyncio.Task, job: GenerateJob, finished: bool) -> None:
+        if not pump.done():
+            pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+        if not finished:
+            try:
+                await self.backend.abort(job.request_id)
+            except Exception:   # best effort: closing the iterator has aborted it already
+                log.warning("backend.abort(%s) failed", job.request_id, exc_info=True)

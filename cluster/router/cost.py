@@ -1,0 +1,126 @@
+"""The routing cost: pure functions, no state, unit-tested on their own.
+
+Every cost is in the same unit, *token-equivalents of prefill work*, so that
+prefill and decode terms can be added (colocated mode) and compared:
+
+- a prefill node costs its uncached prompt tokens (the work this request adds)
+  plus the tokens already queued for prefill on it (the wait before it starts);
+- a decode node costs its running sequences and KV usage, each scaled to
+  token-equivalents by a weight, plus the blocks it would have to pull.
+
+A block cached on the host or disk tier counts as a fraction of a device hit
+(``host_hit`` / ``disk_hit``): reading it back is cheaper than recomputing but
+not free. Selection is argmin at temperature 0 (ties go to the first
+candidate, so callers pass candidates in a stable order) and a softmax over
+normalised costs above it, with an injected ``random.Random``.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class CostWeights:
+    uncached_token: float = 1.0    # per prompt token a node must compute
+    queued_token: float = 1.0      # per token already queued for prefill on that node
+    running: float = 32.0          # token-equivalents per running decode sequence
+    kv_usage: float = 512.0        # token-equivalents at 100% KV usage (linear)
+    transfer_block: float = 1.0    # per block a decode node must pull from the prefill node
+    host_hit: float = 0.8          # a host-tier hit is worth this share of a device hit
+    disk_hit: float = 0.5          # a disk-tier hit is worth this share of a device hit
+
+    def __post_init__(self) -> None:
+        for name in ("uncached_token", "queued_token", "running", "kv_usage", "transfer_block"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CostWeights.{name} must be >= 0 (0 disables that term), "
+                                 f"got {getattr(self, name)}")
+        for name in ("host_hit", "disk_hit"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"CostWeights.{name} is a share of a device hit: give a value "
+                                 f"in [0, 1], got {getattr(self, name)}")
+
+
+def effective_cached_blocks(device_blocks: int, host_blocks: int, disk_blocks: int,
+                            weights: CostWeights) -> float:
+    """Cached prefix blocks, a host or disk hit weighing less than a device hit."""
+    return device_blocks + weights.host_hit * host_blocks + weights.disk_hit * disk_blocks
+
+
+def prefill_cost(uncached_blocks: float, queued_prefill_tokens: int, block_size: int,
+                 weights: CostWeights) -> float:
+    """Cost of prefilling on a node: new work plus the queue ahead of it."""
+    if uncached_blocks < 0 or queued_prefill_tokens < 0:
+        raise ValueError(f"uncached_blocks ({uncached_blocks}) and queued_prefill_tokens "
+                         f"({queued_prefill_tokens}) must be >= 0")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return (weights.uncached_token * uncached_blocks * block_size
+            + weights.queued_token * queued_prefill_tokens)
+
+
+def decode_cost(running: int, kv_usage: float, weights: CostWeights) -> float:
+    """Cost of adding one more sequence to a decode node's batch."""
+    if running < 0 or kv_usage < 0:
+        raise ValueError(f"running ({running}) and kv_usage ({kv_usage}) must be >= 0; "
+                         "kv_usage is used / total blocks")
+    return weights.running * running + weights.kv_usage * kv_usage
+
+
+def transfer_cost(missing_blocks: float, weights: CostWeights) -> float:
+    """Cost of the blocks a decode node lacks and must pull from the prefill node."""
+    if missing_blocks < 0:
+        raise ValueError(f"missing_blocks must be >= 0, got {missing_blocks}")
+    return weights.transfer_block * missing_blocks
+
+
+def should_prefill_locally(uncached_tokens_on_decode: int, prompt_tokens: int,
+                           decode_hit_ratio: float, threshold: int, hit_ratio: float) -> bool:
+    """Conditional disaggregation: the decode node prefills itself when what it
+    lacks is short (at or below ``threshold`` tokens) or it already holds at
+    least ``hit_ratio`` of the prompt."""
+    if not 0 <= uncached_tokens_on_decode <= prompt_tokens:
+        raise ValueError(f"uncached_tokens_on_decode ({uncached_tokens_on_decode}) must be "
+                         f"between 0 and prompt_tokens ({prompt_tokens})")
+    if not 0.0 <= decode_hit_ratio <= 1.0 or not 0.0 <= hit_ratio <= 1.0:
+        raise ValueError(f"decode_hit_ratio ({decode_hit_ratio}) and hit_ratio ({hit_ratio}) "
+                         "are shares of the prompt: give values in [0, 1]")
+    if threshold < 0:
+        raise ValueError(f"threshold is a token count: give a value >= 0, got {threshold}")
+    return uncached_tokens_on_decode <= threshold or decode_hit_ratio >= hit_ratio
+
+
+def select(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
+    """Index of the chosen candidate.
+
+    Temperature 0: the lowest cost, ties to the lowest index (no randomness
+    used). Above 0: softmax over costs normalised to [0, 1] by their range, so
+    the temperature means the same thing whatever the cost scale; p_i is
+    proportional to exp(-(c_i - min) / (range * temperature)).
+    """
+    if not costs:
+        raise ValueError("select() needs at least one candidate cost")
+    if temperature < 0 or math.isnan(temperature):
+        raise ValueError(f"temperature must be >= 0 (0 = argmin), got {temperature}")
+    lo = min(costs)
+    if temperature == 0:
+        return costs.index(lo)
+    span = max(costs) - lo
+    if span <= 0:
+        return rng.randrange(len(costs))
+    scale = 1.0 / (span * temperature)
+    weights = [math.exp((lo - c) * scale) for c in costs]
+    return softmax_pick(weights, rng)
+
+
+def softmax_pick(weights: Sequence[float], rng: random.Random) -> int:
+    """Sample an index with probability proportional to ``weights`` (all >= 0, one > 0)."""
+    r = rng.random() * sum(weights)
+    acc = 0.0
+    for i, w in enumerate(weights):
+        acc += w
+        if r < acc:
+            return i
+    return len(weights) - 1

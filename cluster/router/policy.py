@@ -1,0 +1,283 @@
+"""Routing policies: an abstract `RoutingPolicy` plus named implementations.
+
+Every policy shares one skeleton (``RoutingPolicy.route``): match the prompt
+against the index, pick a decode node, apply conditional disaggregation
+(the decode node prefills itself when what it lacks is short or it holds most
+of the prompt), otherwise pick a prefill node. In colocated mode one
+decode-capable worker does both phases. Policies differ only in how they
+pick: ``prefix_aware`` (default) by the cost in cost.py, ``round_robin`` in
+turn, ``least_loaded`` by load alone. ``make_policy(name, ...)`` builds one.
+"""
+from __future__ import annotations
+
+import abc
+import random
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import TYPE_CHECKING, ClassVar, Iterable, Mapping, Sequence
+
+from cluster.router import cost as C
+from cluster.router.index import MatchInfo, PrefixIndex
+
+if TYPE_CHECKING:
+    from cluster.config import ServeConfig
+
+POOLS = ("prefill", "decode", "colocated")
+NO_MATCH = MatchInfo(0)
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No live worker can take the request (map to gRPC UNAVAILABLE)."""
+
+
+class DecisionKind(str, Enum):
+    REMOTE_PREFILL = "remote_prefill"
+    LOCAL_PREFILL = "local_prefill"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    request_id: str
+    prompt_tokens: int
+    block_hashes: tuple[int, ...]          # engine.block_hash.block_hashes(...) of the prompt
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.prompt_tokens <= 0:
+            raise ValueError(f"request {self.request_id!r}: prompt_tokens must be >= 1")
+        if len(self.block_hashes) > self.prompt_tokens // self.block_size:
+            raise ValueError(f"request {self.request_id!r}: {len(self.block_hashes)} block hashes "
+                             f"for {self.prompt_tokens} tokens of block size {self.block_size}; "
+                             "pass only the hashes of full blocks")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    queued_prefill_tokens: int = 0         # prompt tokens waiting to be prefilled on the node
+    running: int = 0                       # sequences in the decode batch
+    waiting: int = 0
+    kv_usage: float = 0.0                  # used / total KV blocks
+    alive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.queued_prefill_tokens < 0 or self.running < 0 or self.waiting < 0 or self.kv_usage < 0:
+            raise ValueError(f"WorkerLoad fields must be >= 0, got {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    worker_id: str
+    pool: str                              # "prefill" | "decode" | "colocated"
+    load: WorkerLoad
+
+    def __post_init__(self) -> None:
+        if self.pool not in POOLS:
+            raise ValueError(f"worker {self.worker_id!r}: pool must be one of {POOLS}, got {self.pool!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """Live workers by role, each in a stable order (by worker id)."""
+    prefill: tuple[WorkerView, ...]        # pool "prefill"
+    decode: tuple[WorkerView, ...]         # pools "decode" and "colocated"
+
+    @classmethod
+    def of(cls, workers: Iterable[WorkerView]) -> "ClusterView":
+        live = sorted((w for w in workers if w.load.alive), key=lambda w: w.worker_id)
+        return cls(prefill=tuple(w for w in live if w.pool == "prefill"),
+                   decode=tuple(w for w in live if w.pool != "prefill"))
+
+
+@dataclass(frozen=True, slots=True)
+class CostInputs:
+    """What a choice was based on, for logging."""
+    worker_id: str
+    match: MatchInfo
+    load: WorkerLoad
+    cost: float
+    candidates: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    request_id: str
+    policy: str
+    kind: DecisionKind
+    decode_worker_id: str
+    prefill_worker_id: str | None          # None: the decode node prefills locally
+    prefill_cached_tokens: int             # expected cached tokens where prefill runs
+    decode_cached_tokens: int              # expected cached tokens on the decode node
+    decode_inputs: CostInputs
+    prefill_inputs: CostInputs | None = None
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    temperature: float = 0.0
+    local_prefill_threshold: int = 64
+    local_prefill_hit_ratio: float = 0.8
+    colocated: bool = False
+    weights: C.CostWeights = field(default_factory=C.CostWeights)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"router temperature must be >= 0 (0 = always the cheapest node), "
+                             f"got {self.temperature}")
+        if self.local_prefill_threshold < 0 or not 0.0 <= self.local_prefill_hit_ratio <= 1.0:
+            raise ValueError("local_prefill_threshold must be >= 0 tokens and "
+                             "local_prefill_hit_ratio in [0, 1]")
+
+    @classmethod
+    def from_serve_config(cls, cfg: "ServeConfig", weights: C.CostWeights | None = None) -> "PolicyConfig":
+        return cls(temperature=cfg.router_temperature,
+                   local_prefill_threshold=cfg.local_prefill_threshold,
+                   local_prefill_hit_ratio=cfg.local_prefill_hit_ratio,
+                   colocated=cfg.colocated, weights=weights or C.CostWeights())
+
+
+Pick = tuple[WorkerView, float]            # chosen worker and its cost
+
+
+class RoutingPolicy(abc.ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: PolicyConfig, rng: random.Random) -> None:
+        self.config = config
+        self.rng = rng
+
+    def route(self, req: RoutingRequest, view: ClusterView, index: PrefixIndex) -> RoutingDecision:
+        if not view.decode:
+            raise NoWorkerAvailable("no live decode worker: wait for one to report, or start "
+                                    "decode workers (--decode-workers)")
+        matches = index.match(req.block_hashes)
+        if self.config.colocated:
+            d, d_cost = self.pick_colocated(req, view.decode, matches)
+            return self._local(req, d, d_cost, matches, len(view.decode))
+        d, d_cost = self.pick_decode(req, view.decode, matches)
+        d_cached = matches.get(d.worker_id, NO_MATCH).blocks * req.block_size
+        local = C.should_prefill_locally(
+            req.prompt_tokens - d_cached, req.prompt_tokens, d_cached / req.prompt_tokens,
+            self.config.local_prefill_threshold, self.config.local_prefill_hit_ratio)
+        if local or not view.prefill:
+            return self._local(req, d, d_cost, matches, len(view.decode))
+        p, p_cost = self.pick_prefill(req, view.prefill, matches)
+        p_match = matches.get(p.worker_id, NO_MATCH)
+        return RoutingDecision(
+            req.request_id, self.name, DecisionKind.REMOTE_PREFILL, d.worker_id, p.worker_id,
+            p_match.blocks * req.block_size, d_cached,
+            CostInputs(d.worker_id, matches.get(d.worker_id, NO_MATCH), d.load, d_cost, len(view.decode)),
+            CostInputs(p.worker_id, p_match, p.load, p_cost, len(view.prefill)))
+
+    def _local(self, req: RoutingRequest, d: WorkerView, d_cost: float,
+               matches: Mapping[str, MatchInfo], n: int) -> RoutingDecision:
+        m = matches.get(d.worker_id, NO_MATCH)
+        cached = m.blocks * req.block_size
+        return RoutingDecision(req.request_id, self.name, DecisionKind.LOCAL_PREFILL, d.worker_id,
+                               None, cached, cached, CostInputs(d.worker_id, m, d.load, d_cost, n))
+
+    @abc.abstractmethod
+    def pick_decode(self, req: RoutingRequest, workers: Sequence[WorkerView],
+                    matches: Mapping[str, MatchInfo]) -> Pick: ...
+
+    @abc.abstractmethod
+    def pick_prefill(self, req: RoutingRequest, workers: Sequence[WorkerView],
+                     matches: Mapping[str, MatchInfo]) -> Pick: ...
+
+    @abc.abstractmethod
+    def pick_colocated(self, req: RoutingRequest, workers: Sequence[WorkerView],
+                       matches: Mapping[str, MatchInfo]) -> Pick: ...
+
+    def _select(self, workers: Sequence[WorkerView], costs: list[float]) -> Pick:
+        i = C.select(costs, self.config.temperature, self.rng)
+        return workers[i], costs[i]
+
+
+class PrefixAwarePolicy(RoutingPolicy):
+    """Cheapest node by cost.py: cached prefix against queue and decode load."""
+    name = "prefix_aware"
+
+    def _uncached(self, req: RoutingRequest, m: MatchInfo | None) -> float:
+        total = req.prompt_tokens / req.block_size
+        if m is None:
+            return total
+        w = self.config.weights
+        return total - C.effective_cached_blocks(m.device_blocks, m.host_blocks, m.disk_blocks, w)
+
+    def pick_prefill(self, req, workers, matches) -> Pick:
+        w, bs, get = self.config.weights, req.block_size, matches.get
+        costs = [C.prefill_cost(self._uncached(req, get(x.worker_id)), x.load.queued_prefill_tokens, bs, w)
+                 for x in workers]
+        return self._select(workers, costs)
+
+    def pick_decode(self, req, workers, matches) -> Pick:
+        w, bs, get = self.config.weights, req.block_size, matches.get
+        n_full = len(req.block_hashes)
+        costs = []
+        for x in workers:
+            m, load = get(x.worker_id), x.load
+            missing = n_full - (m.blocks if m is not None else 0)
+            costs.append(C.decode_cost(load.running, load.kv_usage, w) + C.transfer_cost(missing, w)
+                         + C.prefill_cost(0, load.queued_prefill_tokens, bs, w))
+        return self._select(workers, costs)
+
+    def pick_colocated(self, req, workers, matches) -> Pick:
+        w, bs, get = self.config.weights, req.block_size, matches.get
+        costs = [C.prefill_cost(self._uncached(req, get(x.worker_id)), x.load.queued_prefill_tokens, bs, w)
+                 + C.decode_cost(x.load.running, x.load.kv_usage, w) for x in workers]
+        return self._select(workers, costs)
+
+
+class LeastLoadedPolicy(RoutingPolicy):
+    """Prefix-blind: the node with the least queued work / decode load."""
+    name = "least_loaded"
+
+    def pick_prefill(self, req, workers, matches) -> Pick:
+        w, bs = self.config.weights, req.block_size
+        return self._select(workers, [C.prefill_cost(0, x.load.queued_prefill_tokens, bs, w) for x in workers])
+
+    def pick_decode(self, req, workers, matches) -> Pick:
+        w, bs = self.config.weights, req.block_size
+        return self._select(workers, [C.decode_cost(x.load.running, x.load.kv_usage, w)
+                                      + C.prefill_cost(0, x.load.queued_prefill_tokens, bs, w)
+                                      for x in workers])
+
+    def pick_colocated(self, req, workers, matches) -> Pick:
+        return self.pick_decode(req, workers, matches)
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Prefix-blind: each pool in turn (cost reported as 0)."""
+    name = "round_robin"
+
+    def __init__(self, config: PolicyConfig, rng: random.Random) -> None:
+        super().__init__(config, rng)
+        self._turn = {"prefill": 0, "decode": 0}
+
+    def _next(self, pool: str, workers: Sequence[WorkerView]) -> Pick:
+        i = self._turn[pool]
+        self._turn[pool] = i + 1
+        return workers[i % len(workers)], 0.0
+
+    def pick_prefill(self, req, workers, matches) -> Pick:
+        return self._next("prefill", workers)
+
+    def pick_decode(self, req, workers, matches) -> Pick:
+        return self._next("decode", workers)
+
+    def pick_colocated(self, req, workers, matches) -> Pick:
+        return self._next("decode", workers)
+
+
+POLICIES: Mapping[str, type[RoutingPolicy]] = MappingProxyType(
+    {p.name: p for p in (PrefixAwarePolicy, RoundRobinPolicy, LeastLoadedPolicy)})
+
+
+def make_policy(name: str, config: PolicyConfig, rng: random.Random) -> RoutingPolicy:
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown router policy {name!r}: choose one of {', '.join(POLICIES)}") from None
+    return cls(config, rng)

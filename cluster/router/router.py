@@ -1,0 +1,181 @@
+"""`Router`: the prefix index, a load view, and a policy, behind one object.
+
+The frontend computes a prompt's chained block hashes once and calls
+``route()``; workers' KV events go to ``on_events()`` (on a gap, fetch a
+``KVSnapshot`` from that worker and call ``on_snapshot()``); load reports go
+to ``update_load()`` / ``observe_stats()``; a dead worker to
+``on_worker_dead()``. Single-threaded: call it from one event loop.
+
+Optimistic accounting: between two load reports, each routed request adds its
+uncached tokens to the queued prefill tokens of the node that prefills it,
+and one running sequence to its decode node, so a burst does not pile onto
+the node that looked idle in the last report. A load report replaces these
+additions; without one they lapse after ``pending_ttl_s`` (injected clock).
+"""
+from __future__ import annotations
+
+import bisect
+import random
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
+
+from cluster.config import ServeConfig
+from cluster.metrics import WorkerStats
+from cluster.router.index import ApplyResult, PrefixIndex
+from cluster.router.policy import (POOLS, ClusterView, PolicyConfig, RoutingDecision,
+                                   RoutingRequest, WorkerLoad, WorkerView, make_policy)
+from engine.kv_events import KVEvent, KVSnapshot
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    policy: str = "prefix_aware"
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    pending_ttl_s: float = 5.0             # optimistic additions lapse without a load report
+
+    def __post_init__(self) -> None:
+        if self.pending_ttl_s <= 0:
+            raise ValueError(f"pending_ttl_s must be positive seconds, got {self.pending_ttl_s}")
+
+    @classmethod
+    def from_serve_config(cls, cfg: ServeConfig) -> "RouterConfig":
+        return cls(policy=cfg.router_policy, policy_config=PolicyConfig.from_serve_config(cfg))
+
+
+def load_from_stats(stats: WorkerStats, queued_prefill_tokens: int = 0) -> WorkerLoad:
+    return WorkerLoad(queued_prefill_tokens=queued_prefill_tokens, running=stats.running,
+                      waiting=stats.waiting, kv_usage=stats.kv_blocks_used / max(1, stats.kv_blocks_total))
+
+
+class _Slot:
+    """Internal per-worker load state."""
+    __slots__ = ("worker_id", "pool", "reported", "pending_tokens", "pending_running",
+                 "pending_until", "view")
+
+    def __init__(self, worker_id: str, pool: str) -> None:
+        self.worker_id = worker_id
+        self.pool = pool
+        self.reported = WorkerLoad()
+        self.pending_tokens = 0
+        self.pending_running = 0
+        self.pending_until: float | None = None
+        self.view = WorkerView(worker_id, pool, self.reported)
+
+    def refresh(self) -> None:
+        r = self.reported
+        load = r if not (self.pending_tokens or self.pending_running) else WorkerLoad(
+            r.queued_prefill_tokens + self.pending_tokens, r.running + self.pending_running,
+            r.waiting, r.kv_usage, r.alive)
+        self.view = WorkerView(self.worker_id, self.pool, load)
+
+    def clear_pending(self) -> None:
+        self.pending_tokens = self.pending_running = 0
+        self.pending_until = None
+
+
+class Router:
+    def __init__(self, config: RouterConfig, *, rng: random.Random, clock: Callable[[], float],
+                 index: PrefixIndex | None = None) -> None:
+        self.config = config
+        self.index = index if index is not None else PrefixIndex()
+        self.policy = make_policy(config.policy, config.policy_config, rng)
+        self._clock = clock
+        self._slots: dict[str, _Slot] = {}
+        self._order: list[str] = []            # worker ids, sorted
+        self._view: ClusterView | None = None
+        self._next_expiry: float | None = None
+
+    # ---- workers and load -----------------------------------------------
+    def add_worker(self, worker_id: str, pool: str) -> None:
+        if pool not in POOLS:
+            raise ValueError(f"worker {worker_id!r}: pool must be one of {POOLS}, got {pool!r}")
+        slot = self._slots.get(worker_id)
+        if slot is not None:
+            if slot.pool != pool:
+                raise ValueError(f"worker {worker_id!r} is registered in pool {slot.pool!r}, not "
+                                 f"{pool!r}: give each worker one id per pool")
+            return
+        self._slots[worker_id] = _Slot(worker_id, pool)
+        bisect.insort(self._order, worker_id)
+        self._view = None
+
+    def update_load(self, worker_id: str, load: WorkerLoad) -> None:
+        slot = self._slot(worker_id)
+        slot.reported = load
+        slot.clear_pending()
+        slot.refresh()
+        self._view = None
+
+    def observe_stats(self, stats: WorkerStats, queued_prefill_tokens: int = 0) -> None:
+        """Register (if new) and update a worker from its periodic stats report."""
+        self.add_worker(stats.worker_id, stats.pool)
+        self.update_load(stats.worker_id, load_from_stats(stats, queued_prefill_tokens))
+
+    def on_worker_dead(self, worker_id: str) -> None:
+        """Drop the worker's index entries and stop routing to it until it reports again."""
+        self.index.remove_worker(worker_id)
+        slot = self._slots.get(worker_id)
+        if slot is not None:
+            self.update_load(worker_id, replace(slot.reported, alive=False))
+
+    # ---- KV events ------------------------------------------------------
+    def on_events(self, worker_id: str, events: Iterable[KVEvent]) -> ApplyResult:
+        """Apply a worker's events; on ``needs_resync`` fetch its snapshot for ``on_snapshot``."""
+        return self.index.apply(worker_id, events)
+
+    def on_snapshot(self, worker_id: str, snapshot: KVSnapshot) -> None:
+        self.index.resync(worker_id, snapshot)
+
+    # ---- routing --------------------------------------------------------
+    def route(self, request: RoutingRequest) -> RoutingDecision:
+        now = self._clock()
+        if self._next_expiry is not None and now >= self._next_expiry:
+            self._expire(now)
+        decision = self.policy.route(request, self.view, self.index)
+        self._account(request, decision, now)
+        return decision
+
+    @property
+    def view(self) -> ClusterView:
+        if self._view is None:
+            slots = [self._slots[w] for w in self._order]
+            self._view = ClusterView(
+                prefill=tuple(s.view for s in slots if s.pool == "prefill" and s.view.load.alive),
+                decode=tuple(s.view for s in slots if s.pool != "prefill" and s.view.load.alive))
+        return self._view
+
+    def _account(self, req: RoutingRequest, d: RoutingDecision, now: float) -> None:
+        until = now + self.config.pending_ttl_s
+        prefill_id = d.prefill_worker_id or d.decode_worker_id
+        self._add_pending(prefill_id, req.prompt_tokens - d.prefill_cached_tokens, 0, until)
+        self._add_pending(d.decode_worker_id, 0, 1, until)
+        if self._next_expiry is None:
+            self._next_expiry = until
+        self._view = None
+
+    def _add_pending(self, worker_id: str, tokens: int, running: int, until: float) -> None:
+        slot = self._slots[worker_id]
+        slot.pending_tokens += tokens
+        slot.pending_running += running
+        if slot.pending_until is None:
+            slot.pending_until = until
+        slot.refresh()
+
+    def _expire(self, now: float) -> None:
+        nxt = None
+        for slot in self._slots.values():
+            if slot.pending_until is None:
+                continue
+            if slot.pending_until <= now:
+                slot.clear_pending()
+                slot.refresh()
+            elif nxt is None or slot.pending_until < nxt:
+                nxt = slot.pending_until
+        self._next_expiry = nxt
+        self._view = None
+
+    def _slot(self, worker_id: str) -> _Slot:
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            raise ValueError(f"unknown worker {worker_id!r}: call add_worker(worker_id, pool) first")
+        return slot

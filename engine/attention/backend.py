@@ -1,0 +1,77 @@
+"""Attention backends: an abstract class plus implementations chosen by name.
+
+A backend owns the layout *inside* a KV block (``[2, kv_heads, block_size,
+head_dim]`` for the torch backend) and two steps:
+
+- ``plan(attn, kv_pool)``: once per forward, turn the step's
+  :class:`~engine.batch.AttentionMetadata` into index tensors and masks that
+  every layer shares;
+- ``forward(plan, layer, q, k, v)``: write this layer's new K/V into the pool
+  at ``slot_mapping`` and return the attention output ``[T, heads*head_dim]``.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from engine.batch import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    def __init__(self, shape: AttentionShape) -> None:
+        self.shape = shape
+
+    @abstractmethod
+    def plan(self, attn: AttentionMetadata, kv_pool: torch.Tensor) -> object:
+        """Per-step state shared by all layers (index tensors, masks, pool views)."""
+
+    @abstractmethod
+    def forward(self, plan: object, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """q ``[T, H, D]``, k/v ``[T, KVH, D]`` (post-RoPE) -> output ``[T, H*D]``."""
+
+
+# name -> "module:Class"; imported lazily so optional backends cost nothing
+_BACKENDS = MappingProxyType({
+    "torch_paged": "engine.attention.torch_paged:TorchPagedAttention",
+})
+
+
+def available_backends() -> tuple[str, ...]:
+    return tuple(_BACKENDS)
+
+
+def get_attention_backend(name: str, shape: AttentionShape) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of "
+                         f"{', '.join(_BACKENDS)}")
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(shape)

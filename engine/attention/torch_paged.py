@@ -1,0 +1,171 @@
+"""Paged attention in plain torch.
+
+Block layout inside the pool ``[num_blocks, num_layers, 2, kv_heads,
+block_size, head_dim]``: for one (block, layer, k|v, head) the ``block_size x
+head_dim`` tile is contiguous. We view the pool as rows of such tiles and, per
+step, compute row indices once for all layers; per layer that leaves
+
+- one ``index_put_`` each for the new K and V (rows of ``head_dim``),
+- for decodes, one ``index_select`` that gathers K and V straight into
+  ``[2, seqs, kv_heads, ctx, head_dim]`` (contiguous, no permute copy), up to
+  the longest decode context only, then SDPA with GQA folded into the query
+  length (``[seqs, kv_heads, group, head_dim]``): no repeat_interleave;
+- for prefill-like sequences, a padded batch with a causal-with-prefix mask,
+  or, for a single prompt without a cached prefix, causal SDPA on the new K/V.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend
+from engine.batch import AttentionMetadata
+
+
+@dataclass
+class _DecodePlan:
+    read_rows: torch.Tensor      # int64 [L, 2, S, KVH, MB] tile rows
+    mask: torch.Tensor           # bool [S, 1, 1, MB*BS]
+    num_seqs: int
+    kv_len: int                  # MB * BS
+
+
+@dataclass
+class _PrefillPlan:
+    num_seqs: int
+    num_tokens: int
+    max_query_len: int
+    fresh_single: bool                      # one prompt, no cached prefix: causal on new K/V
+    read_rows: torch.Tensor | None = None   # int64 [L, 2, P, KVH, MB]
+    q_index: torch.Tensor | None = None     # int64 [P*maxQ] token of each padded query slot
+    out_index: torch.Tensor | None = None   # int64 [Tp] padded slot of each token
+    mask: torch.Tensor | None = None        # bool [P, 1, maxQ, MB*BS]
+    kv_len: int = 0
+
+
+@dataclass
+class TorchPagedPlan:
+    pool_tokens: torch.Tensor    # pool viewed [rows of one token, head_dim]
+    pool_tiles: torch.Tensor     # pool viewed [rows of one block tile, BS*head_dim]
+    write_rows: torch.Tensor     # int64 [L, 2, T, KVH]
+    prefill: _PrefillPlan | None
+    decode: _DecodePlan | None
+
+
+class TorchPagedAttention(AttentionBackend):
+    name = "torch_paged"
+
+    # ---- per-step planning -------------------------------------------------
+    def _tile_rows(self, block_tables: torch.Tensor) -> torch.Tensor:
+        """[S, MB] block ids -> [L, 2, S, KVH, MB] tile rows in the pool."""
+        s = self.shape
+        dev = block_tables.device
+        per_block = s.num_layers * 2 * s.num_kv_heads
+        offs = torch.arange(per_block, device=dev).view(s.num_layers, 2, 1, s.num_kv_heads, 1)
+        return block_tables[None, None, :, None, :] * per_block + offs
+
+    def _write_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        dev = slot_mapping.device
+        blocks = torch.div(slot_mapping, s.block_size, rounding_mode="floor")
+        base = blocks * (s.num_layers * 2 * s.num_kv_heads * s.block_size) + slot_mapping % s.block_size
+        offs = torch.arange(s.num_layers * 2 * s.num_kv_heads, device=dev) * s.block_size
+        return base[None, None, :, None] + offs.view(s.num_layers, 2, 1, s.num_kv_heads)
+
+    def _plan_decode(self, attn: AttentionMetadata) -> _DecodePlan | None:
+        n_pre = attn.num_prefills
+        num = attn.query_lens.shape[0] - n_pre
+        if num == 0:
+            return None
+        ctx = attn.context_lens[n_pre:]
+        bs = self.shape.block_size
+        max_ctx = int(ctx.max()) if n_pre else attn.max_context_len
+        mb = -(-max_ctx // bs)
+        rows = self._tile_rows(attn.block_tables[n_pre:, :mb])
+        pos = torch.arange(mb * bs, device=ctx.device)
+        mask = (pos[None, :] < ctx[:, None]).view(num, 1, 1, mb * bs)
+        return _DecodePlan(rows, mask, num, mb * bs)
+
+    def _plan_prefill(self, attn: AttentionMetadata) -> _PrefillPlan | None:
+        n = attn.num_prefills
+        if n == 0:
+            return None
+        qlens = attn.query_lens[:n].tolist()
+        ctxs = attn.context_lens[:n].tolist()
+        max_q = max(qlens)
+        if n == 1 and ctxs[0] == qlens[0]:
+            return _PrefillPlan(1, qlens[0], max_q, fresh_single=True)
+        dev = attn.query_lens.device
+        bs = self.shape.block_size
+        mb = -(-max(ctxs) // bs)
+        q_idx: list[int] = []
+        out_idx: list[int] = []
+        start = 0
+        for i, ql in enumerate(qlens):
+            q_idx.extend(range(start, start + ql))
+            q_idx.extend([start] * (max_q - ql))
+            out_idx.extend(range(i * max_q, i * max_q + ql))
+            start += ql
+        prefix = torch.tensor([c - q for c, q in zip(ctxs, qlens)], device=dev)
+        last_key = prefix[:, None] + torch.arange(max_q, device=dev)[None, :]       # [P, maxQ]
+        keys = torch.arange(mb * bs, device=dev)
+        mask = (keys[None, None, :] <= last_key[:, :, None]).unsqueeze(1)
+        return _PrefillPlan(
+            n, start, max_q, fresh_single=False,
+            read_rows=self._tile_rows(attn.block_tables[:n, :mb]),
+            q_index=torch.tensor(q_idx, device=dev), out_index=torch.tensor(out_idx, device=dev),
+            mask=mask, kv_len=mb * bs)
+
+    def plan(self, attn: AttentionMetadata, kv_pool: torch.Tensor) -> TorchPagedPlan:
+        s = self.shape
+        assert attn.block_size == s.block_size, "metadata block size differs from the pool's"
+        return TorchPagedPlan(
+            pool_tokens=kv_pool.view(-1, s.head_dim),
+            pool_tiles=kv_pool.view(-1, s.block_size * s.head_dim),
+            write_rows=self._write_rows(attn.slot_mapping),
+            prefill=self._plan_prefill(attn),
+            decode=self._plan_decode(attn),
+        )
+
+    # ---- per-layer compute ---------------------------------------------------
+    def _gather(self, plan: TorchPagedPlan, rows: torch.Tensor, num_seqs: int, kv_len: int):
+        kv = plan.pool_tiles.index_select(0, rows.reshape(-1))
+        kv = kv.view(2, num_seqs, self.shape.num_kv_heads, kv_len, self.shape.head_dim)
+        return kv[0], kv[1]
+
+    def _decode(self, plan: TorchPagedPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
+        s, d = self.shape, plan.decode
+        k, v = self._gather(plan, d.read_rows[layer], d.num_seqs, d.kv_len)
+        qg = q.reshape(d.num_seqs, s.num_kv_heads, s.group_size, s.head_dim)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=d.mask, scale=s.scale)
+        return out.reshape(d.num_seqs, s.num_heads * s.head_dim)
+
+    def _prefill(self, plan: TorchPagedPlan, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        s, p = self.shape, plan.prefill
+        hd = s.num_heads * s.head_dim
+        if p.fresh_single:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=s.scale, enable_gqa=True)
+            return out[0].transpose(0, 1).reshape(p.num_tokens, hd)
+        kc, vc = self._gather(plan, p.read_rows[layer], p.num_seqs, p.kv_len)
+        qp = q.index_select(0, p.q_index).view(p.num_seqs, p.max_query_len, s.num_heads, s.head_dim)
+        out = F.scaled_dot_product_attention(qp.transpose(1, 2), kc, vc, attn_mask=p.mask,
+                                             scale=s.scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(-1, hd).index_select(0, p.out_index)
+
+    def forward(self, plan: TorchPagedPlan, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        rows = plan.write_rows[layer]
+        plan.pool_tokens.index_put_((rows[0],), k)
+        plan.pool_tokens.index_put_((rows[1],), v)
+        if plan.decode is None:
+            return self._prefill(plan, layer, q, k, v)
+        if plan.prefill is None:
+            return self._decode(plan, layer, q)
+        n = plan.prefill.num_tokens
+        return torch.cat([self._prefill(plan, layer, q[:n], k[:n], v[:n]),
+                          self._decode(plan, layer, q[n:])])

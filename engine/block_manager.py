@@ -1,0 +1,233 @@
+"""KV cache manager: block tables of requests over the block pool.
+
+Automatic prefix caching: a request's chained block hashes
+(:func:`engine.block_hash.block_hashes`) find the longest cached prefix of
+full blocks; every hit is confirmed by comparing the block's tokens and
+parent hash, so a hash collision never serves the wrong KV. Only full,
+computed blocks enter the cache; a partial last block stays private.
+
+A request only ever writes into *private* blocks (ref_cnt 1, not cached).
+Before a write into a shared block the manager copies it (copy-on-write: a
+``(src, dst)`` pair the runner copies before the forward); a cached block
+held by this request alone is simply taken out of the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from engine.block_hash import block_hashes, root_hash
+from engine.block_pool import BlockPool, IntegrityError, KVBlock
+from engine.kv_events import KVEvent, KVSnapshot
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ComputedBlocks(NamedTuple):
+    """Result of a prefix-cache lookup: hit blocks and the tokens they cover."""
+    blocks: tuple[KVBlock, ...]
+    num_computed_tokens: int
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._tables: dict[str, list[KVBlock]] = {}
+        self._num_cached: dict[str, int] = {}   # leading blocks of each table already offered to the cache
+        self._copies: list[tuple[int, int]] = []
+        self._stats = PrefixCacheStats()
+
+    # ---- prefix cache lookup -------------------------------------------------
+
+    def get_computed_blocks(self, request: Request, max_tokens: int | None = None) -> ComputedBlocks:
+        """Longest cached prefix of full blocks, covering at most ``max_tokens``
+        tokens (default ``num_tokens - 1``: at least one token is computed so
+        its logits can be sampled). Does not take references."""
+        limit = request.num_tokens - 1 if max_tokens is None else min(max_tokens, request.num_tokens)
+        self.update_block_hashes(request)
+        bs, tokens, hits = self.block_size, None, []
+        parent = root_hash(request.cache_salt)
+        for i, block_hash in enumerate(request.block_hashes):
+            if i * bs >= limit:
+                break
+            block = self.pool.lookup(block_hash)
+            if block is None or block.parent_hash != parent:
+                break
+            tokens = request.all_token_ids if tokens is None else tokens
+            if block.token_ids != tuple(tokens[i * bs:(i + 1) * bs]):
+                break
+            hits.append(block)
+            parent = block_hash
+        return ComputedBlocks(tuple(hits), min(len(hits) * bs, max(limit, 0)))
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to every full block of its tokens."""
+        have = len(request.block_hashes)
+        if have < request.num_tokens // self.block_size:
+            parent = request.block_hashes[-1] if have else None
+            request.block_hashes.extend(block_hashes(request.all_token_ids, self.block_size,
+                                                     request.cache_salt, start=have, parent=parent))
+
+    # ---- allocation ----------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: ComputedBlocks | None = None) -> list[int] | None:
+        """Make the table hold ``start + num_new_tokens`` tokens, where start is
+        ``computed.num_computed_tokens`` for a request being admitted with a
+        prefix hit (it must own no blocks yet) or ``request.num_computed_tokens``.
+        Returns the whole block table, or None (nothing changed) when the pool
+        is short of free blocks."""
+        rid = request.request_id
+        if computed is not None:
+            assert not self._tables.get(rid), f"request {rid} already owns blocks"
+            start, prefix = computed.num_computed_tokens, list(computed.blocks)
+            extra_ref = 1        # admission takes a reference to each hit block
+        else:
+            start, prefix = request.num_computed_tokens, self._tables.get(rid, [])
+            extra_ref = 0
+        num_required = cdiv(start + num_new_tokens, self.block_size)
+        written = range(start // self.block_size, min(len(prefix), num_required))
+        to_copy = [i for i in written if prefix[i].ref_cnt + extra_ref > 1]
+        taken_from_free = sum(1 for b in prefix if b.ref_cnt == 0) if computed is not None else 0
+        num_new = max(0, num_required - len(prefix)) + len(to_copy)
+        if num_new > self.pool.num_free_blocks - taken_from_free:
+            return None
+        if computed is not None:
+            self.pool.touch(prefix)
+            self._tables[rid] = prefix
+            self._num_cached[rid] = len(prefix)
+            self._stats = PrefixCacheStats(self._stats.queried_tokens + request.num_tokens,
+                                           self._stats.hit_tokens + computed.num_computed_tokens)
+        table = self._tables.setdefault(rid, [])
+        self._num_cached.setdefault(rid, 0)
+        fresh = self.pool.get_new_blocks(num_new)
+        for i in written:
+            self._make_writable(rid, table, i, fresh)
+        table.extend(fresh)
+        return [b.block_id for b in table]
+
+    def _make_writable(self, rid: str, table: list[KVBlock], i: int, fresh: list[KVBlock]) -> None:
+        block = table[i]
+        if block.ref_cnt > 1:
+            dst = fresh.pop()
+            self._copies.append((block.block_id, dst.block_id))
+            table[i] = dst
+            self.pool.free_blocks([block])
+        elif block.block_hash is not None:
+            self.pool.uncache(block)
+        else:
+            return
+        self._num_cached[rid] = min(self._num_cached[rid], i)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write pairs ``(src, dst)`` made since the last call."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> list[int]:
+        """Child shares the parent's blocks covering ``num_tokens`` tokens
+        (default ``child.num_computed_tokens``), partial last block included."""
+        n = child.num_computed_tokens if num_tokens is None else num_tokens
+        assert child.request_id not in self._tables, f"request {child.request_id} already owns blocks"
+        shared = self._tables.get(parent.request_id, [])[:cdiv(n, self.block_size)]
+        self.pool.touch(shared)
+        self._tables[child.request_id] = list(shared)
+        self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0), len(shared))
+        n_hashes = min(len(parent.block_hashes), n // self.block_size)
+        child.block_hashes[:] = parent.block_hashes[:n_hashes]
+        return [b.block_id for b in shared]
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, tail first (the tail is evicted first)."""
+        table = self._tables.pop(request.request_id, [])
+        self._num_cached.pop(request.request_id, None)
+        mine = {b.block_id for b in table}
+        self._copies = [(s, d) for s, d in self._copies if d not in mine]
+        self.pool.free_blocks(reversed(table))
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Offer the full blocks among the first ``num_tokens`` (computed)
+        tokens to the prefix cache; the partial last block stays private."""
+        rid = request.request_id
+        self.update_block_hashes(request)
+        start, end = self._num_cached.get(rid, 0), num_tokens // self.block_size
+        if end <= start:
+            return
+        table = self._tables[rid]
+        assert len(table) >= end, f"request {rid}: caching {end} blocks of a {len(table)}-block table"
+        tokens, bs = request.all_token_ids, self.block_size
+        parent = request.block_hashes[start - 1] if start else root_hash(request.cache_salt)
+        self.pool.cache_full_blocks(table[start:end], request.block_hashes[start:end],
+                                    [tokens[i * bs:(i + 1) * bs] for i in range(start, end)], parent)
+        self._num_cached[rid] = end
+
+    # ---- queries -------------------------------------------------------------
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(request_id, [])]
+
+    def owners(self) -> set[str]:
+        """Ids of requests that own blocks."""
+        return set(self._tables)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self._stats
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash; blocks in use stay allocated, now private."""
+        self.pool.reset_prefix_cache()
+
+    def drain_events(self) -> list[KVEvent]:
+        return self.pool.drain_events()
+
+    def snapshot(self) -> KVSnapshot:
+        return self.pool.snapshot()
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        errors = []
+        for rid, table in self._tables.items():
+            if len({b.block_id for b in table}) != len(table):
+                errors.append(f"request {rid} holds a block twice: {[b.block_id for b in table]}")
+            for block in table:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.pool.blocks:
+            if block.ref_cnt != refs.get(block.block_id, 0):
+                errors.append(f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
+                              f"{refs.get(block.block_id, 0)} tables hold it")
+        if errors:
+            raise IntegrityError("kv cache manager: " + "; ".join(errors))

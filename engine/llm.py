@@ -1,0 +1,92 @@
+"""`LLM`: the offline facade. `LLM().generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence, Union
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput, StepDelta
+from engine.sampling_params import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+
+
+class LLM:
+    """Run a model on this node. `LLM()` loads the default SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, *, device: str = "cpu", dtype: str = "float32",
+                 block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_memory_bytes: int = 1 << 30, enable_prefix_caching: bool = True,
+                 max_model_len: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
+                 seed: int = 0) -> None:
+        config = EngineConfig(
+            model=model or "", device=device, dtype=dtype, seed=seed,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                              kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                      max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill))
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: give a non-empty string or token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate for every prompt in one continuous batch; outputs in prompt order.
+        All prompts are validated before any runs: one bad prompt raises ValueError."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams: "
+                             "give one, or one per prompt")
+        token_lists = [self.encode(p) for p in prompts]
+        results: dict[str, RequestOutput] = {}
+        added: list[str] = []
+        try:
+            for ids, sp in zip(token_lists, params_list):
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, ids, sp, cache_salt)
+                added.append(rid)
+                results[rid] = RequestOutput(rid, ids, [CompletionOutput(i, logprobs=[] if sp.logprobs is not None
+                                                                         else None) for i in range(sp.n)])
+            while self.engine.has_unfinished():
+                for delta in self.engine.step():
+                    _apply(results[delta.request_id], delta)
+        except BaseException:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        for out in results.values():
+            out.finished = True
+        return [results[rid] for rid in added]
+
+    def chat(self, conversations, params: SamplingParams | Sequence[SamplingParams] | None = None,
+             cache_salt: str | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each message list, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.encode_chat(msgs) for msgs in conversations]
+        return self.generate(prompts, params, cache_salt)
+
+
+def _apply(out: RequestOutput, delta: StepDelta) -> None:
+    comp = out.outputs[delta.index]
+    comp.token_ids.extend(delta.new_token_ids)
+    comp.text += delta.new_text
+    if comp.logprobs is not None:
+        comp.logprobs.extend(delta.logprobs)
+    if delta.finish_reason:
+        comp.finish_reason = delta.finish_reason
+        comp.stop_reason = delta.stop_reason
+    out.num_cached_tokens = max(out.num_cached_tokens, delta.num_cached_tokens)

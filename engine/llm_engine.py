@@ -1,0 +1,245 @@
+"""One node's engine: scheduler -> model runner -> sampler -> stop checks.
+
+`step()` runs one batched forward for every scheduled sequence and returns
+a `StepDelta` per sequence that produced a token. The same engine serves
+three roles: colocated (prefill and decode), prefill (`prefill_only=True`:
+finish after the first token and hold the KV for a remote reader) and
+decode (`add_remote_request` + `remote_kv_ready` once the KV has landed).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_events import KVEvent, KVSnapshot
+from engine.model_runner import ModelRunner
+from engine.outputs import StepDelta
+from engine.request import RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RemoteAllocation, Scheduler
+from engine.sequence import SeqGroup, Sequence, make_sequence
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("pdserve.engine")
+
+_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    waiting_tokens: int
+    remote_waiting: int
+    held: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, runner: ModelRunner | None = None,
+                 tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        from engine.loader.load import resolve_model_path
+
+        self.config = config
+        self.model_path = resolve_model_path(config.model or None)
+        if runner is None:
+            config_with_path = config if config.model else _with_model(config, str(self.model_path))
+            runner = ModelRunner.from_engine_config(config_with_path)
+        self.runner = runner
+        self.tokenizer = tokenizer or Tokenizer.load(self.model_path)
+        self.max_model_len = runner.max_model_len
+        self.block_size = runner.block_size
+        self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
+                                   clock=clock)
+        generator = torch.Generator(device=runner.device)
+        generator.manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+        self._groups: dict[str, SeqGroup] = {}
+        self._seqs: dict[str, Sequence] = {}       # scheduler request id -> sequence
+        self._num_preemptions = 0
+        log.info("KV pool: %s", runner.kv_pool.describe())
+
+    @classmethod
+    def from_model(cls, model: str | None = None, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig(model=model or "", **kwargs))
+
+    # ------------------------------------------------------------------ input
+    def add_request(self, request_id: str, prompt_token_ids: Iterable[int], params: SamplingParams,
+                    cache_salt: str | None = None, *, prefill_only: bool = False,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. ValueError (nothing changed) for a bad input."""
+        group = self._new_group(request_id, prompt_token_ids, params, cache_salt, prefill_only,
+                                arrival_time)
+        self.scheduler.add_request(group.seqs[0].request)
+        self._register(group)
+
+    def add_remote_request(self, request_id: str, prompt_token_ids: Iterable[int],
+                           params: SamplingParams, first_token: int, cache_salt: str | None = None,
+                           arrival_time: float | None = None) -> RemoteAllocation | None:
+        """Decode role: reserve blocks for a prompt prefilled elsewhere whose
+        first token is `first_token`. Returns which local blocks to fill (local
+        prefix hits excluded) or None when there is no room now."""
+        if params.n != 1:
+            raise ValueError("n > 1 requests are prefilled on the decode node; do not hand them off")
+        group = self._new_group(request_id, prompt_token_ids, params, cache_salt, False, arrival_time)
+        seq = group.seqs[0]
+        self.tokenizer.validate_token_ids([first_token])
+        alloc = self.scheduler.add_remote_request(seq.request)
+        if alloc is None:
+            return None
+        group.forked = True
+        seq.stop.process(first_token, seq.detok)   # the prefill node already streamed it
+        seq.pending_first_token = first_token    
+        self._register(group)
+        return alloc
+
+    def remote_kv_ready(self, request_id: str) -> None:
+        seq = self._seqs[request_id]
+        self.scheduler.remote_kv_ready(request_id, seq.pending_first_token)
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """The pull failed: recompute the prompt here (the first token is kept)."""
+        seq = self._seqs[request_id]
+        self.scheduler.remote_kv_failed(request_id)
+        seq.request.output_token_ids.append(seq.pending_first_token)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request (all n samples) wherever it is; frees its blocks."""
+        group = self._groups.pop(request_id, None)
+        found = False
+        seqs = group.seqs if group else []
+        for seq in seqs:
+            self._seqs.pop(seq.request.request_id, None)
+            found |= self.scheduler.abort_request(seq.request.request_id)
+        if group is None:
+            found |= self.scheduler.release_held(request_id)
+        return found or group is not None
+
+    # ------------------------------------------------------------------- step
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs) and self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepDelta]:
+        sched = self.scheduler.schedule()
+        self._num_preemptions += len(sched.preempted_ids)
+        if sched.is_empty:
+            return []
+        logits = self.runner.execute(sched)
+        sampled_seqs = [self._seqs[s.request.request_id] for s in sched.seqs if s.sample]
+        rows, targets = self._expand_forks(sampled_seqs)
+        if len(rows) != len(sampled_seqs):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        out = self.sampler.sample(logits, [t.sampling for t in targets])
+        sampled = {t.request.request_id: [tok] for t, tok in zip(targets, out.token_ids)
+                   if t.index == 0 or self._groups[t.group_id].forked}
+        self.scheduler.update_from_output(sched, sampled)
+        self._fork_children(targets, out.token_ids)
+        return [self._finish_token(t, tok, lp) for t, tok, lp in zip(targets, out.token_ids, out.logprobs)]
+
+    def _expand_forks(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        rows, targets = [], []
+        for i, seq in enumerate(seqs):
+            group = self._groups[seq.group_id]
+            members = group.seqs if group.needs_fork and seq.index == 0 else [seq]
+            for member in members:
+                rows.append(i)
+                targets.append(member)
+        return rows, targets
+
+    def _fork_children(self, targets: list[Sequence], tokens: list[int]) -> None:
+        for seq, tok in zip(targets, tokens):
+            group = self._groups[seq.group_id]
+            if group.forked or seq.index == 0:
+                continue
+            seq.request.output_token_ids.append(tok)
+            self.scheduler.fork_request(group.group_id, seq.request)
+            self._seqs[seq.request.request_id] = seq
+            if seq.index == len(group.seqs) - 1:
+                group.forked = True
+
+    def _finish_token(self, seq: Sequence, token: int, logprob) -> StepDelta:
+        req = seq.request
+        res = seq.stop.process(token, seq.detok)
+        group = self._groups[seq.group_id]
+        finished = res.finished or group.prefill_only
+        if finished:
+            status = _FINISH_STATUS.get(res.finish_reason, RequestStatus.FINISHED_LENGTH)
+            self.scheduler.finish_request(req.request_id, status)
+            self._seqs.pop(req.request_id, None)
+            if not any(s.request.request_id in self._seqs for s in group.seqs):
+                self._groups.pop(seq.group_id, None)
+        return StepDelta(request_id=seq.group_id, new_token_ids=(token,), index=seq.index,
+                         new_text=res.text, finish_reason=res.finish_reason, stop_reason=res.stop_reason,
+                         logprobs=(logprob,) if logprob is not None else (),
+                         num_prompt_tokens=req.num_prompt_tokens,
+                         num_cached_tokens=req.num_cached_tokens or 0)
+
+    # ---------------------------------------------------------- prefill role
+    def held_block_ids(self, request_id: str) -> list[int]:
+        return self.scheduler.kv.get_block_ids(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a prefill_only request's held blocks; exactly once."""
+        return self.scheduler.release_held(request_id)
+
+    # ------------------------------------------------------------ inspection
+    def stats(self) -> EngineStats:
+        s, kv = self.scheduler, self.scheduler.kv
+        pc = kv.prefix_cache_stats
+        return EngineStats(running=s.num_running, waiting=s.num_waiting, waiting_tokens=s.num_waiting_tokens,
+                           remote_waiting=s.num_remote, held=s.num_held,
+                           kv_blocks_used=kv.num_blocks - kv.num_free_blocks, kv_blocks_total=kv.num_blocks,
+                           prefix_queried_tokens=pc.queried_tokens, prefix_hit_tokens=pc.hit_tokens,
+                           preemptions=self._num_preemptions)
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.scheduler.kv.drain_events()
+
+    def kv_snapshot(self) -> KVSnapshot:
+        return self.scheduler.kv.snapshot()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    @property
+    def kv_pool(self):
+        return self.runner.kv_pool
+
+    # --------------------------------------------------------------- helpers
+    def _new_group(self, request_id, prompt_token_ids, params, cache_salt, prefill_only,
+                   arrival_time) -> SeqGroup:
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be an engine.SamplingParams")
+        if request_id in self._groups or request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
+        prompt = self.tokenizer.validate_token_ids(list(prompt_token_ids))
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token or a non-empty string")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens but max_model_len is "
+                             f"{self.max_model_len}: shorten the prompt to at most {self.max_model_len - 1}")
+        if prefill_only and params.n != 1:
+            raise ValueError("prefill_only requests must have n == 1")
+        seqs = [make_sequence(request_id, i, prompt, params, cache_salt, self.tokenizer, self.max_model_len,
+                              self.runner.device, hold_kv=prefill_only, arrival_time=arrival_time)
+                for i in range(params.n)]
+        return SeqGroup(request_id, seqs, forked=params.n == 1, prefill_only=prefill_only)
+
+    def _register(self, group: SeqGroup) -> None:
+        self._groups[group.group_id] = group
+        self._seqs[group.seqs[0].request.request_id] = group.seqs[0]
+
+
+def _with_model(config: EngineConfig, model: str) -> EngineConfig:
+    from dataclasses import replace
+    return replace(config, model=model)

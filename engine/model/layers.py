@@ -1,0 +1,63 @@
+"""Building blocks of the Llama-family decoder (inference only, no autograd)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(hidden_size)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # as HF: normalise in float32, cast back, then scale
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class FusedLinear(nn.Module):
+    """One matmul for several projections that share an input (qkv, gate+up)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_parts(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
+        w = torch.cat(weights, dim=0)
+        if w.shape != self.weight.shape:
+            raise ValueError(f"fused weight shape {tuple(w.shape)} != expected {tuple(self.weight.shape)}: "
+                             "the checkpoint does not match its config")
+        self.weight.data = w.to(self.weight.dtype).to(self.weight.device).contiguous()
+        if self.bias is not None:
+            if biases is None:
+                raise ValueError("the config says the projection has a bias but the checkpoint has none")
+            self.bias.data = torch.cat(biases).to(self.weight.dtype).to(self.weight.device)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up as one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up = FusedLinear(hidden_size, 2 * intermediate_size)
+        self.down = FusedLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up(x)
+        gate, up = gu[..., :self.intermediate_size], gu[..., self.intermediate_size:]
+        return self.down(F.silu(gate) * up)

@@ -1,0 +1,109 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a paged KV pool.
+
+RMSNorm, RoPE, grouped-query attention through an :class:`AttentionBackend`,
+SwiGLU, optional qkv bias (Qwen2) and tied embeddings. Q/K/V and gate/up are
+each one matmul. Weights load from a state dict in Hugging Face naming.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend
+from engine.batch import BatchInput
+from engine.config import ModelConfig
+from engine.model.layers import FusedLinear, RMSNorm, SwiGLU, _param
+from engine.model.rope import RotaryEmbedding, apply_rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = FusedLinear(cfg.hidden_size, qkv_out, bias=cfg.attention_bias)
+        self.o_proj = FusedLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, index: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                attention: AttentionBackend, plan: object) -> torch.Tensor:
+        t = h.shape[0]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(self.input_layernorm(h))
+        qk = apply_rotary(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), *rope)
+        v = qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
+        attn = attention.forward(plan, index, qk[:, :nh], qk[:, nh:], v)
+        h = h + self.o_proj(attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def load_hf(self, sd: dict[str, torch.Tensor], prefix: str) -> None:
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        self.input_layernorm.weight.data.copy_(sd[prefix + "input_layernorm.weight"])
+        self.post_attention_layernorm.weight.data.copy_(sd[prefix + "post_attention_layernorm.weight"])
+        qkv = [sd[f"{a}{p}_proj.weight"] for p in "qkv"]
+        bias = [sd[f"{a}{p}_proj.bias"] for p in "qkv"] if f"{a}q_proj.bias" in sd else None
+        self.qkv_proj.load_parts(qkv, bias)
+        self.o_proj.load_parts([sd[a + "o_proj.weight"]])
+        self.mlp.gate_up.load_parts([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
+        self.mlp.down.load_parts([sd[m + "down_proj.weight"]])
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: AttentionBackend, *,
+                 device: torch.device | str, dtype: torch.dtype, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.attention = attention
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.to(device=device, dtype=dtype)
+        scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                    cfg.rope_theta, scaling, device=device, dtype=dtype)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def hidden_states(self, batch: BatchInput, kv_pool: torch.Tensor) -> torch.Tensor:
+        """Residual stream after the last layer (before the final norm), ``[T, hidden]``."""
+        plan = self.attention.plan(batch.attn, kv_pool)
+        rope = self.rope.tables(batch.positions)
+        h = F.embedding(batch.input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer(i, h, rope, self.attention, plan)
+        return h
+
+    def forward(self, batch: BatchInput, kv_pool: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(logits_indices), vocab]`` in the model dtype; K/V written to the pool."""
+        h = self.hidden_states(batch, kv_pool)
+        h = self.norm(h.index_select(0, batch.logits_indices))
+        return F.linear(h, self.lm_head_weight)
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights (fusing qkv and gate/up); raises ValueError on a mismatch."""
+        missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in sd]
+        if self.lm_head is not None and "lm_head.weight" not in sd:
+            missing.append("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint lacks {missing}; is it a Llama-family causal LM?")
+        emb = sd["model.embed_tokens.weight"]
+        if tuple(emb.shape) != tuple(self.embed_tokens.shape):
+            raise ValueError(f"embedding shape {tuple(emb.shape)} does not match the config "
+                             f"{tuple(self.embed_tokens.shape)}")
+        self.embed_tokens.data.copy_(emb)
+        self.norm.weight.data.copy_(sd["model.norm.weight"])
+        if self.lm_head is not None:
+            self.lm_head.data.copy_(sd["lm_head.weight"])
+        try:
+            for i, layer in enumerate(self.layers):
+                layer.load_hf(sd, f"model.layers.{i}.")
+        except KeyError as e:
+            raise ValueError(f"checkpoint lacks tensor {e.args[0]}; does config.json match the weights?") \
+                from None

@@ -1,0 +1,160 @@
+"""Runs the model for one engine step: SchedulerOutput -> logits.
+
+Owns the model weights and the KV pool. Builds the flat :class:`BatchInput`
+with Python lists and one ``torch.tensor`` call per field (this is on the
+decode hot path), prefill-like sequences first and decodes after.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import AttentionShape, get_attention_backend
+from engine.batch import AttentionMetadata, BatchInput
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.kv_pool import KVPool
+from engine.model.llama import LlamaForCausalLM
+from engine.scheduler_output import ScheduledSeq, SchedulerOutput
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _tokens(seq: ScheduledSeq, start: int, n: int) -> list[int]:
+    req = seq.request
+    prompt, out = req.prompt_token_ids, req.output_token_ids
+    p = len(prompt)
+    if start + n <= p:
+        return prompt[start:start + n]
+    if start >= p:
+        return out[start - p:start - p + n]
+    return prompt[start:] + out[:start + n - p]
+
+
+def _is_decode(seq: ScheduledSeq) -> bool:
+    return seq.num_new_tokens == 1 and seq.sample
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    batch: BatchInput
+    num_sampled: int
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, state_dict: dict[str, torch.Tensor], *,
+                 cache_config: CacheConfig | None = None, max_model_len: int | None = None,
+                 device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32",
+                 attention_backend: str = "torch_paged") -> None:
+        cache_config = cache_config or CacheConfig()
+        self.model_config = model_config
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={model_config.max_position_embeddings}; lower it")
+        shape = AttentionShape(model_config.num_layers, model_config.num_heads,
+                               model_config.num_kv_heads, model_config.head_dim, self.block_size)
+        self.attention = get_attention_backend(attention_backend, shape)
+        with torch.inference_mode():
+            self.model = LlamaForCausalLM(model_config, self.attention, device=self.device,
+                                          dtype=self.dtype, max_positions=self.max_model_len)
+            self.model.load_hf_state_dict(state_dict)
+        self.model.eval()
+        self.kv_pool = KVPool.from_cache_config(model_config, cache_config, device=self.device,
+                                                dtype=self.dtype, max_model_len=self.max_model_len)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, attention_backend: str = "torch_paged") -> "ModelRunner":
+        """Load the weights of ``config.model`` (HF directory or .gguf) and build the runner."""
+        from engine.loader import load_model_source
+
+        model_config, state = load_model_source(config.model)
+        return cls(model_config, state, cache_config=config.cache,
+                   max_model_len=config.scheduler.max_model_len, device=config.device,
+                   dtype=config.dtype, attention_backend=attention_backend)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_pool.num_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def build_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        seqs = sorted(sched.seqs, key=_is_decode)          # stable: prefill-like first
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qlens: list[int] = []
+        ctxs: list[int] = []
+        tables: list[list[int]] = []
+        last_token: dict[int, int] = {}
+        for seq in seqs:
+            start, n = seq.request.num_computed_tokens, seq.num_new_tokens
+            ctx = start + n
+            self._validate(seq, ctx)
+            blocks = seq.block_ids[:-(-ctx // bs)]
+            ids.extend(_tokens(seq, start, n))
+            positions.extend(range(start, ctx))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, ctx))
+            last_token[id(seq)] = len(ids) - 1
+            qlens.append(n)
+            ctxs.append(ctx)
+            tables.append(blocks)
+        num_prefills = sum(1 for s in seqs if not _is_decode(s))
+        width = max(len(t) for t in tables)
+        qsl = [0]
+        for q in qlens:
+            qsl.append(qsl[-1] + q)
+        logits_idx = [last_token[id(s)] for s in sched.seqs if s.sample]
+
+        def t(x) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+        attn = AttentionMetadata(
+            slot_mapping=t(slots), query_lens=t(qlens), context_lens=t(ctxs),
+            query_start_loc=t(qsl), block_tables=t([b + [0] * (width - len(b)) for b in tables]),
+            num_prefills=num_prefills, num_prefill_tokens=qsl[num_prefills],
+            max_query_len=max(qlens), max_context_len=max(ctxs), block_size=bs)
+        batch = BatchInput(input_ids=t(ids), positions=t(positions), attn=attn,
+                           logits_indices=t(logits_idx))
+        return StepInputs(batch, len(logits_idx))
+
+    def _validate(self, seq: ScheduledSeq, ctx: int) -> None:
+        req = seq.request
+        if seq.num_new_tokens < 1 or ctx > req.num_tokens:
+            raise ValueError(f"request {req.request_id}: cannot compute {seq.num_new_tokens} tokens "
+                             f"from {req.num_computed_tokens} (it has {req.num_tokens})")
+        if ctx > self.max_model_len:
+            raise ValueError(f"request {req.request_id} reaches {ctx} tokens > max_model_len="
+                             f"{self.max_model_len}")
+        if len(seq.block_ids) * self.block_size < ctx:
+            raise ValueError(f"request {req.request_id}: {len(seq.block_ids)} blocks cannot hold "
+                             f"{ctx} tokens of block_size {self.block_size}")
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Copy blocks, run the forward; float32 logits ``[num seqs with sample, vocab]`` in the
+        order those sequences appear in ``sched.seqs``."""
+        self.kv_pool.copy_blocks(sched.block_copies)
+        if sched.is_empty:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        inputs = self.build_inputs(sched)
+        if inputs.num_sampled == 0:
+            # prefill chunks only: still compute K/V, skip the LM head
+            self.model.hidden_states(inputs.batch, self.kv_pool.tensor)
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return self.model(inputs.batch, self.kv_pool.tensor).float()

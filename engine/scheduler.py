@@ -1,0 +1,383 @@
+"""Token-budget continuous batching, FCFS, with automatic prefix caching.
+
+Each step spends a budget of ``max_num_batched_tokens`` tokens: first on
+running requests (decodes and continuing chunked prefills, oldest arrival
+first), then on waiting requests in FCFS order. A request computes the
+tokens between ``num_computed_tokens`` and ``num_tokens``; prefill, decode and
+"KV arrived from a remote node" are the same case. When the pool runs out,
+the most recently arrived running request is preempted by recompute.
+
+Protocol (one engine step): ``schedule()`` -> model runner -> sampler ->
+``update_from_output()`` -> stop checks -> ``finish_request()``.
+
+Who frees a request's blocks: ``finish_request`` (unless the request holds
+its KV for a remote reader; then exactly one ``release_held`` or
+``abort_request``), ``abort_request`` in any state, preemption, and
+``remote_kv_failed``.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.block_manager import KVCacheManager, cdiv
+from engine.block_pool import IntegrityError
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import ScheduledSeq, SchedulerOutput
+
+WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+@dataclass(frozen=True)
+class RemoteAllocation:
+    """Blocks reserved on the decode node for a prompt computed elsewhere.
+    The first ``num_cached_blocks`` already hold the prompt's KV locally; pull
+    only ``blocks_to_pull`` (the prompt's remaining blocks, in order)."""
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
+    num_cached_blocks: int
+
+    @property
+    def blocks_to_pull(self) -> tuple[int, ...]:
+        return self.block_ids[self.num_cached_blocks:]
+
+
+@dataclass
+class _StepBudget:
+    tokens: int
+    seqs: int
+
+    @property
+    def exhausted(self) -> bool:
+        return self.tokens <= 0 or self.seqs <= 0
+
+    def take(self, num_tokens: int) -> None:
+        self.tokens -= num_tokens
+        self.seqs -= 1
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 max_model_len: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self._clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []             # sorted by arrival (oldest first)
+        self._remote: dict[str, Request] = {}        # WAITING_FOR_REMOTE_KV
+        self._requests: dict[str, Request] = {}      # every unfinished request
+        self._held: dict[str, tuple[Request, float]] = {}   # finished, KV kept: (request, since)
+        self._arrival: dict[str, tuple[float, int]] = {}
+        self._next_seq = 0
+
+    # ---- admission -----------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._register(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def _register(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self._requests or rid in self._held:
+            raise ValueError(f"request id {rid!r} is already in use; give each request a unique id")
+        total = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                             f"({request.sampling_params.max_tokens}) = {total} exceeds max_model_len "
+                             f"{self.max_model_len}; shorten the prompt or lower max_tokens")
+        if cdiv(total, self.block_size) > self.kv.num_blocks:
+            raise ValueError(f"request {rid!r} needs {cdiv(total, self.block_size)} KV blocks but the pool "
+                             f"has {self.kv.num_blocks}; lower max_tokens or give the KV pool more memory")
+        if not self.config.enable_chunked_prefill and total > self.config.max_num_batched_tokens:
+            raise ValueError(f"request {rid!r} may need {total} tokens in one step but "
+                             f"max_num_batched_tokens is {self.config.max_num_batched_tokens}; "
+                             "enable chunked prefill or raise max_num_batched_tokens")
+        request.max_total_tokens = total
+        self._requests[rid] = request
+        self._arrival[rid] = (request.arrival_time, self._next_seq)
+        self._next_seq += 1
+
+    # ---- one step ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = _StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self._schedule_running(out, budget)
+        if not out.preempted_ids:
+            self._schedule_waiting(out, budget)
+        out.block_copies = self.kv.take_block_copies()
+        return out
+
+    def _chunk(self, remaining: int, budget: _StepBudget) -> int:
+        if self.config.enable_chunked_prefill:
+            return min(remaining, budget.tokens)
+        return remaining if remaining <= budget.tokens else 0
+
+    def _schedule_running(self, out: SchedulerOutput, budget: _StepBudget) -> None:
+        i = 0
+        while i < len(self.running) and not budget.exhausted:
+            request = self.running[i]
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if n > 0:
+                block_ids = self._allocate_or_preempt(request, n, out)
+                if block_ids is None:      # it preempted itself: it was the last one
+                    return
+                out.seqs.append(self._seq(request, n, block_ids))
+                budget.take(n)
+            i += 1
+
+    def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> list[int] | None:
+        while (block_ids := self.kv.allocate_slots(request, n)) is None:
+            victim = self.running[-1]       # most recently arrived; not yet scheduled this step
+            self._preempt(victim, out)
+            if victim is request:
+                return None
+        return block_ids
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted_ids.append(request.request_id)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
+        while self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed = self.kv.get_computed_blocks(request)
+            n = self._chunk(request.num_tokens - computed.num_computed_tokens, budget)
+            if n == 0:
+                return
+            block_ids = self.kv.allocate_slots(request, n, computed)
+            if block_ids is None:
+                return
+            self.waiting.popleft()
+            request.num_computed_tokens = computed.num_computed_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = computed.num_computed_tokens
+            self._start_running(request)
+            out.seqs.append(self._seq(request, n, block_ids))
+            budget.take(n)
+
+    def _seq(self, request: Request, n: int, block_ids: list[int]) -> ScheduledSeq:
+        return ScheduledSeq(request, n, block_ids, sample=request.num_computed_tokens + n == request.num_tokens)
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: self._arrival[r.request_id])
+
+    def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance each scheduled request; append sampled tokens; cache newly
+        full blocks. Returns the requests that got new tokens (for stop checks).
+        Requests finished or aborted since ``schedule()`` are skipped."""
+        updated = []
+        for seq in sched.seqs:
+            request = seq.request
+            if self._requests.get(request.request_id) is not request \
+                    or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += seq.num_new_tokens
+            if seq.sample:
+                tokens = sampled.get(request.request_id)
+                if not tokens:
+                    raise ValueError(f"request {request.request_id!r} was scheduled with sample=True "
+                                     "but `sampled` has no token for it; pass one per sampled seq")
+                for token in tokens:
+                    request.append_output_token(token)
+                updated.append(request)
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+        return updated
+
+    # ---- ending requests -----------------------------------------------------
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """End a live request: free its blocks, or hold them when the request
+        asks to (``hold_kv_on_finish``, not for aborts). False if unknown."""
+        if not status.finished:
+            raise ValueError(f"finish_request needs a FINISHED_* status, got {status.name}")
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self._unqueue(request)
+        del self._arrival[request_id]
+        request.status = status
+        if request.hold_kv_on_finish and status != RequestStatus.FINISHED_ABORTED:
+            self._held[request_id] = (request, self._clock())
+        else:
+            self.kv.free(request)
+        return True
+
+    def _unqueue(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self._remote[request.request_id]
+        else:
+            self.waiting.remove(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort in any state (waiting, running, remote, held); frees its blocks."""
+        if request_id in self._held:
+            return self.release_held(request_id)
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a held request's blocks; exactly once (False afterwards)."""
+        entry = self._held.pop(request_id, None)
+        if entry is None:
+            return False
+        self.kv.free(entry[0])
+        return True
+
+    def held_since(self, request_id: str) -> float | None:
+        entry = self._held.get(request_id)
+        return entry[1] if entry else None
+
+    # ---- n > 1 ---------------------------------------------------------------
+
+    def fork_request(self, parent_id: str, child: Request) -> None:
+        """Add ``child`` (same prompt, its own sampled tokens) sharing the
+        parent's computed blocks copy-on-write. Before the parent has computed
+        anything the child is simply queued (the prefix cache shares later)."""
+        parent = self._requests.get(parent_id)
+        if parent is None:
+            raise ValueError(f"unknown request {parent_id!r}: fork a live request")
+        if child.prompt_token_ids != parent.prompt_token_ids:
+            raise ValueError(f"child {child.request_id!r} must have the same prompt as {parent_id!r}")
+        if parent.status != RequestStatus.RUNNING or parent.num_computed_tokens == 0:
+            self.add_request(child)
+            return
+        shared = min(parent.num_computed_tokens, child.num_tokens - 1)
+        if child.all_token_ids[:shared] != parent.all_token_ids[:shared]:
+            raise ValueError(f"child {child.request_id!r} must repeat the parent's first {shared} tokens")
+        self._register(child)
+        child.num_computed_tokens = shared
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.kv.fork(parent, child)
+        self._start_running(child)
+
+    # ---- remote KV (decode role) ---------------------------------------------
+
+    def add_remote_request(self, request: Request) -> RemoteAllocation | None:
+        """Reserve blocks for a prompt whose KV another node computed. Local
+        prefix hits are kept; the caller pulls only the rest. None (nothing
+        changed) when the pool or ``max_num_seqs`` has no room."""
+        self._register(request)
+        computed = self.kv.get_computed_blocks(request, max_tokens=request.num_prompt_tokens)
+        block_ids = None
+        if len(self.running) + len(self._remote) < self.config.max_num_seqs:
+            block_ids = self.kv.allocate_slots(
+                request, request.num_prompt_tokens - computed.num_computed_tokens, computed)
+        if block_ids is None:
+            del self._requests[request.request_id], self._arrival[request.request_id]
+            return None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_cached_tokens = computed.num_computed_tokens
+        self._remote[request.request_id] = request
+        return RemoteAllocation(request.request_id, tuple(block_ids), computed.num_computed_tokens,
+                                len(computed.blocks))
+
+    def remote_kv_ready(self, request_id: str, first_token: int) -> None:
+        """The prompt's KV has landed: cache its full blocks and decode on."""
+        request = self._take_remote(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.append_output_token(first_token)
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        self._start_running(request)
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """The pull failed: free the blocks (pulled ones were never cached) and
+        prefill locally, ahead of other waiting requests."""
+        request = self._take_remote(request_id)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _take_remote(self, request_id: str) -> Request:
+        request = self._remote.pop(request_id, None)
+        if request is None:
+            raise ValueError(f"request {request_id!r} is not waiting for remote KV")
+        return request
+
+    # ---- state ---------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_remote(self) -> int:
+        return len(self._remote)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Prefill tokens still queued: all uncomputed tokens of waiting
+        requests, plus the unfinished prefill of running ones (not decodes)."""
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return queued + sum(n for r in self.running if (n := r.num_tokens - r.num_computed_tokens) > 1)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv.usage
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        errors: list[str] = []
+        self._check_queues(errors)
+        if errors:
+            raise IntegrityError("scheduler: " + "; ".join(errors))
+
+    def _check_queues(self, errors: list[str]) -> None:
+        bs = self.block_size
+        groups = {"running": self.running, "waiting": list(self.waiting), "remote": list(self._remote.values())}
+        ids = [r.request_id for g in groups.values() for r in g]
+        if len(ids) != len(set(ids)) or set(ids) != set(self._requests):
+            errors.append(f"queues {sorted(ids)} disagree with live requests {sorted(self._requests)}")
+        for r in self.running:
+            if r.status != RequestStatus.RUNNING or r.num_computed_tokens >= r.num_tokens \
+                    or len(self.kv.get_block_ids(r.request_id)) < cdiv(r.num_computed_tokens, bs):
+                errors.append(f"running {r.request_id}: {r.status.name}, {r.num_computed_tokens}/"
+                              f"{r.num_tokens} tokens, {len(self.kv.get_block_ids(r.request_id))} blocks")
+        for r in self.waiting:
+            if r.status not in WAITING_STATES or r.num_computed_tokens or self.kv.get_block_ids(r.request_id):
+                errors.append(f"waiting {r.request_id}: {r.status.name}, {r.num_computed_tokens} computed")
+        for r in self._remote.values():
+            if r.status != RequestStatus.WAITING_FOR_REMOTE_KV \
+                    or len(self.kv.get_block_ids(r.request_id)) != cdiv(r.num_prompt_tokens, bs):
+                errors.append(f"remote {r.request_id}: {r.status.name}")
+        for rid, (r, _) in self._held.items():
+            if not r.status.finished:
+                errors.append(f"held {rid} is {r.status.name}")
+        keys = [self._arrival[r.request_id] for r in self.running]
+        if keys != sorted(keys):
+            errors.append("running is not in arrival order")
+        stray = self.kv.owners() - {r.request_id for r in self.running} - set(self._remote) - set(self._held)
+        if stray:
+            errors.append(f"blocks owned by requests that are not running, remote or held: {sorted(stray)}")

@@ -1,0 +1,87 @@
+"""Source-side pins on KV blocks until the reader is done with them.
+
+Every lease ends exactly once: by the read notification, an explicit
+release, or expiry (``expire_due(now)``, run periodically by the worker).
+The release callback (e.g. the engine freeing the blocks) runs once per
+lease; a second release of the same request is a harmless no-op.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+
+class ReleaseCause(enum.Enum):
+    NOTIFIED = "notified"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class Lease:
+    request_id: str
+    block_ids: tuple[int, ...]
+    expires_at: float
+
+
+ReleaseCallback = Callable[[Lease, ReleaseCause], None]
+
+
+class LeaseTable:
+    """clock: seconds, e.g. time.monotonic (injected so tests control time)."""
+
+    def __init__(self, clock: Callable[[], float], on_release: ReleaseCallback) -> None:
+        self._clock = clock
+        self._on_release = on_release
+        self._leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
+        self.releases: Counter[ReleaseCause] = Counter()
+
+    def pin(self, request_id: str, block_ids: Sequence[int], ttl: float) -> Lease:
+        if ttl <= 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
+        if not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        lease = Lease(request_id, tuple(int(b) for b in block_ids), self._clock() + ttl)
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id!r} already holds a lease: release it "
+                                 "first or use a new request id")
+            self._leases[request_id] = lease
+        return lease
+
+    def release(self, request_id: str, cause: ReleaseCause = ReleaseCause.RELEASED) -> bool:
+        """End the lease; False if it was already gone (double release is harmless)."""
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+            if lease is not None:
+                self.releases[cause] += 1
+        if lease is None:
+            return False
+        self._on_release(lease, cause)
+        return True
+
+    def release_by_notification(self, message: bytes) -> bool:
+        """Release the lease named by a read notification (request id, utf-8)."""
+        return self.release(message.decode("utf-8", errors="replace"), ReleaseCause.NOTIFIED)
+
+    def expire_due(self, now: Optional[float] = None) -> list[Lease]:
+        now = self._clock() if now is None else now
+        with self._lock:
+            due = [l for l in self._leases.values() if l.expires_at <= now]
+        return [l for l in due if self.release(l.request_id, ReleaseCause.EXPIRED)]
+
+    def get(self, request_id: str) -> Optional[Lease]:
+        with self._lock:
+            return self._leases.get(request_id)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    @property
+    def expiries(self) -> int:
+        return self.releases[ReleaseCause.EXPIRED]

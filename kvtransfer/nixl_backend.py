@@ -1,0 +1,240 @@
+"""NIXL (UCX backend) transfer engine: DRAM and VRAM pools from the same code.
+
+Metadata exchange is direct: ``peer_info().metadata`` carries this agent's
+NIXL metadata (``getLocalMD``, ~0.5 KB plus one entry per registered region)
+and the reader loads it with ``loadRemoteMD``. No NIXL listener thread is
+started: NIXL 1.5's listener binds 0.0.0.0, and workers already have a
+channel (Ray) to pass a PeerInfo through. UCX's own tcp transport listens on
+the interfaces of ``UCX_NET_DEVICES`` (``lo`` by default for a loopback host).
+
+The three traps of NIXL 1.5.1 (see docs/kvtransfer.md) are handled here:
+1. ``nixl_agent`` hard-codes a zero-delay progress thread that busy-spins a
+   core. We build the agent from ``nixl._bindings`` and set ``pthrDelay``.
+2. With the progress thread off, a passive (source) agent must keep calling
+   progress or readers stay in PROC forever: we then run a small Python
+   thread that calls ``getNotifs`` every ``passive_poll_interval_s``.
+3. ``UCX_TLS`` without a network transport (e.g. ``sm,self``) needs
+   ``ucx_error_handling_mode=none``: chosen automatically.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from kvtransfer import ucx_env
+from kvtransfer.descriptors import Descriptor, build_descriptors
+from kvtransfer.engine import (Notification, PeerInfo, TransferEngine, TransferHandle,
+                               TransferStatus)
+from kvtransfer.layout import KVPoolLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NixlConfig:
+    """progress_thread: NIXL's own progress thread, woken every
+    ``progress_delay_us`` (0 would busy-spin a core). When off, a Python thread
+    progresses the passive side every ``passive_poll_interval_s``.
+    ``host`` only picks UCX_NET_DEVICES=lo for loopback (nothing binds to it)."""
+    progress_thread: bool = True
+    progress_delay_us: int = 100
+    passive_poll_interval_s: float = 0.0005
+    host: str = "127.0.0.1"
+    num_workers: int = 1
+    error_handling: Optional[str] = None  # None: "peer", or "none" for shared-memory-only UCX_TLS
+
+    def __post_init__(self) -> None:
+        if self.progress_thread and self.progress_delay_us <= 0:
+            raise ValueError("progress_delay_us must be > 0 with the progress thread on "
+                             "(0 busy-spins a whole core); ~100 is a good value")
+        if self.passive_poll_interval_s <= 0:
+            raise ValueError("passive_poll_interval_s must be > 0, e.g. 0.0005")
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.error_handling not in (None, "peer", "none"):
+            raise ValueError("error_handling must be None (auto), 'peer' or 'none'")
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl._bindings  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA wheel
+        return False
+    return True
+
+
+def _status(bind, code) -> TransferStatus:
+    if code == bind.NIXL_SUCCESS:
+        return TransferStatus.DONE
+    if code == bind.NIXL_IN_PROG:
+        return TransferStatus.PENDING
+    return TransferStatus.FAILED
+
+
+class NixlHandle(TransferHandle):
+    def __init__(self, engine: "NixlEngine", req: Optional[int], descriptors: int, nbytes: int,
+                 status: TransferStatus, error: Optional[str] = None) -> None:
+        super().__init__(descriptors, nbytes)
+        self._engine, self._req, self._status, self.error = engine, req, status, error
+        if status is not TransferStatus.PENDING:
+            self._release()
+
+    def poll(self) -> TransferStatus:
+        if self._status is TransferStatus.PENDING:
+            try:
+                with self._engine.lock:
+                    self._status = _status(self._engine.bind, self._engine.agent.getXferStatus(self._req))
+            except Exception as exc:  # nixlRemoteDisconnectError, nixlBackendError, ...
+                self._status, self.error = TransferStatus.FAILED, repr(exc)
+            if self._status is not TransferStatus.PENDING:
+                self._release()
+        return self._status
+
+    def abandon(self) -> None:
+        self._status, self.error = TransferStatus.TIMEOUT, "timed out"
+        self._release()
+
+    def _release(self) -> None:
+        if self._req is not None:
+            self._engine.release_request(self._req)
+            self._req = None
+
+
+class NixlEngine(TransferEngine):
+    backend_name = "nixl"
+
+    def __init__(self, name: str, config: NixlConfig = NixlConfig()) -> None:
+        super().__init__(name)
+        import nixl._bindings as bind
+        self.bind, self.config = bind, config
+        self.applied_env = ucx_env.apply_defaults(ucx_env.ucx_defaults(config.host))
+        err = config.error_handling or (
+            "none" if ucx_env.shared_memory_only(os.environ.get("UCX_TLS", "")) else "peer")
+        cfg = bind.nixlAgentConfig(config.progress_thread, False)
+        cfg.pthrDelay = config.progress_delay_us if config.progress_thread else 0
+        if not config.progress_thread:
+            cfg.syncMode = bind.NIXL_THREAD_SYNC_STRICT  # our poller thread shares the agent
+        self.agent = bind.nixlAgent(name, cfg)
+        self.agent.createBackend("UCX", {"num_workers": str(config.num_workers),
+                                         "ucx_error_handling_mode": err})
+        self.lock = threading.Lock()
+        self._mem = {"DRAM": bind.DRAM_SEG, "VRAM": bind.VRAM_SEG}
+        self._reg = None
+        self._peers: set[str] = set()
+        self._stuck: list[int] = []
+        self._notifs: collections.deque[Notification] = collections.deque()
+        self._stop = threading.Event()
+        self._poller: Optional[threading.Thread] = None
+        if not config.progress_thread:
+            self._poller = threading.Thread(target=self._passive_progress, daemon=True,
+                                            name=f"nixl-progress-{name}")
+            self._poller.start()
+
+    # -- source side -------------------------------------------------------
+    def register_pool(self, layout: KVPoolLayout) -> None:
+        if self._reg is not None:
+            raise ValueError("a pool is already registered: use one engine per pool")
+        reg = self.bind.nixlRegDList(self._mem[layout.mem_type],
+                                     [(layout.base_addr, layout.total_bytes, layout.device_id, "")])
+        with self.lock:
+            self.agent.registerMem(reg, [])
+        self._reg, self._layout = reg, layout
+
+    def peer_info(self) -> PeerInfo:
+        layout = self.layout
+        with self.lock:
+            md = self.agent.getLocalMD()
+        return PeerInfo(self.backend_name, self.name, layout, metadata=md)
+
+    def get_notifications(self) -> list[Notification]:
+        self._drain_notifs()
+        out = []
+        while self._notifs:
+            out.append(self._notifs.popleft())
+        return out
+
+    def _drain_notifs(self) -> None:
+        with self.lock:
+            new = self.agent.getNotifs({}, [])
+        for peer, msgs in new.items():
+            self._notifs.extend(Notification(peer, bytes(m)) for m in msgs)
+
+    def _passive_progress(self) -> None:
+        while not self._stop.wait(self.config.passive_poll_interval_s):
+            try:
+                self._drain_notifs()
+            except Exception:  # agent torn down under us during close
+                log.exception("nixl passive progress failed")
+                return
+
+    # -- reader side -------------------------------------------------------
+    def connect(self, peer: PeerInfo) -> None:
+        self._check_peer(peer)
+        if peer.agent_name in self._peers:
+            return
+        try:
+            with self.lock:
+                self.agent.loadRemoteMD(peer.metadata)
+        except Exception as exc:  # UCX connects eagerly: a dead peer fails here
+            raise ConnectionError(f"cannot reach NIXL peer {peer.agent_name!r}: {exc!r}") from exc
+        self._peers.add(peer.agent_name)
+
+    def read(self, peer: PeerInfo, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+             notify: bytes = b"") -> TransferHandle:
+        descs = build_descriptors(peer.layout, self.layout, src_block_ids, dst_block_ids)
+        nbytes = sum(d.nbytes for d in descs)
+        try:
+            self.connect(peer)
+            with self.lock:
+                if not descs:
+                    if notify:
+                        self.agent.genNotif(peer.agent_name, notify)
+                    return NixlHandle(self, None, 0, 0, TransferStatus.DONE)
+                req = self._post(peer, descs, notify)
+                code = self.agent.postXferReq(req, notify)
+        except Exception as exc:
+            return NixlHandle(self, None, len(descs), nbytes, TransferStatus.FAILED, repr(exc))
+        return NixlHandle(self, req, len(descs), nbytes, _status(self.bind, code))
+
+    def _post(self, peer: PeerInfo, descs: list[Descriptor], notify: bytes) -> int:
+        arr = np.array([(d.src_addr, d.dst_addr, d.nbytes) for d in descs], dtype=np.uint64)
+        local = np.stack([arr[:, 1], arr[:, 2], np.full(len(descs), self.layout.device_id, np.uint64)], 1)
+        remote = np.stack([arr[:, 0], arr[:, 2], np.full(len(descs), peer.layout.device_id, np.uint64)], 1)
+        bind = self.bind
+        return self.agent.createXferReq(
+            bind.NIXL_READ, bind.nixlXferDList(self._mem[self.layout.mem_type], local),
+            bind.nixlXferDList(self._mem[peer.layout.mem_type], remote), peer.agent_name, notify, [])
+
+    def release_request(self, req: int) -> None:
+        try:
+            with self.lock:
+                self.agent.releaseXferReq(req)
+        except Exception:  # still active (peer gone): retry at close
+            self._stuck.append(req)
+
+    def close(self) -> None:
+        if getattr(self, "agent", None) is None:
+            return
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(timeout=2)
+        with self.lock:
+            for req in self._stuck:
+                try:
+                    self.agent.releaseXferReq(req)
+                except Exception:
+                    pass
+            for peer in self._peers:
+                try:
+                    self.agent.invalidateRemoteMD(peer)
+                except Exception:
+                    pass
+            if self._reg is not None:
+                self.agent.deregisterMem(self._reg, [])
+            self.agent = None

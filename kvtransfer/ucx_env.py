@@ -1,0 +1,57 @@
+"""UCX environment defaults, applied only where the user set nothing.
+
+UCX reads ``UCX_*`` variables when a context is created, so these must be in
+``os.environ`` before a NIXL / ucxx backend is created. Any variable the user
+already exported wins; we never overwrite it.
+
+Defaults (measured on a 2-core host, see docs/kvtransfer.md):
+- ``UCX_TLS=cma,tcp,self``: cma moves bytes process-to-process with one copy
+  (process_vm_readv); tcp carries the small active messages (notifications,
+  rendezvous control) and gives peer-failure detection; self for loopback.
+  Skipping the probe of every other transport (ib, cuda, ...) also makes
+  start-up quicker. On a GPU/RDMA fleet set ``UCX_TLS`` yourself (e.g. ``rc,cuda_copy,cuda_ipc``).
+- ``UCX_NET_DEVICES=lo`` when the engine's host is a loopback address, so UCX's
+  tcp transport listens on 127.0.0.1 only instead of every interface.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+from typing import Mapping, MutableMapping, Optional
+
+DEFAULT_TLS = "cma,tcp,self"
+# Transports that can carry active messages with peer-failure handling.
+_NETWORK_TLS = ("tcp", "rc", "ud", "dc", "ib", "all", "^")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def ucx_defaults(host: str) -> dict[str, str]:
+    defaults = {"UCX_TLS": DEFAULT_TLS}
+    if is_loopback(host):
+        defaults["UCX_NET_DEVICES"] = "lo"
+    return defaults
+
+
+def apply_defaults(defaults: Mapping[str, str],
+                   env: Optional[MutableMapping[str, str]] = None) -> dict[str, str]:
+    """Set each default the environment lacks; return what was actually set."""
+    env = os.environ if env is None else env
+    applied = {k: v for k, v in defaults.items() if k not in env}
+    env.update(applied)
+    return applied
+
+
+def shared_memory_only(tls: str) -> bool:
+    """True when UCX_TLS names no network transport (e.g. ``sm,self``).
+
+    Such a set has no active-message transport that supports peer failure
+    handling, so UCX endpoints must be created with error handling "none"
+    (NIXL trap 3)."""
+    tokens = [t.strip() for t in tls.split(",") if t.strip()]
+    return bool(tokens) and not any(t.startswith(_NETWORK_TLS) for t in tokens)

@@ -1,0 +1,176 @@
+"""Two real processes per backend: a source child serving its pool, the test
+process reading into its own pool. Parametrized over every installed backend."""
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import random
+import time
+
+import pytest
+import torch
+
+from kv_peer import NUM_BLOCKS, BLOCK_BYTES, PeerSpec, block_table, make_pool, reader_main, source_main
+from kvtransfer.engine import TransferStatus
+from kvtransfer.layout import KVPoolLayout
+from kvtransfer.registry import available_backends, create_engine
+
+BACKENDS = available_backends()
+CTX = mp.get_context("spawn")
+_seeds = itertools.count(101)
+
+
+class Source:
+    """A source engine in a child process, driven over a pipe."""
+
+    def __init__(self, spec: PeerSpec) -> None:
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=source_main, args=(spec, child), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(60):
+            raise RuntimeError("source process did not start")
+        self.info = self.conn.recv()
+        self.seed = spec.seed
+
+    def call(self, *cmd, timeout: float = 10.0):
+        self.conn.send(cmd)
+        assert self.conn.poll(timeout), f"source did not answer {cmd[0]}"
+        return self.conn.recv()
+
+    def wait_for(self, predicate, timeout: float = 5.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.call("stats")
+            if predicate(stats) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("stop")
+            except (AssertionError, OSError, EOFError):
+                pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def spec(backend: str, **kw) -> PeerSpec:
+    seed = next(_seeds)
+    return PeerSpec(backend=backend, name=f"src-{seed}", seed=seed, **kw)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def pair(request):
+    backend = request.param
+    source = Source(spec(backend))
+    reader = create_engine(backend, f"reader-{backend}")
+    pool = torch.zeros(NUM_BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
+    reader.register_pool(KVPoolLayout.from_tensor(pool))
+    yield backend, source, reader, pool
+    reader.close()
+    source.stop()
+
+
+def test_random_tables_byte_exact_and_lease_released_by_notification(pair):
+    backend, source, reader, pool = pair
+    ref = make_pool(source.seed)
+    rng = random.Random(7)
+    for i, count in enumerate((1, 9, 24)):
+        src_ids, dst_ids = block_table(rng, count)
+        rid = f"{backend}-req-{i}"
+        source.call("pin", rid, src_ids, 30.0)
+        pool.copy_(torch.randint(0, 256, pool.shape, dtype=torch.uint8))
+        expected = pool.clone()
+        expected[dst_ids] = ref[src_ids]
+        handle = reader.read(source.info, src_ids, dst_ids, notify=rid.encode())
+        assert handle.wait(timeout=10) is TransferStatus.DONE, handle.error
+        assert handle.descriptors <= count - count // 3 + 1   # the run was merged
+        assert torch.equal(pool, expected)   # right bytes landed, nothing else changed
+        stats = source.wait_for(lambda s: (rid, "notified") in s["released"])
+        assert (reader.name, rid.encode()) in stats["notifs"]
+        assert (rid, "notified") in stats["released"]
+    assert source.call("stats")["active"] == 0
+
+
+def test_leases_expire_and_double_release_is_harmless(pair):
+    backend, source, _, _ = pair
+    source.call("pin", "expiring", [1, 2, 3], 0.2)
+    stats = source.wait_for(lambda s: ("expiring", "expired") in s["released"])
+    assert ("expiring", "expired") in stats["released"] and stats["expiries"] >= 1
+    source.call("pin", "explicit", [4], 30.0)
+    assert source.call("release", "explicit") is True
+    assert source.call("release", "explicit") is False
+    assert source.call("stats")["released"].count(("explicit", "released")) == 1
+
+
+def test_read_from_dead_peer_fails_within_timeout(pair):
+    backend, _, reader, _ = pair
+    dead = Source(spec(backend))
+    dead.proc.kill()
+    dead.proc.join(5)
+    start = time.monotonic()
+    handle = reader.read(dead.info, [0, 1, 5], [2, 3, 9], notify=b"never")
+    status = handle.wait(timeout=3.0)
+    assert status in (TransferStatus.FAILED, TransferStatus.TIMEOUT)
+    assert time.monotonic() - start < 3.0 + 2.0
+
+
+def test_out_of_range_blocks_rejected_before_posting(pair):
+    _, source, reader, _ = pair
+    with pytest.raises(ValueError, match="out of range"):
+        reader.read(source.info, [NUM_BLOCKS], [0])
+
+
+# --- NIXL traps -------------------------------------------------------------
+
+nixl_only = pytest.mark.skipif("nixl" not in BACKENDS, reason="nixl not installed")
+
+
+def test_idle_engine_does_not_spin_a_core(pair):
+    """NIXL trap 1: its progress thread gets a delay, so an idle agent sleeps
+    (a zero-delay thread costs ~1.0 CPU s per s). Same bar for every backend."""
+    _, source, _, _ = pair
+    assert source.call("idle_cpu", 1.0) < 0.3
+
+
+@nixl_only
+def test_nixl_progress_thread_off_passive_side_is_progressed():
+    """Trap 2: the source never calls get_notifications; our poller thread progresses it."""
+    from kvtransfer.nixl_backend import NixlConfig
+    config = NixlConfig(progress_thread=False)
+    source = Source(spec("nixl", config=config, passive_idle=True))
+    reader = create_engine("nixl", "reader-nothread", config)
+    try:
+        pool = torch.zeros(NUM_BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
+        reader.register_pool(KVPoolLayout.from_tensor(pool))
+        src_ids, dst_ids = block_table(random.Random(3), 12)
+        source.call("pin", "idle-req", src_ids, 30.0)
+        handle = reader.read(source.info, src_ids, dst_ids, notify=b"idle-req")
+        assert handle.wait(timeout=10) is TransferStatus.DONE, handle.error
+        ref = make_pool(source.seed)
+        assert all(torch.equal(pool[d], ref[s]) for s, d in zip(src_ids, dst_ids))
+        source.call("drain")
+        assert ("idle-req", "notified") in source.call("stats")["released"]
+    finally:
+        reader.close()
+        source.stop()
+
+
+@nixl_only
+def test_nixl_shared_memory_only_tls_works():
+    """Trap 3: UCX_TLS=sm,self needs error handling 'none', picked automatically."""
+    env = {"UCX_TLS": "sm,self"}
+    source = Source(spec("nixl", env=env))
+    try:
+        src_ids, dst_ids = block_table(random.Random(5), 10)
+        conn, child = CTX.Pipe()
+        proc = CTX.Process(target=reader_main, daemon=True, args=(
+            PeerSpec("nixl", "reader-sm", 0, env=env), source.info, src_ids, dst_ids, 10.0, child))
+        proc.start()
+        assert conn.poll(60), "reader process did not report"
+        assert conn.recv() == ("done", True)
+        proc.join(5)
+    finally:
+        source.stop()
