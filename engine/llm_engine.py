@@ -67,6 +67,7 @@ class LLMEngine:
         self._groups: dict[str, SeqGroup] = {}
         self._seqs: dict[str, Sequence] = {}       # scheduler request id -> sequence
         self._num_preemptions = 0
+        self.last_step_tokens = 0                   # tokens computed by the last step()
         log.info("KV pool: %s", runner.kv_pool.describe())
 
     @classmethod
@@ -132,6 +133,7 @@ class LLMEngine:
     def step(self) -> list[StepDelta]:
         sched = self.scheduler.schedule()
         self._num_preemptions += len(sched.preempted_ids)
+        self.last_step_tokens = sched.num_tokens
         if sched.is_empty:
             return []
         logits = self.runner.execute(sched)

@@ -1,0 +1,90 @@
+"""A thread that drives an LLMEngine: commands in, step deltas out.
+
+Every engine mutation runs on this one thread, between steps, so the
+engine needs no locks. Callers (an asyncio frontend, a Ray actor) submit
+callables with `call(fn)` and get a concurrent Future; `on_deltas` receives
+each step's deltas (all requests of the step at once) on the loop thread.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from typing import Any, Callable, TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import StepDelta
+
+log = logging.getLogger("pdserve.engine_loop")
+T = TypeVar("T")
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_deltas: Callable[[list[StepDelta]], None],
+                 idle_callback: Callable[[LLMEngine], None] | None = None, idle_interval: float = 1.0,
+                 name: str = "engine-loop") -> None:
+        self.engine = engine
+        self._on_deltas = on_deltas
+        self._idle_callback = idle_callback
+        self._idle_interval = idle_interval
+        self._commands: deque[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.steps = 0
+        self.error: BaseException | None = None
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> "concurrent.futures.Future[T]":
+        """Run `fn(engine)` on the loop thread before the next step."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopping or self.error is not None:
+            fut.set_exception(RuntimeError("the engine loop is stopped"))
+            return fut
+        self._commands.append((fn, fut))
+        self._wake.set()
+        return fut
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, fut = self._commands.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # the caller gets it; the loop goes on
+                fut.set_exception(e)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_commands()
+                did_work = False
+                if self.engine.has_unfinished():
+                    deltas = self.engine.step()
+                    did_work = self.engine.last_step_tokens > 0
+                    self.steps += 1
+                    if deltas:
+                        self._on_deltas(deltas)
+                if not did_work and not self._commands:
+                    if not self._wake.wait(self._idle_interval if not self.engine.has_unfinished() else 0.002):
+                        if self._idle_callback is not None and not self.engine.has_unfinished():
+                            self._idle_callback(self.engine)
+                    self._wake.clear()
+        except BaseException as e:  # a bug in the engine: fail every pending caller loudly
+            log.exception("engine loop crashed")
+            self.error = e
+            while self._commands:
+                _, fut = self._commands.popleft()
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(RuntimeError(f"engine loop crashed: {e!r}"))
