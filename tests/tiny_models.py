@@ -103,3 +103,22 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+def hf_llama_from_state(cfg, state):
+    """A transformers LlamaForCausalLM on our loader's weights (the reference
+    for a GGUF model, whose dequantized tensors transformers cannot read alone)."""
+    import transformers
+
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings)
+    model = transformers.LlamaForCausalLM(hf_cfg).to(torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()

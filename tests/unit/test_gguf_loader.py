@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from tiny_models import hf_llama_from_state
 import torch
 
 from engine.loader import default_model_path, load_gguf
@@ -44,19 +46,9 @@ def smollm2():
 
 
 def _hf_from(cfg, state):
-    import transformers
-
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings)
-    model = transformers.LlamaForCausalLM(hf_cfg).to(torch.float32)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model = hf_llama_from_state(cfg, state)
     assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])   # tied
-    return model.eval()
+    return model
 
 
 @pytest.mark.smollm2

@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from cluster.router.cost import (CostWeights, decode_cost, effective_cached_blocks, prefill_cost,
-                                 select, should_prefill_locally, transfer_cost)
+from cluster.router.cost import (CostWeights, decode_cost, decode_node_cost, effective_cached_blocks,
+                                 prefill_cost, select, should_prefill_locally, transfer_cost)
 
 W = CostWeights()
 BS = 16
@@ -32,6 +32,13 @@ def test_decode_cost_and_transfer_cost():
     assert transfer_cost(7, CostWeights(transfer_block=2.0)) == 14.0
 
 
+@pytest.mark.parametrize("running,kv,missing,queued", [(0, 0.0, 0, 0), (3, 0.25, 40, 700), (64, 1.0, 125, 0)])
+def test_decode_node_cost_is_the_sum_of_its_parts(running, kv, missing, queued):
+    w = CostWeights(running=10.0, kv_usage=300.0, transfer_block=2.0, queued_token=0.5)
+    expected = decode_cost(running, kv, w) + transfer_cost(missing, w) + prefill_cost(0, queued, BS, w)
+    assert decode_node_cost(running, kv, missing, queued, w) == pytest.approx(expected)
+
+
 def test_host_and_disk_hits_weigh_less_than_device_hits():
     assert effective_cached_blocks(10, 0, 0, W) == 10
     assert effective_cached_blocks(0, 10, 0, W) == pytest.approx(8.0)
@@ -46,6 +53,7 @@ def test_host_and_disk_hits_weigh_less_than_device_hits():
     lambda: decode_cost(-1, 0.0, W),
     lambda: decode_cost(1, -0.1, W),
     lambda: transfer_cost(-1, W),
+    lambda: decode_node_cost(1, 0.1, -2, 0, W),
     lambda: CostWeights(running=-1.0),
     lambda: CostWeights(host_hit=1.5),
 ])

@@ -7,6 +7,7 @@ from engine.block_hash import block_hashes
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
 
 S, R, CL = KVEventKind.STORED, KVEventKind.REMOVED, KVEventKind.CLEARED
+TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 CHAIN = block_hashes(list(range(160)), 16)          # 10 chained block hashes
 OTHER = block_hashes(list(range(1000, 1160)), 16)   # an unrelated prompt
 
@@ -137,6 +138,32 @@ def test_many_workers_distinct_prefix_lengths():
         idx.apply(f"w{k:02d}", [stored(1, CHAIN[:k])])
     got = idx.match(CHAIN)
     assert got == {f"w{k:02d}": MatchInfo(k) for k in range(1, 11)}
+
+
+def test_many_workers_with_mixed_tiers_match_brute_force():
+    # 150 workers: more than one 64-bit lane, so the packed masks are re-encoded twice
+    import random
+    rng = random.Random(5)
+    chain = block_hashes(list(range(40 * 16)), 16)
+    idx, model = PrefixIndex(), {}
+    for k in range(150):
+        wid = f"w{k:03d}"
+        n = rng.randint(1, 40)
+        tiers = [rng.choice(TIERS) for _ in range(n)]
+        idx.apply(wid, [stored(i + 1, [h], t) for i, (h, t) in enumerate(zip(chain, tiers))])
+        model[wid] = dict(zip(chain, tiers))
+    assert idx.match(chain) == _model_match(model, chain)
+    assert idx.match(chain[:17]) == _model_match(model, chain[:17])
+    for k in range(0, 150, 3):                     # demote, promote and drop after widening
+        wid = f"w{k:03d}"
+        h = chain[k % 5]
+        if h in model[wid]:
+            tier = TIERS[k % 3]
+            assert idx.apply(wid, [stored(len(model[wid]) + 1, [h], tier)]).applied == 1
+            model[wid][h] = tier
+        idx.remove_worker(f"w{k + 1:03d}")
+        model[f"w{k + 1:03d}"] = {}
+    assert idx.match(chain) == _model_match(model, chain)
 
 
 # ---- model-based property test ---------------------------------------------

@@ -1,0 +1,114 @@
+"""A real gRPC frontend over a real LocalEngineBackend, on its own event-loop thread.
+
+Tests talk to it with `cluster.client.GenerationClient` from their own thread
+(`asyncio.run`), exactly as a remote client would.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+
+from cluster.config import ServeConfig
+from cluster.grpc_server import GrpcServer, serve_grpc
+from cluster.local_backend import LocalEngineBackend
+from cluster.metrics import Metrics
+from cluster.metrics_server import MetricsServer, start_metrics_server
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="frontend-loop")
+        self.thread.start()
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout: float = 120.0):
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@dataclass
+class Frontend:
+    loop: LoopThread
+    backend: LocalEngineBackend
+    metrics: Metrics
+    server: GrpcServer
+    metrics_server: MetricsServer
+    extra: list = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return self.server.target
+
+    def serve_another(self, **kwargs) -> GrpcServer:
+        """A second endpoint on the same backend (e.g. with API keys or TLS)."""
+        srv = self.loop.run(serve_grpc(self.backend, ServeConfig(grpc_port=0), Metrics(), **kwargs))
+        self.extra.append(srv)
+        return srv
+
+    def engine(self, fn):
+        """fn(engine) on the engine thread."""
+        return self.loop.run(self.backend.call(fn))
+
+    def kv_used(self) -> int:
+        return self.engine(lambda e: e.stats().kv_blocks_used)
+
+    def wait_idle(self, baseline: int, timeout: float = 60.0) -> None:
+        """Until nothing runs or waits and KV usage is back at `baseline`; then check integrity."""
+        end = time.monotonic() + timeout
+        while True:
+            s = self.engine(lambda e: e.stats())
+            if s.running == 0 and s.waiting == 0 and s.kv_blocks_used == baseline:
+                break
+            assert time.monotonic() < end, f"engine did not return to idle: {s}, baseline {baseline}"
+            time.sleep(0.05)
+        self.engine(lambda e: e.check_integrity())
+
+    def sample(self, name: str, **labels) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    @contextlib.contextmanager
+    def stalled_engine(self):
+        """Hold the engine thread between steps: nothing progresses until the block exits."""
+        started, release = threading.Event(), threading.Event()
+        fut = self.loop.submit(self.backend.call(lambda e: (started.set(), release.wait(120))))
+        assert started.wait(60), "the engine thread did not pick up the stall command"
+        try:
+            yield
+        finally:
+            release.set()
+            fut.result(60)
+
+    def close(self) -> None:
+        for srv in [self.server, *self.extra]:
+            self.loop.run(srv.stop(0))
+        self.metrics_server.stop()
+        self.loop.run(self.backend.stop())
+        self.loop.close()
+
+
+def start_frontend(model_dir, *, max_model_len: int = 1024, num_blocks: int = 256, block_size: int = 16,
+                   config: ServeConfig | None = None) -> Frontend:
+    loop = LoopThread()
+    engine_cfg = EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                              scheduler=SchedulerConfig(max_model_len=max_model_len))
+    metrics = Metrics()
+
+    async def up():
+        backend = LocalEngineBackend(engine_cfg)
+        await backend.start()
+        server = await serve_grpc(backend, config or ServeConfig(grpc_port=0), metrics)
+        return backend, server
+
+    backend, server = loop.run(up())
+    ms = start_metrics_server(metrics, "127.0.0.1", 0)
+    return Frontend(loop, backend, metrics, server, ms)

