@@ -58,6 +58,10 @@ class ServeConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     torch_threads: int = 1
+    # Ray custom resources each pool's actors request ("" = no pinning); the
+    # Helm chart's worker groups advertise them, a local cluster advertises both
+    prefill_resource: str = "pdserve_prefill"
+    decode_resource: str = "pdserve_decode"
     # routing
     router_policy: str = "prefix_aware"
     router_temperature: float = 0.0       # 0 = pick the minimum cost
@@ -71,8 +75,15 @@ class ServeConfig:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1_000_000
     request_timeout: float = 600.0
+    drain_timeout: float = 30.0           # SIGTERM: seconds in-flight requests get to finish
+    # security (all optional)
+    api_keys_file: str = ""               # lines of "key [tenant]"; env PDSERVE_API_KEYS also works
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""          # set: clients must present a certificate (mutual TLS)
     # ray
     address: str = ""                     # "" = start a local Ray cluster
+    no_ray: bool = False                  # one process, one colocated engine (laptop / debugging)
     ray_temp_dir: str = ""
     log_level: str = "INFO"
 

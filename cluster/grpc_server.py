@@ -141,6 +141,7 @@ class GrpcServer:
         """Stop accepting calls; in-flight calls get `grace` seconds, then are cancelled."""
         await self.set_serving(False)
         await self.server.stop(grace)
+        await self.runner.wait_cleanups(timeout=grace)
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()

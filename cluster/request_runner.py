@@ -77,6 +77,7 @@ class RequestRunner:
         self.metrics = metrics
         self.limits = limits
         self.admission = admission
+        self._cleanups: set[asyncio.Task] = set()
 
     def validate(self, inp: GenerateInput, *, cache_salt: str | None, deadline: float | None,
                  arrival_time: float) -> GenerateJob:
@@ -92,24 +93,25 @@ class RequestRunner:
         try:
             job = self.validate(inp, cache_salt=cache_salt, deadline=deadline, arrival_time=arrival)
             ticket = self.admission.admit(job)
-            try:
-                self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
-                async with contextlib.aclosing(self._stream(job)) as stream:
-                    async for chunk in stream:
-                        yield chunk
-                done = True
-            finally:
-                self.admission.release(ticket)
+            self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
+            async with contextlib.aclosing(self._stream(job, lambda: self.admission.release(ticket))) as s:
+                async for chunk in s:
+                    yield chunk
+            done = True
         except BaseException as e:
             error = e
             raise
         finally:
-            outcome = outcome_of(error if not done else None)
-            self.metrics.requests.labels(outcome=outcome).inc()
+            self.metrics.requests.labels(outcome=outcome_of(None if done else error)).inc()
             if done:
                 self.metrics.e2e.observe(time.monotonic() - arrival)
 
-    async def _stream(self, job: GenerateJob) -> AsyncIterator[Chunk]:
+    async def wait_cleanups(self, timeout: float | None = None) -> None:
+        """Wait for the aborts of requests that ended early (e.g. before shutting down)."""
+        if self._cleanups:
+            await asyncio.wait(set(self._cleanups), timeout=timeout)
+
+    async def _stream(self, job: GenerateJob, release) -> AsyncIterator[Chunk]:
         seqs = [_Seq() for _ in range(job.sampling.n)]
         queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_DEPTH)
         pump = asyncio.create_task(self._pump(job, queue))
@@ -117,7 +119,7 @@ class RequestRunner:
         try:
             left = len(seqs)
             while left:
-                item = await queue.get()
+                item = await self._next(queue, job)
                 if item is _END:
                     raise BackendError("UNAVAILABLE", "the backend ended the stream before finishing "
                                        f"{left} of {len(seqs)} sequences; retry the request")
@@ -136,7 +138,26 @@ class RequestRunner:
                     left -= 1
                 yield chunk
         finally:
-            await self._cleanup(pump, job, all(s.finished for s in seqs))
+            # Aborting can wait on a busy engine: do it in the background so the client hears
+            # at once; the admission ticket is held until the blocks are really freed.
+            finished = all(s.finished for s in seqs)
+            task = asyncio.create_task(self._cleanup(pump, job, finished, release))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
+            if finished:
+                await task
+
+    @staticmethod
+    async def _next(queue: asyncio.Queue, job: GenerateJob):
+        if job.deadline is None:
+            return await queue.get()
+        try:
+            async with asyncio.timeout(max(0.0, job.deadline - time.monotonic())):
+                return await queue.get()
+        except TimeoutError:
+            raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline "
+                               f"({job.deadline - job.arrival_time:.3g} s after arrival); allow more time "
+                               "(client deadline / server request_timeout) or ask for fewer tokens") from None
 
     def _chunk(self, job: GenerateJob, index: int, seq: _Seq, d: StepDelta) -> Chunk:
         now = time.monotonic()
@@ -157,20 +178,14 @@ class RequestRunner:
                      elapsed_s=now - job.arrival_time, first=seq.sent == 1)
 
     async def _pump(self, job: GenerateJob, queue: asyncio.Queue) -> None:
-        """Drain the backend iterator into the queue, in its own task (the deadline applies here)."""
+        """Drain the backend iterator into the queue, in its own task: the transport's
+        cancellation never lands inside the backend's iterator."""
         agen = None
-        timeout = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
         try:
-            async with asyncio.timeout(timeout):
-                agen = self.backend.generate(job)
-                async for delta in agen:
-                    await queue.put(delta)
+            agen = self.backend.generate(job)
+            async for delta in agen:
+                await queue.put(delta)
             await queue.put(_END)
-        except TimeoutError:
-            await queue.put(BackendError(
-                "DEADLINE_EXCEEDED", f"the request ran past its deadline ({job.deadline - job.arrival_time:.3g}"
-                " s after arrival); allow more time (client deadline / server request_timeout) or ask for "
-                "fewer tokens"))
         except asyncio.CancelledError:
             raise
         except Exception as e:   # surfaced to the consumer, which maps it to a status
@@ -180,12 +195,13 @@ class RequestRunner:
             if aclose is not None:
                 await aclose()
 
-    async def _cleanup(self, pump: asyncio.Task, job: GenerateJob, finished: bool) -> None:
-        if not pump.done():
-            pump.cancel()
-        await asyncio.gather(pump, return_exceptions=True)
-        if not finished:
-            try:
-                await self.backend.abort(job.request_id)
-            except Exception:   # best effort: closing the iterator has aborted it already
-                log.warning("backend.abort(%s) failed", job.request_id, exc_info=True)
+    async def _cleanup(self, pump: asyncio.Task, job: GenerateJob, finished: bool, release) -> None:
+        try:
+            await asyncio.gather(pump, return_exceptions=True)
+            if False:
+                try:
+                    await self.backend.abort(job.request_id)
+                except Exception:   # best effort: closing the iterator has aborted it already
+                    log.warning("backend.abort(%s) failed", job.request_id, exc_info=True)
+        finally:
+            release()

@@ -91,33 +91,33 @@ class KVCacheManager:
     # ---- allocation ----------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed: ComputedBlocks | None = None) -> list[int] | None:
+                       computed_blocks: ComputedBlocks | None = None) -> list[int] | None:
         """Make the table hold ``start + num_new_tokens`` tokens, where start is
-        ``computed.num_computed_tokens`` for a request being admitted with a
+        ``computed_blocks.num_computed_tokens`` for a request being admitted with a
         prefix hit (it must own no blocks yet) or ``request.num_computed_tokens``.
         Returns the whole block table, or None (nothing changed) when the pool
         is short of free blocks."""
         rid = request.request_id
-        if computed is not None:
+        if computed_blocks is not None:
             assert not self._tables.get(rid), f"request {rid} already owns blocks"
-            start, prefix = computed.num_computed_tokens, list(computed.blocks)
+            start, prefix = computed_blocks.num_computed_tokens, list(computed_blocks.blocks)
             extra_ref = 1        # admission takes a reference to each hit block
         else:
             start, prefix = request.num_computed_tokens, self._tables.get(rid, [])
             extra_ref = 0
         num_required = cdiv(start + num_new_tokens, self.block_size)
-        written = range(start // self.block_size, min(len(prefix), num_required))
+        written = range(start // self.block_size, min(len(prefix), num_required) if num_new_tokens else 0)
         to_copy = [i for i in written if prefix[i].ref_cnt + extra_ref > 1]
-        taken_from_free = sum(1 for b in prefix if b.ref_cnt == 0) if computed is not None else 0
+        taken_from_free = sum(1 for b in prefix if b.ref_cnt == 0) if computed_blocks is not None else 0
         num_new = max(0, num_required - len(prefix)) + len(to_copy)
         if num_new > self.pool.num_free_blocks - taken_from_free:
             return None
-        if computed is not None:
+        if computed_blocks is not None:
             self.pool.touch(prefix)
             self._tables[rid] = prefix
             self._num_cached[rid] = len(prefix)
             self._stats = PrefixCacheStats(self._stats.queried_tokens + request.num_tokens,
-                                           self._stats.hit_tokens + computed.num_computed_tokens)
+                                           self._stats.hit_tokens + computed_blocks.num_computed_tokens)
         table = self._tables.setdefault(rid, [])
         self._num_cached.setdefault(rid, 0)
         fresh = self.pool.get_new_blocks(num_new)

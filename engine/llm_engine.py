@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -28,6 +29,7 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.engine")
 
+MAX_BUFFERED_EVENTS = 1 << 16
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
 
@@ -68,6 +70,9 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}       # scheduler request id -> sequence
         self._num_preemptions = 0
         self.last_step_tokens = 0                   # tokens computed by the last step()
+        # KV events for the router, bounded: a consumer that falls behind sees an
+        # event-id gap and resyncs from kv_snapshot()
+        self._events: deque[KVEvent] = deque(maxlen=MAX_BUFFERED_EVENTS)
         log.info("KV pool: %s", runner.kv_pool.describe())
 
     @classmethod
@@ -145,6 +150,7 @@ class LLMEngine:
         sampled = {t.request.request_id: [tok] for t, tok in zip(targets, out.token_ids)
                    if t.index == 0 or self._groups[t.group_id].forked}
         self.scheduler.update_from_output(sched, sampled)
+        self._events.extend(self.scheduler.kv.drain_events())
         self._fork_children(targets, out.token_ids)
         return [self._finish_token(t, tok, lp) for t, tok, lp in zip(targets, out.token_ids, out.logprobs)]
 
@@ -205,7 +211,10 @@ class LLMEngine:
                            preemptions=self._num_preemptions)
 
     def drain_kv_events(self) -> list[KVEvent]:
-        return self.scheduler.kv.drain_events()
+        self._events.extend(self.scheduler.kv.drain_events())
+        events = list(self._events)
+        self._events.clear()
+        return events
 
     def kv_snapshot(self) -> KVSnapshot:
         return self.scheduler.kv.snapshot()

@@ -17,9 +17,7 @@ its KV for a remote reader; then exactly one ``release_held`` or
 """
 from __future__ import annotations
 
-import bisect
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,9 +25,8 @@ from engine.block_manager import KVCacheManager, cdiv
 from engine.block_pool import IntegrityError
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request, RequestStatus
+from engine.request_queues import RequestQueues
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
-
-WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 @dataclass(frozen=True)
@@ -71,13 +68,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self._clock = clock
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []             # sorted by arrival (oldest first)
-        self._remote: dict[str, Request] = {}        # WAITING_FOR_REMOTE_KV
-        self._requests: dict[str, Request] = {}      # every unfinished request
-        self._held: dict[str, tuple[Request, float]] = {}   # finished, KV kept: (request, since)
-        self._arrival: dict[str, tuple[float, int]] = {}
-        self._next_seq = 0
+        self.queues = RequestQueues()
+        self.waiting = self.queues.waiting          # FCFS
+        self.running = self.queues.running          # sorted by arrival, oldest first
 
     # ---- admission -----------------------------------------------------------
 
@@ -88,8 +81,6 @@ class Scheduler:
 
     def _register(self, request: Request) -> None:
         rid = request.request_id
-        if rid in self._requests or rid in self._held:
-            raise ValueError(f"request id {rid!r} is already in use; give each request a unique id")
         total = request.num_prompt_tokens + request.sampling_params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"request {rid!r}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
@@ -102,10 +93,8 @@ class Scheduler:
             raise ValueError(f"request {rid!r} may need {total} tokens in one step but "
                              f"max_num_batched_tokens is {self.config.max_num_batched_tokens}; "
                              "enable chunked prefill or raise max_num_batched_tokens")
+        self.queues.register(request)
         request.max_total_tokens = total
-        self._requests[rid] = request
-        self._arrival[rid] = (request.arrival_time, self._next_seq)
-        self._next_seq += 1
 
     # ---- one step ------------------------------------------------------------
 
@@ -167,16 +156,12 @@ class Scheduler:
             request.num_computed_tokens = computed.num_computed_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = computed.num_computed_tokens
-            self._start_running(request)
+            self.queues.start_running(request)
             out.seqs.append(self._seq(request, n, block_ids))
             budget.take(n)
 
     def _seq(self, request: Request, n: int, block_ids: list[int]) -> ScheduledSeq:
         return ScheduledSeq(request, n, block_ids, sample=request.num_computed_tokens + n == request.num_tokens)
-
-    def _start_running(self, request: Request) -> None:
-        request.status = RequestStatus.RUNNING
-        bisect.insort(self.running, request, key=lambda r: self._arrival[r.request_id])
 
     def update_from_output(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Advance each scheduled request; append sampled tokens; cache newly
@@ -185,7 +170,7 @@ class Scheduler:
         updated = []
         for seq in sched.seqs:
             request = seq.request
-            if self._requests.get(request.request_id) is not request \
+            if self.queues.get(request.request_id) is not request \
                     or request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += seq.num_new_tokens
@@ -207,42 +192,33 @@ class Scheduler:
         asks to (``hold_kv_on_finish``, not for aborts). False if unknown."""
         if not status.finished:
             raise ValueError(f"finish_request needs a FINISHED_* status, got {status.name}")
-        request = self._requests.pop(request_id, None)
+        request = self.queues.get(request_id)
         if request is None:
             return False
-        self._unqueue(request)
-        del self._arrival[request_id]
+        self.queues.remove(request)
         request.status = status
         if request.hold_kv_on_finish and status != RequestStatus.FINISHED_ABORTED:
-            self._held[request_id] = (request, self._clock())
+            self.queues.held[request_id] = (request, self._clock())
         else:
             self.kv.free(request)
         return True
 
-    def _unqueue(self, request: Request) -> None:
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            del self._remote[request.request_id]
-        else:
-            self.waiting.remove(request)
-
     def abort_request(self, request_id: str) -> bool:
         """Abort in any state (waiting, running, remote, held); frees its blocks."""
-        if request_id in self._held:
+        if request_id in self.queues.held:
             return self.release_held(request_id)
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     def release_held(self, request_id: str) -> bool:
         """Free a held request's blocks; exactly once (False afterwards)."""
-        entry = self._held.pop(request_id, None)
+        entry = self.queues.held.pop(request_id, None)
         if entry is None:
             return False
         self.kv.free(entry[0])
         return True
 
     def held_since(self, request_id: str) -> float | None:
-        entry = self._held.get(request_id)
+        entry = self.queues.held.get(request_id)
         return entry[1] if entry else None
 
     # ---- n > 1 ---------------------------------------------------------------
@@ -251,7 +227,7 @@ class Scheduler:
         """Add ``child`` (same prompt, its own sampled tokens) sharing the
         parent's computed blocks copy-on-write. Before the parent has computed
         anything the child is simply queued (the prefix cache shares later)."""
-        parent = self._requests.get(parent_id)
+        parent = self.queues.get(parent_id)
         if parent is None:
             raise ValueError(f"unknown request {parent_id!r}: fork a live request")
         if child.prompt_token_ids != parent.prompt_token_ids:
@@ -266,7 +242,7 @@ class Scheduler:
         child.num_computed_tokens = shared
         child.num_cached_tokens = parent.num_cached_tokens
         self.kv.fork(parent, child)
-        self._start_running(child)
+        self.queues.start_running(child)
 
     # ---- remote KV (decode role) ---------------------------------------------
 
@@ -277,15 +253,15 @@ class Scheduler:
         self._register(request)
         computed = self.kv.get_computed_blocks(request, max_tokens=request.num_prompt_tokens)
         block_ids = None
-        if len(self.running) + len(self._remote) < self.config.max_num_seqs:
+        if len(self.running) + len(self.queues.remote) < self.config.max_num_seqs:
             block_ids = self.kv.allocate_slots(
                 request, request.num_prompt_tokens - computed.num_computed_tokens, computed)
         if block_ids is None:
-            del self._requests[request.request_id], self._arrival[request.request_id]
+            self.queues.unregister(request.request_id)
             return None
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.num_cached_tokens = computed.num_computed_tokens
-        self._remote[request.request_id] = request
+        self.queues.remote[request.request_id] = request
         return RemoteAllocation(request.request_id, tuple(block_ids), computed.num_computed_tokens,
                                 len(computed.blocks))
 
@@ -295,7 +271,7 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         request.append_output_token(first_token)
         self.kv.cache_blocks(request, request.num_computed_tokens)
-        self._start_running(request)
+        self.queues.start_running(request)
 
     def remote_kv_failed(self, request_id: str) -> None:
         """The pull failed: free the blocks (pulled ones were never cached) and
@@ -307,7 +283,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _take_remote(self, request_id: str) -> Request:
-        request = self._remote.pop(request_id, None)
+        request = self.queues.remote.pop(request_id, None)
         if request is None:
             raise ValueError(f"request {request_id!r} is not waiting for remote KV")
         return request
@@ -324,11 +300,11 @@ class Scheduler:
 
     @property
     def num_remote(self) -> int:
-        return len(self._remote)
+        return len(self.queues.remote)
 
     @property
     def num_held(self) -> int:
-        return len(self._held)
+        return len(self.queues.held)
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -342,42 +318,13 @@ class Scheduler:
         return self.kv.usage
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return len(self.queues) > 0
 
     def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
+        return self.queues.get(request_id)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        errors: list[str] = []
-        self._check_queues(errors)
+        errors = self.queues.check(self.kv.get_block_ids, self.kv.owners(), self.block_size)
         if errors:
             raise IntegrityError("scheduler: " + "; ".join(errors))
-
-    def _check_queues(self, errors: list[str]) -> None:
-        bs = self.block_size
-        groups = {"running": self.running, "waiting": list(self.waiting), "remote": list(self._remote.values())}
-        ids = [r.request_id for g in groups.values() for r in g]
-        if len(ids) != len(set(ids)) or set(ids) != set(self._requests):
-            errors.append(f"queues {sorted(ids)} disagree with live requests {sorted(self._requests)}")
-        for r in self.running:
-            if r.status != RequestStatus.RUNNING or r.num_computed_tokens >= r.num_tokens \
-                    or len(self.kv.get_block_ids(r.request_id)) < cdiv(r.num_computed_tokens, bs):
-                errors.append(f"running {r.request_id}: {r.status.name}, {r.num_computed_tokens}/"
-                              f"{r.num_tokens} tokens, {len(self.kv.get_block_ids(r.request_id))} blocks")
-        for r in self.waiting:
-            if r.status not in WAITING_STATES or r.num_computed_tokens or self.kv.get_block_ids(r.request_id):
-                errors.append(f"waiting {r.request_id}: {r.status.name}, {r.num_computed_tokens} computed")
-        for r in self._remote.values():
-            if r.status != RequestStatus.WAITING_FOR_REMOTE_KV \
-                    or len(self.kv.get_block_ids(r.request_id)) != cdiv(r.num_prompt_tokens, bs):
-                errors.append(f"remote {r.request_id}: {r.status.name}")
-        for rid, (r, _) in self._held.items():
-            if not r.status.finished:
-                errors.append(f"held {rid} is {r.status.name}")
-        keys = [self._arrival[r.request_id] for r in self.running]
-        if keys != sorted(keys):
-            errors.append("running is not in arrival order")
-        stray = self.kv.owners() - {r.request_id for r in self.running} - set(self._remote) - set(self._held)
-        if stray:
-            errors.append(f"blocks owned by requests that are not running, remote or held: {sorted(stray)}")

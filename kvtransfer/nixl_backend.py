@@ -39,10 +39,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class NixlConfig:
     """progress_thread: NIXL's own progress thread, woken every
-    ``progress_delay_us`` (0 would busy-spin a core). When off, a Python thread
-    progresses the passive side every ``passive_poll_interval_s``.
+    ``progress_delay_us`` (0 would busy-spin a core). When off (the default:
+    faster here, see docs/kvtransfer.md), the reader progresses its own
+    transfer while it polls, and a Python thread progresses the passive side
+    every ``passive_poll_interval_s``.
     ``host`` only picks UCX_NET_DEVICES=lo for loopback (nothing binds to it)."""
-    progress_thread: bool = True
+    progress_thread: bool = False
     progress_delay_us: int = 100
     passive_poll_interval_s: float = 0.0005
     host: str = "127.0.0.1"
@@ -113,16 +115,18 @@ class NixlEngine(TransferEngine):
         super().__init__(name)
         import nixl._bindings as bind
         self.bind, self.config = bind, config
-        self.applied_env = ucx_env.apply_defaults(ucx_env.ucx_defaults(config.host))
-        err = config.error_handling or (
-            "none" if ucx_env.shared_memory_only(os.environ.get("UCX_TLS", "")) else "peer")
         cfg = bind.nixlAgentConfig(config.progress_thread, False)
         cfg.pthrDelay = config.progress_delay_us if config.progress_thread else 0
         if not config.progress_thread:
             cfg.syncMode = bind.NIXL_THREAD_SYNC_STRICT  # our poller thread shares the agent
-        self.agent = bind.nixlAgent(name, cfg)
-        self.agent.createBackend("UCX", {"num_workers": str(config.num_workers),
-                                         "ucx_error_handling_mode": err})
+        with ucx_env.scoped_defaults(ucx_env.ucx_defaults(config.host)) as applied:
+            self.applied_env = applied
+            err = config.error_handling or (
+                "none" if ucx_env.shared_memory_only(os.environ.get("UCX_TLS", "")) else "peer")
+            self.agent = bind.nixlAgent(name, cfg)
+            self.agent.createBackend("UCX", {"num_workers": str(config.num_workers),
+                                             "ucx_error_handling_mode": err})
+        self.error_handling = err
         self.lock = threading.Lock()
         self._mem = {"DRAM": bind.DRAM_SEG, "VRAM": bind.VRAM_SEG}
         self._reg = None

@@ -1,8 +1,12 @@
 """UCX environment defaults, applied only where the user set nothing.
 
-UCX reads ``UCX_*`` variables when a context is created, so these must be in
-``os.environ`` before a NIXL / ucxx backend is created. Any variable the user
-already exported wins; we never overwrite it.
+UCX reads ``UCX_*`` variables when a context is created, so these are put in
+``os.environ`` just for the creation of a NIXL / ucxx backend
+(``scoped_defaults``) and removed afterwards, together with any ``UCX_*``
+variable a library added meanwhile (``import ucxx`` sets four, among them
+``UCX_RNDV_FRAG_MEM_TYPE=cuda``, which made NIXL in the same process 5-10x
+slower on this CPU-only host). Any variable the user exported wins; we never
+overwrite it.
 
 Defaults (measured on a 2-core host, see docs/kvtransfer.md):
 - ``UCX_TLS=cma,tcp,self``: cma moves bytes process-to-process with one copy
@@ -15,9 +19,10 @@ Defaults (measured on a 2-core host, see docs/kvtransfer.md):
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
-from typing import Mapping, MutableMapping, Optional
+from typing import Iterator, Mapping, MutableMapping, Optional
 
 DEFAULT_TLS = "cma,tcp,self"
 # Transports that can carry active messages with peer-failure handling.
@@ -45,6 +50,22 @@ def apply_defaults(defaults: Mapping[str, str],
     applied = {k: v for k, v in defaults.items() if k not in env}
     env.update(applied)
     return applied
+
+
+@contextlib.contextmanager
+def scoped_defaults(defaults: Mapping[str, str]) -> Iterator[dict[str, str]]:
+    """Apply ``defaults`` the user lacks; afterwards restore every UCX_* var."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    applied = apply_defaults(defaults)
+    try:
+        yield applied
+    finally:
+        for key in [k for k in os.environ if k.startswith("UCX_")]:
+            if before.get(key) != os.environ[key]:
+                if key in before:
+                    os.environ[key] = before[key]
+                else:
+                    del os.environ[key]
 
 
 def shared_memory_only(tls: str) -> bool:

@@ -63,13 +63,15 @@ class Frontend:
         return self.engine(lambda e: e.stats().kv_blocks_used)
 
     def wait_idle(self, baseline: int, timeout: float = 60.0) -> None:
-        """Until nothing runs or waits and KV usage is back at `baseline`; then check integrity."""
+        """Until nothing runs or waits, KV usage is back at `baseline` and the frontend holds no
+        admission ticket; then check the engine's integrity."""
         end = time.monotonic() + timeout
         while True:
             s = self.engine(lambda e: e.stats())
-            if s.running == 0 and s.waiting == 0 and s.kv_blocks_used == baseline:
+            queued = self.sample("pdserve_frontend_queue_depth")
+            if s.running == 0 and s.waiting == 0 and s.kv_blocks_used == baseline and queued == 0:
                 break
-            assert time.monotonic() < end, f"engine did not return to idle: {s}, baseline {baseline}"
+            assert time.monotonic() < end, f"not idle: {s}, baseline {baseline}, frontend queue {queued}"
             time.sleep(0.05)
         self.engine(lambda e: e.check_integrity())
 

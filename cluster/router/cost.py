@@ -76,6 +76,18 @@ def transfer_cost(missing_blocks: float, weights: CostWeights) -> float:
     return weights.transfer_block * missing_blocks
 
 
+def decode_node_cost(running: int, kv_usage: float, missing_blocks: float,
+                     queued_prefill_tokens: int, weights: CostWeights) -> float:
+    """Cost of picking a decode node in disaggregated mode, in one call (hot path):
+    ``decode_cost + transfer_cost(missing) + prefill_cost(0, queued)``."""
+    if running < 0 or kv_usage < 0 or missing_blocks < 0 or queued_prefill_tokens < 0:
+        raise ValueError(f"running ({running}), kv_usage ({kv_usage}), missing_blocks "
+                         f"({missing_blocks}) and queued_prefill_tokens ({queued_prefill_tokens}) "
+                         "must be >= 0")
+    return (weights.running * running + weights.kv_usage * kv_usage
+            + weights.transfer_block * missing_blocks + weights.queued_token * queued_prefill_tokens)
+
+
 def should_prefill_locally(uncached_tokens_on_decode: int, prompt_tokens: int,
                            decode_hit_ratio: float, threshold: int, hit_ratio: float) -> bool:
     """Conditional disaggregation: the decode node prefills itself when what it

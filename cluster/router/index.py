@@ -1,9 +1,13 @@
 """`PrefixIndex`: which worker holds which prompt prefix, fed by KV events.
 
 Block hashes are chained (engine/block_hash.py), so one hash names a whole
-prefix and the index can be flat: ``hash -> bitmask of workers holding it``.
-Matching a prompt walks its hashes once, and-ing the masks: O(prompt blocks)
-whatever the number of workers, plus O(1) per worker whose match ends.
+prefix and the index can be flat: one dict ``hash -> packed worker masks``.
+Matching a prompt walks its hashes once, and-ing the masks: one dict lookup
+per prompt block whatever the number of workers, plus O(1) per worker whose
+match ends. The packed value holds three lanes of ``lane`` bits (worker i is
+bit i of each): workers holding the block in any tier, those holding it off
+device (host or disk), and those holding it on disk. Lanes widen (a one-off
+re-encode) when more workers than ``lane`` bits have been seen.
 
 Event protocol (engine/kv_events.py), per worker:
 
@@ -55,23 +59,32 @@ class ApplyResult:
 
 class _Worker:
     """Internal per-worker state (mutable, never handed out)."""
-    __slots__ = ("bit", "blocks", "next_event_id", "needs_resync")
+    __slots__ = ("index", "blocks", "next_event_id", "needs_resync", "set_bits", "keep_bits")
 
-    def __init__(self, bit: int, next_event_id: int) -> None:
-        self.bit = bit
+    def __init__(self, index: int, next_event_id: int, lane: int) -> None:
+        self.index = index
         self.blocks: dict[int, Tier] = {}
         self.next_event_id = next_event_id
         self.needs_resync = False
+        self.set_lane(lane)
+
+    def set_lane(self, lane: int) -> None:
+        """Packed bits this worker contributes per tier, for a lane width."""
+        bit = 1 << self.index
+        self.set_bits = {Tier.DEVICE: bit, Tier.HOST: bit | bit << lane,
+                         Tier.DISK: bit | bit << lane | bit << 2 * lane}
+        self.keep_bits = {t: ~b for t, b in self.set_bits.items()}
 
 
 class PrefixIndex:
     def __init__(self, first_event_id: int = 1) -> None:
         self._first_event_id = first_event_id
-        self._held: dict[int, int] = {}        # hash -> mask of workers holding it (any tier)
-        self._offloaded: dict[int, int] = {}   # hash -> mask of workers holding it off-device
+        self._lane = 64                          # bits per lane in a packed value
+        self._held: dict[int, int] = {}        # hash -> packed masks (see module doc)
         self._workers: dict[str, _Worker] = {}
-        self._bits: dict[str, int] = {}        # worker id -> bit, kept across removal
-        self._ids: list[str] = []              # bit -> worker id
+        self._indices: dict[str, int] = {}     # worker id -> bit index, kept across removal
+        self._ids: list[str] = []              # bit index -> worker id
+        self._match_cache: list[MatchInfo] = []  # MatchInfo(k) for device-only matches
 
     # ---- events ---------------------------------------------------------
     def apply(self, worker_id: str, events: Iterable[KVEvent]) -> ApplyResult:
@@ -118,30 +131,30 @@ class PrefixIndex:
                              "REMOVED or CLEARED")
 
     def _store(self, w: _Worker, hashes: Iterable[int], tier: Tier) -> None:
-        held, off, blocks, bit = self._held, self._offloaded, w.blocks, w.bit
-        device = tier is Tier.DEVICE
+        if not isinstance(tier, Tier):
+            raise ValueError(f"unknown tier {tier!r}: use engine.kv_events.Tier")
+        held, blocks, add, keep = self._held, w.blocks, w.set_bits[tier], w.keep_bits
         for h in hashes:
             prev = blocks.get(h)
+            if prev is tier:
+                continue
             blocks[h] = tier
-            if prev is None:
-                held[h] = held.get(h, 0) | bit
-                if not device:
-                    off[h] = off.get(h, 0) | bit
-            elif (prev is Tier.DEVICE) != device:
-                if device:
-                    _clear_bit(off, h, bit)
-                else:
-                    off[h] = off.get(h, 0) | bit
+            v = held.get(h, 0)
+            if prev is not None:
+                v &= keep[prev]
+            held[h] = v | add
 
     def _remove(self, w: _Worker, hashes: Iterable[int]) -> None:
-        blocks, bit = w.blocks, w.bit
+        held, blocks, keep = self._held, w.blocks, w.keep_bits
         for h in hashes:
             prev = blocks.pop(h, None)
             if prev is None:
                 continue
-            _clear_bit(self._held, h, bit)
-            if prev is not Tier.DEVICE:
-                _clear_bit(self._offloaded, h, bit)
+            v = held[h] & keep[prev]
+            if v:
+                held[h] = v
+            else:
+                del held[h]
 
     def _drop_all(self, w: _Worker) -> None:
         self._remove(w, list(w.blocks))
@@ -151,59 +164,86 @@ class PrefixIndex:
         if w is None:
             if not isinstance(worker_id, str) or not worker_id:
                 raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
-            bit = self._bits.get(worker_id)
-            if bit is None:
-                bit = self._bits[worker_id] = 1 << len(self._ids)
+            index = self._indices.get(worker_id)
+            if index is None:
+                index = self._indices[worker_id] = len(self._ids)
                 self._ids.append(worker_id)
-            w = self._workers[worker_id] = _Worker(bit, self._first_event_id)
+                if index >= self._lane:
+                    self._widen()
+            w = self._workers[worker_id] = _Worker(index, self._first_event_id, self._lane)
         return w
+
+    def _widen(self) -> None:
+        """Double the lane width and re-encode every packed value (rare: O(blocks))."""
+        old, new = self._lane, self._lane * 2
+        low = (1 << old) - 1
+        self._held = {h: (v & low) | ((v >> old) & low) << new | (v >> 2 * old) << 2 * new
+                      for h, v in self._held.items()}
+        self._lane = new
+        for w in self._workers.values():
+            w.set_lane(new)
 
     # ---- queries --------------------------------------------------------
     def match(self, block_hashes: Sequence[int]) -> dict[str, MatchInfo]:
         """Per worker holding at least the first block: its leading prompt
-        blocks by tier. Workers holding nothing are absent."""
+        blocks by tier. Workers holding nothing are absent.
+
+        Off-device blocks are counted per worker with bit-sliced counters
+        (plane k holds bit k of every worker's count), so a block held off
+        device by many workers costs a few integer operations, not one per worker.
+        """
         out: dict[str, MatchInfo] = {}
         if not block_hashes:
             return out
         held = self._held.get
-        off = self._offloaded.get
-        alive = held(block_hashes[0], 0)
-        slow: dict[int, list[int]] = {}          # bit -> [host, disk] counts
+        lane = self._lane
+        lane_mask = (1 << lane) - 1
+        alive = held(block_hashes[0], 0) & lane_mask
+        counts = _SlicedCounts()
         length = 0
         for h in block_hashes:
-            m = held(h, 0) & alive
+            v = held(h, 0)
+            m = v & alive
             if m != alive:
-                self._emit(out, alive & ~m, length, slow)
+                self._emit(out, alive & ~m, length, counts)
                 alive = m
                 if not m:
                     return out
-            o = off(h)
-            if o is not None and o & alive:
-                self._count_slow(o & alive, h, slow)
+            if v > lane_mask:                     # someone holds it off device
+                o = (v >> lane) & alive
+                if o:
+                    counts.seen |= o
+                    d = (v >> 2 * lane) & o
+                    counts.add(counts.host, o & ~d)
+                    if d:
+                        counts.add(counts.disk, d)
             length += 1
-        self._emit(out, alive, length, slow)
+        self._emit(out, alive, length, counts)
         return out
 
-    def _count_slow(self, mask: int, h: int, slow: dict[int, list[int]]) -> None:
-        while mask:
-            low = mask & -mask
-            mask ^= low
-            tier = self._workers[self._ids[low.bit_length() - 1]].blocks[h]
-            counts = slow.setdefault(low, [0, 0])
-            counts[0 if tier is Tier.HOST else 1] += 1
-
-    def _emit(self, out: dict[str, MatchInfo], mask: int, length: int,
-              slow: dict[int, list[int]]) -> None:
+    def _emit(self, out: dict[str, MatchInfo], mask: int, length: int, counts: "_SlicedCounts") -> None:
         ids = self._ids
-        while mask:
-            low = mask & -mask
-            mask ^= low
-            counts = slow.get(low)
-            if counts is None:
-                out[ids[low.bit_length() - 1]] = MatchInfo(length)
-            else:
-                host, disk = counts
-                out[ids[low.bit_length() - 1]] = MatchInfo(length - host - disk, host, disk)
+        slow = mask & counts.seen
+        plain = mask & ~slow
+        if plain:
+            info = self._device_match(length)
+            while plain:
+                low = plain & -plain
+                plain ^= low
+                out[ids[low.bit_length() - 1]] = info
+        while slow:
+            low = slow & -slow
+            slow ^= low
+            i = low.bit_length() - 1
+            host, disk = _SlicedCounts.read(counts.host, i), _SlicedCounts.read(counts.disk, i)
+            out[ids[i]] = MatchInfo(length - host - disk, host, disk)
+
+    def _device_match(self, length: int) -> MatchInfo:
+        """Shared immutable MatchInfo(length): no allocation per worker per match."""
+        cache = self._match_cache
+        while len(cache) <= length:
+            cache.append(MatchInfo(len(cache)))
+        return cache[length]
 
     def worker_blocks(self, worker_id: str) -> Mapping[int, Tier]:
         """Read-only view of the hashes a worker holds and their tiers."""
@@ -235,9 +275,31 @@ class PrefixIndex:
         return len(self._held)
 
 
-def _clear_bit(masks: dict[int, int], h: int, bit: int) -> None:
-    m = masks.get(h, 0) & ~bit
-    if m:
-        masks[h] = m
-    else:
-        masks.pop(h, None)
+class _SlicedCounts:
+    """Per-worker counters as bit planes: plane k of a list holds bit k of
+    every worker's count. Adding a mask is a ripple carry across planes."""
+    __slots__ = ("host", "disk", "seen")
+
+    def __init__(self) -> None:
+        self.host: list[int] = []
+        self.disk: list[int] = []
+        self.seen = 0                      # workers with any off-device block counted
+
+    @staticmethod
+    def add(planes: list[int], mask: int) -> None:
+        k = 0
+        while mask:
+            if k == len(planes):
+                planes.append(0)
+            p = planes[k]
+            planes[k] = p ^ mask
+            mask &= p
+            k += 1
+
+    @staticmethod
+    def read(planes: list[int], bit_index: int) -> int:
+        n = 0
+        for k, p in enumerate(planes):
+            if (p >> bit_index) & 1:
+                n |= 1 << k
+        return n

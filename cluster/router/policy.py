@@ -199,34 +199,39 @@ class PrefixAwarePolicy(RoutingPolicy):
     """Cheapest node by cost.py: cached prefix against queue and decode load."""
     name = "prefix_aware"
 
-    def _uncached(self, req: RoutingRequest, m: MatchInfo | None) -> float:
-        total = req.prompt_tokens / req.block_size
-        if m is None:
-            return total
-        w = self.config.weights
-        return total - C.effective_cached_blocks(m.device_blocks, m.host_blocks, m.disk_blocks, w)
+    def _prefill_costs(self, req: RoutingRequest, workers: Sequence[WorkerView],
+                       matches: Mapping[str, MatchInfo]) -> list[float]:
+        w, bs, get = self.config.weights, req.block_size, matches.get
+        total = req.prompt_tokens / bs
+        costs = []
+        for x in workers:
+            m = get(x.worker_id)
+            if m is None:
+                uncached = total
+            elif m.host_blocks or m.disk_blocks:
+                uncached = total - C.effective_cached_blocks(m.device_blocks, m.host_blocks, m.disk_blocks, w)
+            else:
+                uncached = total - m.device_blocks
+            costs.append(C.prefill_cost(uncached, x.load.queued_prefill_tokens, bs, w))
+        return costs
 
     def pick_prefill(self, req, workers, matches) -> Pick:
-        w, bs, get = self.config.weights, req.block_size, matches.get
-        costs = [C.prefill_cost(self._uncached(req, get(x.worker_id)), x.load.queued_prefill_tokens, bs, w)
-                 for x in workers]
-        return self._select(workers, costs)
+        return self._select(workers, self._prefill_costs(req, workers, matches))
 
     def pick_decode(self, req, workers, matches) -> Pick:
-        w, bs, get = self.config.weights, req.block_size, matches.get
-        n_full = len(req.block_hashes)
+        w, get, n_full = self.config.weights, matches.get, len(req.block_hashes)
         costs = []
         for x in workers:
             m, load = get(x.worker_id), x.load
-            missing = n_full - (m.blocks if m is not None else 0)
-            costs.append(C.decode_cost(load.running, load.kv_usage, w) + C.transfer_cost(missing, w)
-                         + C.prefill_cost(0, load.queued_prefill_tokens, bs, w))
+            missing = n_full - m.blocks if m is not None else n_full
+            costs.append(C.decode_node_cost(load.running, load.kv_usage, missing,
+                                            load.queued_prefill_tokens, w))
         return self._select(workers, costs)
 
     def pick_colocated(self, req, workers, matches) -> Pick:
-        w, bs, get = self.config.weights, req.block_size, matches.get
-        costs = [C.prefill_cost(self._uncached(req, get(x.worker_id)), x.load.queued_prefill_tokens, bs, w)
-                 + C.decode_cost(x.load.running, x.load.kv_usage, w) for x in workers]
+        w = self.config.weights
+        costs = self._prefill_costs(req, workers, matches)
+        costs = [c + C.decode_cost(x.load.running, x.load.kv_usage, w) for c, x in zip(costs, workers)]
         return self._select(workers, costs)
 
 
@@ -239,9 +244,9 @@ class LeastLoadedPolicy(RoutingPolicy):
         return self._select(workers, [C.prefill_cost(0, x.load.queued_prefill_tokens, bs, w) for x in workers])
 
     def pick_decode(self, req, workers, matches) -> Pick:
-        w, bs = self.config.weights, req.block_size
-        return self._select(workers, [C.decode_cost(x.load.running, x.load.kv_usage, w)
-                                      + C.prefill_cost(0, x.load.queued_prefill_tokens, bs, w)
+        w = self.config.weights
+        return self._select(workers, [C.decode_node_cost(x.load.running, x.load.kv_usage, 0,
+                                                         x.load.queued_prefill_tokens, w)
                                       for x in workers])
 
     def pick_colocated(self, req, workers, matches) -> Pick:

@@ -82,7 +82,8 @@ class Router:
         self._clock = clock
         self._slots: dict[str, _Slot] = {}
         self._order: list[str] = []            # worker ids, sorted
-        self._view: ClusterView | None = None
+        self._view: ClusterView | None = None  # None: rebuild from the slots
+        self._pos: dict[str, tuple[str, int]] = {}   # worker in view -> (role, position)
         self._next_expiry: float | None = None
 
     # ---- workers and load -----------------------------------------------
@@ -103,8 +104,7 @@ class Router:
         slot = self._slot(worker_id)
         slot.reported = load
         slot.clear_pending()
-        slot.refresh()
-        self._view = None
+        self._refresh(slot)
 
     def observe_stats(self, stats: WorkerStats, queued_prefill_tokens: int = 0) -> None:
         """Register (if new) and update a worker from its periodic stats report."""
@@ -138,11 +138,30 @@ class Router:
     @property
     def view(self) -> ClusterView:
         if self._view is None:
-            slots = [self._slots[w] for w in self._order]
-            self._view = ClusterView(
-                prefill=tuple(s.view for s in slots if s.pool == "prefill" and s.view.load.alive),
-                decode=tuple(s.view for s in slots if s.pool != "prefill" and s.view.load.alive))
+            live = [self._slots[w].view for w in self._order if self._slots[w].view.load.alive]
+            prefill = tuple(v for v in live if v.pool == "prefill")
+            decode = tuple(v for v in live if v.pool != "prefill")
+            self._pos = {v.worker_id: ("prefill", i) for i, v in enumerate(prefill)}
+            self._pos.update({v.worker_id: ("decode", i) for i, v in enumerate(decode)})
+            self._view = ClusterView(prefill, decode)
         return self._view
+
+    def _refresh(self, slot: _Slot) -> None:
+        """Rebuild one worker's view; patch it into the cluster view in place
+        when its liveness is unchanged (the per-decision path), else rebuild."""
+        was_alive = slot.view.load.alive
+        slot.refresh()
+        pos = self._pos.get(slot.worker_id)
+        if self._view is None or pos is None or not was_alive or not slot.view.load.alive:
+            self._view = None
+            return
+        role, i = pos
+        views = list(getattr(self._view, role))
+        views[i] = slot.view
+        if role == "prefill":
+            self._view = ClusterView(tuple(views), self._view.decode)
+        else:
+            self._view = ClusterView(self._view.prefill, tuple(views))
 
     def _account(self, req: RoutingRequest, d: RoutingDecision, now: float) -> None:
         until = now + self.config.pending_ttl_s
@@ -151,7 +170,6 @@ class Router:
         self._add_pending(d.decode_worker_id, 0, 1, until)
         if self._next_expiry is None:
             self._next_expiry = until
-        self._view = None
 
     def _add_pending(self, worker_id: str, tokens: int, running: int, until: float) -> None:
         slot = self._slots[worker_id]
@@ -159,7 +177,7 @@ class Router:
         slot.pending_running += running
         if slot.pending_until is None:
             slot.pending_until = until
-        slot.refresh()
+        self._refresh(slot)
 
     def _expire(self, now: float) -> None:
         nxt = None
@@ -168,11 +186,10 @@ class Router:
                 continue
             if slot.pending_until <= now:
                 slot.clear_pending()
-                slot.refresh()
+                self._refresh(slot)
             elif nxt is None or slot.pending_until < nxt:
                 nxt = slot.pending_until
         self._next_expiry = nxt
-        self._view = None
 
     def _slot(self, worker_id: str) -> _Slot:
         slot = self._slots.get(worker_id)

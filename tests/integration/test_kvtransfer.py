@@ -129,10 +129,27 @@ nixl_only = pytest.mark.skipif("nixl" not in BACKENDS, reason="nixl not installe
 
 
 def test_idle_engine_does_not_spin_a_core(pair):
-    """NIXL trap 1: its progress thread gets a delay, so an idle agent sleeps
-    (a zero-delay thread costs ~1.0 CPU s per s). Same bar for every backend."""
+    """An idle engine sleeps (NIXL's zero-delay thread would cost ~1.0 CPU s per s)."""
     _, source, _, _ = pair
     assert source.call("idle_cpu", 1.0) < 0.3
+
+
+@pytest.mark.skipif("nixl" not in BACKENDS, reason="nixl not installed")
+def test_nixl_progress_thread_has_a_delay_and_transfers():
+    """Trap 1: with NIXL's progress thread on, we set pthrDelay so it does not spin."""
+    from kvtransfer.nixl_backend import NixlConfig
+    config = NixlConfig(progress_thread=True, progress_delay_us=100)
+    source = Source(spec("nixl", config=config))
+    reader = create_engine("nixl", "reader-thread", config)
+    try:
+        pool = torch.zeros(NUM_BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
+        reader.register_pool(KVPoolLayout.from_tensor(pool))
+        assert reader.read(source.info, [1, 2, 7], [0, 1, 2]).wait(10) is TransferStatus.DONE
+        assert torch.equal(pool[:3], make_pool(source.seed)[[1, 2, 7]])
+        assert source.call("idle_cpu", 1.0) < 0.3
+    finally:
+        reader.close()
+        source.stop()
 
 
 @nixl_only

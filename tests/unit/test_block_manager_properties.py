@@ -177,7 +177,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.held.add(r.request_id)
 
     def _pick(self, data, status):
-        ids = sorted(rid for rid, r in self.s._requests.items() if r.status == status)
+        ids = sorted(rid for rid in self.s.queues.live_ids() if self.s.get_request(rid).status == status)
         return self.s.get_request(data.draw(st.sampled_from(ids))) if ids else None
 
     @rule(data=st.data(), token=st.integers(0, 3))
@@ -212,7 +212,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def abort(self, data):
-        ids = sorted(set(self.s._requests) | self.held)
+        ids = sorted(set(self.s.queues.live_ids()) | self.held)
         if ids:
             rid = data.draw(st.sampled_from(ids))
             assert self.s.abort_request(rid)
@@ -237,7 +237,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.fake.check(r, self.s.kv.get_block_ids(r.request_id), r.num_computed_tokens)
 
     def teardown(self):
-        for rid in sorted(set(self.s._requests) | self.held):
+        for rid in sorted(set(self.s.queues.live_ids()) | self.held):
             assert self.s.abort_request(rid)
         self.s.check_integrity()
         assert not self.s.has_unfinished() and self.s.num_held == 0

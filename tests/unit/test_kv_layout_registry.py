@@ -63,4 +63,4 @@ def test_nixl_config_refuses_busy_spin():
     pytest.importorskip("nixl")
     from kvtransfer.nixl_backend import NixlConfig
     with pytest.raises(ValueError, match="busy-spins"):
-        NixlConfig(progress_delay_us=0)
+        NixlConfig(progress_thread=True, progress_delay_us=0)

@@ -275,3 +275,29 @@ def test_router_config_from_serve_config():
     assert (rc.policy_config.temperature, rc.policy_config.local_prefill_threshold,
             rc.policy_config.local_prefill_hit_ratio) == (0.5, 8, 0.5)
     assert Router(rc, rng=random.Random(0), clock=Clock()).policy.name == "round_robin"
+
+
+def test_view_patched_per_decision_equals_a_full_rebuild():
+    rng = random.Random(11)
+    clock = Clock()
+    r = router(clock=clock)
+    for step in range(300):
+        op = rng.randrange(5)
+        wid = rng.choice(["p0", "p1", "d0", "d1", "d2"])
+        if op == 0 and wid == "d2":
+            r.add_worker("d2", "decode")
+        elif op == 1 and wid in r._slots:
+            r.update_load(wid, WorkerLoad(queued_prefill_tokens=rng.randrange(3000), running=rng.randrange(9),
+                                          kv_usage=rng.random(), alive=rng.random() < 0.8))
+        elif op == 2 and wid in r._slots:
+            r.on_worker_dead(wid)
+        elif op == 3:
+            clock.t += rng.choice([0.1, 3.0, 6.0])
+        else:
+            try:
+                r.route(cold(step, rng.choice([40, 500, 2000])))
+            except NoWorkerAvailable:
+                pass
+        patched = r.view
+        r._view = None                                  # force a rebuild from the slots
+        assert r.view == patched, f"step {step}"

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingState, apply_penalties
+from engine.sampler import TOP_P_CANDIDATES, Sampler, SamplingState, apply_penalties, truncate
 from engine.sampling_params import SamplingParams
 
 V = 64
@@ -115,6 +115,13 @@ def test_top_k_support_is_exactly_the_k_highest():
     assert set(counts) == set(row.topk(5).indices.tolist())
 
 
+def test_top_k_alone_keeps_k_ids_even_when_one_holds_all_the_mass():
+    logits = torch.zeros(1, V)
+    logits[0, 9] = 40.0   # softmax rounds to exactly 1.0 for id 9
+    out = truncate(logits, [state(top_k=3)])
+    assert int(torch.isfinite(out).sum()) == 3
+
+
 def test_top_k_varies_per_row_in_one_batch():
     row = torch.linspace(0, 1, V)
     states = [state(top_k=2) for _ in range(500)] + [state(top_k=6) for _ in range(500)]
@@ -134,6 +141,52 @@ def test_top_p_restricts_to_nucleus_with_renormalised_frequencies():
 
 def test_top_p_always_keeps_the_most_likely_token():
     assert set(draw(log_probs([0.9, 0.1]), 500, top_p=0.05)) == {0}
+
+
+def reference_support(row: torch.Tensor, k: int, p: float) -> set[int]:
+    """Plain per-row top-k then top-p (renormalised over the top-k), by full sort."""
+    order = row.argsort(descending=True).tolist()
+    if k:
+        order = order[:k]
+    if p >= 1.0:
+        return set(order)
+    probs = torch.softmax(row[order].double(), -1).tolist()
+    kept, mass = [], 0.0
+    for tok, pr in zip(order, probs):
+        if kept and mass >= p:
+            break
+        kept.append(tok)
+        mass += pr
+    return set(kept)
+
+
+@pytest.mark.parametrize("scale, k, p", [
+    (8.0, 0, 0.9),      # peaked: the nucleus is among the first candidates
+    (0.3, 0, 0.9),      # flat: the nucleus is far wider than the candidates -> full sort
+    (0.3, 0, 0.999),
+    (2.0, 100, 0.5),    # top-k then top-p inside it
+    (0.3, 1000, 0.95),  # top-k wider than the candidate window
+    (1.0, 7, 1.0),
+])
+def test_top_k_top_p_support_matches_full_sort_reference(scale, k, p):
+    vocab = 4 * TOP_P_CANDIDATES + 17
+    logits = rand_logits(4, seed=int(scale * 10) + k, vocab=vocab) * scale
+    states = [state(top_k=k, top_p=p) for _ in range(4)]
+    out = truncate(logits, states)
+    for r in range(4):
+        got = set(torch.isfinite(out[r]).nonzero().squeeze(1).tolist())
+        assert got == reference_support(logits[r], k, p)
+    if scale == 0.3 and k == 0:
+        assert len(got) > TOP_P_CANDIDATES   # really exercised the fallback
+
+
+def test_mixed_truncation_rows_in_one_batch_match_their_own_reference():
+    vocab = 2 * TOP_P_CANDIDATES
+    logits = rand_logits(4, seed=5, vocab=vocab) * torch.tensor([[8.0], [0.3], [2.0], [1.0]])
+    cfg = [(0, 0.8), (0, 0.95), (300, 0.9), (3, 1.0)]
+    out = truncate(logits, [state(top_k=k, top_p=p) for k, p in cfg])
+    for r, (k, p) in enumerate(cfg):
+        assert set(torch.isfinite(out[r]).nonzero().squeeze(1).tolist()) == reference_support(logits[r], k, p)
 
 
 def test_min_p_drops_tokens_below_fraction_of_max():

@@ -1,0 +1,219 @@
+"""Routing decision overhead with 64 simulated workers and ~1M indexed blocks.
+
+Feeds the real `Router` / `PrefixIndex` with synthetic KV events (shared
+system prompts held by many workers, per-worker conversations extending them,
+tail-first eviction once a worker's cache is full), then times `route()` for
+many 2000-token prompts. The prompt's block hashes are timed apart: the
+frontend computes them once, outside the router.
+
+    .venv/bin/python benchmarks/router_overhead.py [--workers 64] [--blocks 1000000]
+
+Prints one JSON line: decision p50/p99 in microseconds of wall time and of
+thread CPU time (the CPU figure leaves out time the OS gave other processes,
+which dominates wall p99 on a shared machine; ``loadavg_1m`` says how shared),
+hash p50/p99, event ingest rate, index size and memory (tracemalloc of an
+identical index, hash ints included).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import time
+import tracemalloc
+from collections import Counter, deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cluster.router import (PolicyConfig, PrefixIndex, Router, RouterConfig, RoutingRequest,  # noqa: E402
+                            WorkerLoad)
+from engine.block_hash import block_hashes  # noqa: E402
+from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier  # noqa: E402
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class SimWorker:
+    """One worker's cache as the benchmark imagines it: conversations (chains
+    of block hashes) in LRU order, evicted tail first when over capacity."""
+
+    def __init__(self, wid: str, capacity: int) -> None:
+        self.wid = wid
+        self.capacity = capacity
+        self.next_id = 1
+        self.held: set[int] = set()
+        self.convs: deque[list[int]] = deque()
+        self.systems: set[int] = set()
+
+    def store(self, chain: list[int], new_from: int, tier: Tier = Tier.DEVICE) -> list[KVEvent]:
+        fresh = tuple(h for h in chain[new_from:] if h not in self.held)
+        events = []
+        if fresh:
+            events.append(self._event(KVEventKind.STORED, fresh, tier))
+            self.held.update(fresh)
+            self.convs.append(list(fresh))
+        while len(self.held) > self.capacity and self.convs:
+            victim = self.convs.popleft()
+            gone = tuple(reversed([h for h in victim if h in self.held]))
+            self.held.difference_update(gone)
+            if gone:
+                events.append(self._event(KVEventKind.REMOVED, gone, Tier.DEVICE))
+        return events
+
+    def _event(self, kind: KVEventKind, hashes: tuple[int, ...], tier: Tier) -> KVEvent:
+        ev = KVEvent(self.next_id, kind, hashes, None, tier)
+        self.next_id += 1
+        return ev
+
+
+def build(args, router: Router, rng: random.Random) -> dict:
+    bs = args.block_size
+    sys_tokens = [[s * 1_000_003 + t for t in range(args.system_blocks * bs)] for s in range(args.systems)]
+    sys_hashes = [block_hashes(t, bs) for t in sys_tokens]
+    popularity = [1.0 / (s + 1) for s in range(args.systems)]            # Zipf-like
+    workers = [SimWorker(f"w{i:03d}", args.capacity) for i in range(args.workers)]
+    convs: list[tuple[int, list[int], list[int]]] = []                     # (system, tokens, hashes)
+    ingest_s = 0.0
+    n_events = n_blocks = 0
+    base = 10**9
+    rss0 = rss_bytes()
+    while router.index.num_entries < args.blocks:
+        w = rng.choice(workers)
+        s = rng.choices(range(args.systems), popularity)[0]
+        n_new = rng.randint(8, 90)
+        tokens = list(range(base, base + n_new * bs))
+        base += n_new * bs
+        chain = sys_hashes[s] + block_hashes(tokens, bs, parent=sys_hashes[s][-1])
+        tier = Tier.HOST if rng.random() < args.host_share else Tier.DEVICE
+        events = w.store(chain, 0, tier)
+        if len(convs) < 20000:
+            convs.append((s, tokens, chain))
+        t0 = time.perf_counter()
+        res = router.on_events(w.wid, events)
+        ingest_s += time.perf_counter() - t0
+        assert not res.needs_resync, res
+        n_events += len(events)
+        n_blocks += sum(len(e.block_hashes) for e in events)
+    gc.collect()
+    return {"workers_sim": workers, "sys_tokens": sys_tokens, "convs": convs,
+            "ingest_events_per_s": round(n_events / ingest_s), "ingest_blocks_per_s": round(n_blocks / ingest_s),
+            "events": n_events, "index_rss_mb": round((rss_bytes() - rss0) / 2**20, 1)}
+
+
+def make_prompt(args, world: dict, rng: random.Random, i: int) -> list[int]:
+    bs = args.block_size
+    if rng.random() < 0.5 and world["convs"]:                             # a follow-up turn
+        s, tokens, _ = rng.choice(world["convs"])
+        prompt = world["sys_tokens"][s] + tokens
+    else:                                                                  # a new question
+        s = rng.choices(range(args.systems), [1.0 / (k + 1) for k in range(args.systems)])[0]
+        prompt = list(world["sys_tokens"][s])
+    fill = args.prompt_tokens - len(prompt)
+    return prompt[:args.prompt_tokens] + [7 * i + t for t in range(max(0, fill))]
+
+
+def index_bytes(index: PrefixIndex) -> int:
+    """Bytes a PrefixIndex with the same contents allocates (tracemalloc), hash
+    ints included: rebuilt through resync() from fresh copies of the hashes."""
+    tracemalloc.start()
+    copy = PrefixIndex()
+    for wid in index.worker_ids:
+        by_tier: dict[Tier, list[int]] = {}
+        for h, tier in index.worker_blocks(wid).items():
+            by_tier.setdefault(tier, []).append(int.from_bytes(h.to_bytes(8, "little"), "little"))
+        copy.resync(wid, KVSnapshot(0, {t: tuple(v) for t, v in by_tier.items()}))
+        del by_tier
+    copy.match([0])
+    used = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return used
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=64)
+    ap.add_argument("--prefill-share", type=float, default=0.5, help="share of workers in the prefill pool")
+    ap.add_argument("--blocks", type=int, default=1_000_000, help="(worker, block) entries to index")
+    ap.add_argument("--capacity", type=int, default=20_000, help="blocks per worker before eviction")
+    ap.add_argument("--systems", type=int, default=400, help="shared system prompts")
+    ap.add_argument("--system-blocks", type=int, default=32)
+    ap.add_argument("--host-share", type=float, default=0.1, help="share of stores at the host tier")
+    ap.add_argument("--prompt-tokens", type=int, default=2000)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--decisions", type=int, default=20000)
+    ap.add_argument("--policy", default="prefix_aware")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    rng = random.Random(args.seed)
+    router = Router(RouterConfig(policy=args.policy, policy_config=PolicyConfig(temperature=args.temperature)),
+                    rng=random.Random(args.seed + 1), clock=time.monotonic)
+    n_prefill = int(args.workers * args.prefill_share)
+    for i in range(args.workers):
+        router.add_worker(f"w{i:03d}", "prefill" if i < n_prefill else "decode")
+    world = build(args, router, rng)
+    gc.freeze()                                   # long-lived index: keep it out of GC scans
+
+    def report_load(wid: str) -> None:
+        router.update_load(wid, WorkerLoad(queued_prefill_tokens=rng.randint(0, 8000),
+                                           running=rng.randint(0, 64), waiting=rng.randint(0, 8),
+                                           kv_usage=rng.random()))
+
+    for i in range(args.workers):
+        report_load(f"w{i:03d}")
+    route_us, route_cpu_us, hash_us, kinds, cached = [], [], [], Counter(), []
+    load_before = os.getloadavg()[0]
+    for i in range(args.decisions):
+        prompt = make_prompt(args, world, rng, i)
+        t0 = time.perf_counter_ns()
+        hashes = tuple(block_hashes(prompt, args.block_size, None))
+        t1 = time.perf_counter_ns()
+        req = RoutingRequest(f"r{i}", len(prompt), hashes, args.block_size)
+        c2 = time.thread_time_ns()
+        t2 = time.perf_counter_ns()
+        d = router.route(req)
+        t3 = time.perf_counter_ns()
+        c3 = time.thread_time_ns()
+        hash_us.append((t1 - t0) / 1e3)
+        route_us.append((t3 - t2) / 1e3)
+        route_cpu_us.append((c3 - c2) / 1e3)
+        kinds[d.kind.value] += 1
+        cached.append(d.prefill_cached_tokens / len(prompt))
+        if i % 4 == 0:                            # a load report every few decisions
+            report_load(f"w{rng.randrange(args.workers):03d}")
+
+    out = {
+        "bench": "router_overhead", "policy": args.policy, "workers": args.workers,
+        "prefill_workers": n_prefill, "decode_workers": args.workers - n_prefill,
+        "indexed_entries": router.index.num_entries, "unique_blocks": router.index.num_unique_blocks,
+        "prompt_tokens": args.prompt_tokens, "block_size": args.block_size, "decisions": args.decisions,
+        "route_p50_us": round(pct(route_us, 0.50), 1), "route_p99_us": round(pct(route_us, 0.99), 1),
+        "route_mean_us": round(sum(route_us) / len(route_us), 1),
+        "route_cpu_p50_us": round(pct(route_cpu_us, 0.50), 1), "route_cpu_p99_us": round(pct(route_cpu_us, 0.99), 1),
+        "hash_p50_us": round(pct(hash_us, 0.50), 1), "hash_p99_us": round(pct(hash_us, 0.99), 1),
+        "ingest_events_per_s": world["ingest_events_per_s"], "ingest_blocks_per_s": world["ingest_blocks_per_s"],
+        "events": world["events"], "index_mb": round(index_bytes(router.index) / 2**20, 1),
+        "build_rss_delta_mb": world["index_rss_mb"],
+        "decision_kinds": dict(kinds), "mean_prefill_hit_ratio": round(sum(cached) / len(cached), 3),
+        "target_p99_us": 50, "python": platform.python_version(), "machine": platform.machine(),
+        "cpus": os.cpu_count(), "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Start (or join) a Ray cluster and the prefill / decode actor pools."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cluster.config import ServeConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvtransfer.settings import TransferSettings
+
+log = logging.getLogger("pdserve.launcher")
+
+
+@dataclass
+class WorkerRef:
+    worker_id: str
+    pool: str            # "prefill" | "decode" | "colocated"
+    actor: Any           # a Ray actor handle
+    alive: bool = True
+
+
+def engine_config(cfg: ServeConfig) -> EngineConfig:
+    return EngineConfig(
+        model=cfg.model, device=cfg.device, dtype=cfg.dtype,
+        cache=CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_kv_blocks or None,
+                          kv_cache_memory_bytes=cfg.kv_cache_memory_bytes),
+        scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                  max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len))
+
+
+def transfer_settings(cfg: ServeConfig) -> TransferSettings:
+    host = cfg.host if cfg.host not in ("0.0.0.0", "::", "") else _node_ip()
+    return TransferSettings(backend=cfg.transfer_backend, host=host, lease_ttl=cfg.lease_ttl,
+                            timeout=cfg.transfer_timeout)
+
+
+def _node_ip() -> str:
+    import ray.util
+    return ray.util.get_node_ip_address()
+
+
+def init_ray(cfg: ServeConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True,
+                                  runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}})
+    if cfg.address:
+        ray.init(address=cfg.address, **kwargs)
+        return
+    workers = cfg.decode_workers + (0 if cfg.colocated else cfg.prefill_workers)
+    resources = {r: 1000 for r in (cfg.prefill_resource, cfg.decode_resource) if r}
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(workers * cfg.cpus_per_worker + 0.999)),
+             resources=resources, _node_ip_address="127.0.0.1",
+             **({"_temp_dir": cfg.ray_temp_dir} if cfg.ray_temp_dir else {}), **kwargs)
+
+
+def _pythonpath() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+
+
+def _options(cfg: ServeConfig, name: str, resource: str) -> dict[str, Any]:
+    opts: dict[str, Any] = dict(name=name, num_cpus=cfg.cpus_per_worker, max_restarts=3, max_task_retries=0,
+                                max_concurrency=1000,
+                                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.torch_threads)}})
+    if cfg.gpus_per_worker:
+        opts["num_gpus"] = cfg.gpus_per_worker
+    if resource:
+        opts["resources"] = {resource: 1}
+    return opts
+
+
+async def launch_workers(cfg: ServeConfig) -> list[WorkerRef]:
+    """Create the actors and wait until each has loaded its model."""
+    import ray
+
+    from decode_worker.worker import DecodeWorker
+    from prefill_worker.worker import PrefillWorker
+
+    init_ray(cfg)
+    ecfg, tcfg = engine_config(cfg), transfer_settings(cfg)
+    tag = os.urandom(3).hex()
+    refs: list[WorkerRef] = []
+    if cfg.colocated:
+        for i in range(cfg.decode_workers):
+            wid = f"colocated-{i}"
+            actor = ray.remote(DecodeWorker).options(**_options(cfg, f"pdserve-{tag}-{wid}", cfg.decode_resource)) \
+                .remote(wid, ecfg, tcfg, cfg.torch_threads, "colocated")
+            refs.append(WorkerRef(wid, "colocated", actor))
+    else:
+        for i in range(cfg.prefill_workers):
+            wid = f"prefill-{i}"
+            actor = ray.remote(PrefillWorker).options(**_options(cfg, f"pdserve-{tag}-{wid}", cfg.prefill_resource)) \
+                .remote(wid, ecfg, tcfg, cfg.torch_threads)
+            refs.append(WorkerRef(wid, "prefill", actor))
+        for i in range(cfg.decode_workers):
+            wid = f"decode-{i}"
+            actor = ray.remote(DecodeWorker).options(**_options(cfg, f"pdserve-{tag}-{wid}", cfg.decode_resource)) \
+                .remote(wid, ecfg, tcfg, cfg.torch_threads, "decode")
+            refs.append(WorkerRef(wid, "decode", actor))
+    infos = await asyncio.gather(*[r.actor.ready.remote() for r in refs])
+    for r, info in zip(refs, infos):
+        log.info("worker %s ready: %s", r.worker_id, info)
+    return refs

@@ -1,0 +1,253 @@
+"""RayClusterBackend: router + prefill / decode actor pools behind the frontend.
+
+Per request: route -> (remote prefill on P: first token + KV handle) ->
+submit to D (pull missing blocks, or prefill locally) -> stream D's deltas.
+D's outputs arrive on one stream per decode worker (one message per engine
+step) and are fanned out here to per-request queues. Worker reports (load +
+KV events) are polled every `report_interval` and feed the router index and
+the metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from cluster.backend import BackendError, GenerateJob, GenerationBackend, ModelInfoData
+from cluster.config import ServeConfig
+from cluster.launcher import WorkerRef, launch_workers
+from cluster.local_backend import next_delta
+from cluster.metrics import Metrics, WorkerStats
+from cluster.router.policy import DecisionKind, NoWorkerAvailable, RoutingRequest
+from cluster.router.router import Router, RouterConfig
+from engine.outputs import StepDelta
+
+log = logging.getLogger("pdserve.cluster")
+
+
+@dataclass
+class _Inflight:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    decode_id: str | None = None
+    prefill_id: str | None = None
+
+
+class RayClusterBackend(GenerationBackend):
+    def __init__(self, config: ServeConfig, metrics: Metrics, *, report_interval: float = 0.1,
+                 tokenizer=None) -> None:
+        from engine.loader.load import resolve_model_path
+        from engine.tokenizer import Tokenizer
+
+        self.config = config
+        self.metrics = metrics
+        self.model_path = resolve_model_path(config.model or None)
+        self._tokenizer = tokenizer or Tokenizer.load(self.model_path)
+        self.router = Router(RouterConfig.from_serve_config(config), rng=random.Random(0), clock=time.monotonic)
+        self.workers: dict[str, WorkerRef] = {}
+        self._inflight: dict[str, _Inflight] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._report_interval = report_interval
+        self._stopping = False
+
+    # ---------------------------------------------------------------- life
+    async def start(self) -> None:
+        refs = await launch_workers(self.config)
+        for ref in refs:
+            self.workers[ref.worker_id] = ref
+            self.router.add_worker(ref.worker_id, ref.pool)
+        loop = asyncio.get_running_loop()
+        for ref in refs:
+            if ref.pool != "prefill":
+                self._tasks.append(loop.create_task(self._consume(ref)))
+        self._tasks.append(loop.create_task(self._poll_reports()))
+
+    async def stop(self) -> None:
+        import ray
+
+        self._stopping = True
+        for t in self._tasks:
+            t.cancel()
+        for ref in self.workers.values():
+            try:
+                ray.kill(ref.actor)
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------ requests
+    async def generate(self, job: GenerateJob) -> AsyncIterator[StepDelta]:
+        rid = job.request_id
+        if rid in self._inflight:
+            raise BackendError("ALREADY_EXISTS", f"request id {rid!r} is in flight; use a unique id")
+        state = self._inflight[rid] = _Inflight()
+        done = False
+        try:
+            decision = self._route(job)
+            self.metrics.routing.labels(kind=decision.kind.value).inc()
+            decode = self.workers[decision.decode_worker_id]
+            remaining = job.sampling.n
+            handle = None
+            if decision.kind is DecisionKind.REMOTE_PREFILL and job.sampling.n == 1:
+                prefill = self.workers[decision.prefill_worker_id]
+                state.prefill_id = prefill.worker_id
+                result = await self._call(prefill, prefill.actor.prefill.remote(
+                    rid, list(job.prompt_token_ids), job.sampling, job.cache_salt), job.deadline)
+                if result.first.finish_reason:
+                    remaining -= 1
+                done = remaining == 0
+                yield result.first
+                if done:
+                    return
+                handle = result.handle
+            state.decode_id = decode.worker_id
+            sub = await self._call(decode, decode.actor.submit.remote(
+                rid, list(job.prompt_token_ids), job.sampling, job.cache_salt, handle), job.deadline)
+            if handle is not None:
+                self._observe_transfer(sub)
+                if not sub.transferred_blocks:   # nothing read (all cached, or failed): free P now
+                    await self._release_prefill(state, rid)
+                state.prefill_id = None
+            while remaining:
+                item = await next_delta(state.queue, job.deadline)
+                if isinstance(item, BackendError):
+                    raise item
+                if item.finish_reason:
+                    remaining -= 1
+                done = remaining == 0
+                yield item
+        finally:
+            self._inflight.pop(rid, None)
+            if not done:
+                await self._abort_state(rid, state)
+
+    def _route(self, job: GenerateJob):
+        bs = self.config.block_size
+        try:
+            return self.router.route(RoutingRequest(job.request_id, len(job.prompt_token_ids),
+                                                    tuple(job.block_hashes), bs))
+        except NoWorkerAvailable as e:
+            raise BackendError("UNAVAILABLE", f"no worker available: {e}", retry_after_s=1.0) from e
+
+    async def _call(self, ref: WorkerRef, object_ref, deadline: float | None):
+        import ray.exceptions as rex
+
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(object_ref, timeout)
+        except asyncio.TimeoutError:
+            raise BackendError("DEADLINE_EXCEEDED", "the request's deadline passed before it finished") from None
+        except (rex.RayActorError, rex.ActorUnavailableError) as e:
+            self._mark_dead(ref)
+            raise BackendError("UNAVAILABLE", f"worker {ref.worker_id} died; retry the request") from e
+        except rex.RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, ValueError):
+                raise BackendError("INVALID_ARGUMENT", str(cause).splitlines()[-1]) from e
+            raise BackendError("INTERNAL", f"worker {ref.worker_id} failed: {type(cause).__name__}") from e
+
+    async def abort(self, request_id: str) -> None:
+        state = self._inflight.get(request_id)
+        if state is not None:
+            await self._abort_state(request_id, state)
+
+    async def _abort_state(self, rid: str, state: _Inflight) -> None:
+        calls = []
+        if state.decode_id and self.workers[state.decode_id].alive:
+            calls.append(self.workers[state.decode_id].actor.abort.remote(rid))
+        if state.prefill_id and self.workers[state.prefill_id].alive:
+            calls.append(self.workers[state.prefill_id].actor.release.remote(rid))
+        for c in calls:
+            try:
+                await c
+            except Exception:   # a dead worker frees everything anyway
+                pass
+
+    async def _release_prefill(self, state: _Inflight, rid: str) -> None:
+        try:
+            await self.workers[state.prefill_id].actor.release.remote(rid)
+        except Exception:
+            pass
+
+    def _observe_transfer(self, sub) -> None:
+        if sub.error:
+            self.metrics.transfer_failures.inc()
+        if sub.transferred_blocks:
+            self.metrics.transfer_seconds.observe(sub.transfer_seconds)
+            self.metrics.transfer_bytes.observe(sub.transferred_bytes)
+            self.metrics.transfer_blocks.inc(sub.transferred_blocks)
+
+    # ------------------------------------------------------ worker streams
+    async def _consume(self, ref: WorkerRef) -> None:
+        """Fan out one decode worker's per-step batches; survive its restarts."""
+        while not self._stopping:
+            try:
+                gen = ref.actor.output_stream.options(num_returns="streaming").remote()
+                async for obj in gen:
+                    batch = await obj
+                    ref.alive = True
+                    for d in batch:
+                        st = self._inflight.get(d.request_id)
+                        if st is not None:
+                            st.queue.put_nowait(d)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("output stream of %s broke: %s", ref.worker_id, type(e).__name__)
+                self._mark_dead(ref)
+                await asyncio.sleep(0.5)
+
+    def _mark_dead(self, ref: WorkerRef) -> None:
+        if ref.alive:
+            log.warning("worker %s is gone; its requests end with UNAVAILABLE", ref.worker_id)
+        ref.alive = False
+        self.router.on_worker_dead(ref.worker_id)
+        self.metrics.forget_worker(ref.worker_id, ref.pool)
+        err = BackendError("UNAVAILABLE", f"worker {ref.worker_id} died mid-request; retry the request")
+        for st in self._inflight.values():
+            if st.decode_id == ref.worker_id:
+                st.queue.put_nowait(err)
+
+    async def _poll_reports(self) -> None:
+        while not self._stopping:
+            await asyncio.gather(*[self._poll_one(ref) for ref in self.workers.values()])
+            await asyncio.sleep(self._report_interval)
+
+    async def _poll_one(self, ref: WorkerRef) -> None:
+        try:
+            report = await asyncio.wait_for(ref.actor.report.remote(), 5.0)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._mark_dead(ref)
+            return
+        revived = not ref.alive or ref.worker_id not in self.router.index.worker_ids
+        ref.alive = True
+        result = self.router.on_events(ref.worker_id, report.events)
+        if revived or result.needs_resync:
+            try:
+                self.router.on_snapshot(ref.worker_id, await ref.actor.kv_snapshot.remote())
+            except Exception:
+                return
+        s = report.stats
+        stats = WorkerStats(ref.worker_id, ref.pool, s.running, s.waiting, s.kv_blocks_used, s.kv_blocks_total,
+                            s.prefix_queried_tokens, s.prefix_hit_tokens, report.lease_expiries,
+                            report.leases_active, s.preemptions)
+        self.router.observe_stats(stats, queued_prefill_tokens=s.waiting_tokens)
+        self.metrics.observe_worker(stats)
+
+    # ---------------------------------------------------------------- info
+    def model_info(self) -> ModelInfoData:
+        pools: dict[str, int] = {}
+        for ref in self.workers.values():
+            pools[ref.pool] = pools.get(ref.pool, 0) + 1
+        return ModelInfoData(self.model_path.name, self.config.max_model_len, self.config.block_size,
+                             self._tokenizer.vocab_size, pools)
+
+    def tokenizer(self):
+        return self._tokenizer
+
+    async def call_worker(self, worker_id: str, method: str, *args):
+        """Call a worker method by name (tests and admin tools)."""
+        return await getattr(self.workers[worker_id].actor, method).remote(*args)

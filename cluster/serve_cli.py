@@ -1,0 +1,109 @@
+"""`pdserve serve`: the disaggregated cluster behind a gRPC endpoint.
+
+With no arguments: a local Ray cluster, the bundled SmolLM2-135M-Instruct,
+1 prefill and 1 decode worker on the CPU, gRPC on 127.0.0.1:50051 and
+Prometheus metrics on 127.0.0.1:9400. Every option is also a key of the
+YAML file given to --config and an env var PDSERVE_<KEY>; flags win over
+env, env over the file.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+
+from cluster.config import ServeConfig
+
+HELP = {
+    "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)",
+    "device": "torch device of the workers: cpu, cuda, cuda:1 ...",
+    "dtype": "weights and KV dtype: float32, bfloat16 or float16",
+    "block_size": "tokens per KV block (power of two)",
+    "kv_cache_memory": "KV pool size per worker, e.g. 512MiB, 4GiB",
+    "num_kv_blocks": "KV blocks per worker; > 0 overrides --kv-cache-memory",
+    "max_model_len": "longest prompt + output in tokens",
+    "max_num_seqs": "sequences a worker runs at once",
+    "max_num_batched_tokens": "token budget of one engine step (chunked prefill above it)",
+    "host": "address the endpoints (and KV side channels) bind to",
+    "grpc_port": "gRPC port (0 = any free port)",
+    "metrics_port": "Prometheus metrics port (0 = any free port)",
+    "http_port": "OpenAI-compatible HTTP port (0 = off)",
+    "prefill_workers": "prefill actors",
+    "decode_workers": "decode actors (colocated workers with --colocated)",
+    "colocated": "workers run both phases; no KV handoff (for comparison)",
+    "cpus_per_worker": "Ray CPUs each worker actor reserves",
+    "gpus_per_worker": "Ray GPUs each worker actor reserves (set with --device cuda)",
+    "torch_threads": "torch threads inside each worker",
+    "prefill_resource": "Ray custom resource prefill actors request ('' = none)",
+    "decode_resource": "Ray custom resource decode actors request ('' = none)",
+    "router_policy": "prefix_aware, round_robin or least_loaded",
+    "router_temperature": "softmax temperature among near-equal nodes (0 = cheapest)",
+    "local_prefill_threshold": "uncached prompt tokens at or below which the decode node prefills itself",
+    "local_prefill_hit_ratio": "share of the prompt the decode node holds above which it prefills itself",
+    "transfer_backend": "KV transfer backend: auto, nixl, ucxx or tcp",
+    "lease_ttl": "seconds a prefill node keeps handed-off blocks pinned for the reader",
+    "transfer_timeout": "seconds a KV pull may take before the decode node recomputes",
+    "max_queued_requests": "requests admitted at once; more get RESOURCE_EXHAUSTED",
+    "max_queued_tokens": "prompt + output tokens admitted at once; more get RESOURCE_EXHAUSTED",
+    "request_timeout": "default deadline in seconds when the client sets none",
+    "drain_timeout": "on SIGTERM, seconds in-flight requests get to finish",
+    "api_keys_file": "file of 'key tenant' lines; requests then need authorization: Bearer <key>",
+    "tls_cert_file": "server certificate (PEM): turns TLS on",
+    "tls_key_file": "server private key (PEM)",
+    "tls_client_ca_file": "CA (PEM) client certificates must chain to: turns mutual TLS on",
+    "address": "existing Ray cluster to join ('auto', 'ray://...', host:port); empty = start one",
+    "no_ray": "run one colocated engine in this process, without Ray",
+    "ray_temp_dir": "Ray's temp/session directory",
+    "log_level": "DEBUG, INFO, WARNING ...",
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="run the cluster and its gRPC endpoint", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML file of the keys below (flags override it)")
+    defaults = ServeConfig()
+    for f in dataclasses.fields(ServeConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        text = f"{HELP.get(f.name, '')} (default: {default!r})"
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            kind = {"int": int, "float": float}.get(f.type, str)
+            p.add_argument(flag, type=kind, default=None, help=text)
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)}
+    return ServeConfig.from_sources(args.config, overrides=overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(cfg))
+
+
+async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None) -> int:
+    from cluster.server_stack import start_stack
+
+    stack = await start_stack(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    print(stack.banner(), flush=True)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    print("pdserve: draining (new requests get UNAVAILABLE) ...", file=sys.stderr, flush=True)
+    await stack.drain_and_stop(cfg.drain_timeout)
+    return 0

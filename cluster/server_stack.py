@@ -1,0 +1,59 @@
+"""Everything `pdserve serve` runs in its process: backend, gRPC, metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.backend import GenerationBackend
+from cluster.config import ServeConfig
+from cluster.metrics import Metrics
+
+
+@dataclass
+class ServerStack:
+    config: ServeConfig
+    metrics: Metrics
+    backend: GenerationBackend
+    grpc: object
+    metrics_server: object
+
+    def banner(self) -> str:
+        info = self.backend.model_info()
+        pools = ", ".join(f"{n} {k}" for k, n in sorted(info.pools.items()))
+        t = self.grpc.target
+        return (f"pdserve: serving {info.model_name} ({pools}; max_model_len {info.max_model_len})\n"
+                f"  gRPC     {t}   (pdserve.v1.Generation, grpc.health.v1, reflection)\n"
+                f"  metrics  {self.metrics_server.url}\n"
+                f"  try:     pdserve generate --target {t} --chat \"What is the capital of France?\"\n"
+                f"           grpcurl -plaintext {t} list")
+
+    async def drain_and_stop(self, timeout: float) -> None:
+        await self.grpc.stop(grace=timeout)
+        self.metrics_server.stop()
+        await self.backend.stop()
+
+
+def make_backend(cfg: ServeConfig, metrics: Metrics) -> GenerationBackend:
+    if cfg.no_ray:
+        from cluster.launcher import engine_config
+        from cluster.local_backend import LocalEngineBackend
+        return LocalEngineBackend(engine_config(cfg))
+    from cluster.ray_backend import RayClusterBackend
+    return RayClusterBackend(cfg, metrics)
+
+
+async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None) -> ServerStack:
+    from cluster.grpc_auth import ApiKeys, TlsConfig
+    from cluster.grpc_server import serve_grpc
+    from cluster.metrics_server import start_metrics_server
+
+    metrics = Metrics()
+    backend = backend or make_backend(cfg, metrics)
+    await backend.start()
+    keys = ApiKeys.from_file(cfg.api_keys_file) if cfg.api_keys_file else ApiKeys.from_env()
+    tls = (TlsConfig(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file or None)
+           if cfg.tls_cert_file else None)
+    if cfg.tls_cert_file and not cfg.tls_key_file:
+        raise ValueError("tls_cert_file is set but tls_key_file is not: give both")
+    grpc_server = await serve_grpc(backend, cfg, metrics, api_keys=keys, tls=tls)
+    msrv = start_metrics_server(metrics, cfg.host, cfg.metrics_port)
+    return ServerStack(cfg, metrics, backend, grpc_server, msrv)

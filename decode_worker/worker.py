@@ -1,0 +1,149 @@
+"""DecodeWorker: an engine in the decode role. It pulls only the prompt
+blocks it lacks from a prefill node (its own prefix cache counts), then
+joins the request to its continuous batch. Outputs leave through one
+stream per worker: every engine step's deltas as one message.
+
+In colocated mode (or for a conditional local prefill) it prefills itself.
+A plain class; the launcher wraps it with `ray.remote(...)`.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from engine.async_engine import AsyncEngine, WorkerReport
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from kvtransfer.engine import TransferStatus
+from kvtransfer.handle import KVHandle
+from kvtransfer.layout import KVPoolLayout
+from kvtransfer.settings import TransferSettings
+
+log = logging.getLogger("pdserve.decode")
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    """How the request joined this worker. `transferred_blocks` is 0 for a
+    local prefill; `recomputed` is True when a pull failed and the prompt is
+    being recomputed here."""
+    local_prefill: bool
+    cached_blocks: int = 0
+    transferred_blocks: int = 0
+    transferred_bytes: int = 0
+    descriptors: int = 0
+    transfer_seconds: float = 0.0
+    recomputed: bool = False
+    error: str = ""
+
+
+class DecodeWorker:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferSettings,
+                 torch_threads: int = 1, pool: str = "decode") -> None:
+        import torch
+
+        torch.set_num_threads(max(1, torch_threads))
+        self.worker_id = worker_id
+        self.pool = pool
+        self.settings = transfer
+        self.engine = LLMEngine(engine_config)
+        self.aengine = AsyncEngine(self.engine, batch_stream=True)
+        self.transfer = None
+        if pool != "colocated":
+            self.transfer = transfer.create(worker_id)
+            self.transfer.register_pool(KVPoolLayout.from_tensor(self.engine.kv_pool.tensor))
+        # one thread owns every transfer-engine call (backends need not be thread-safe)
+        self._xfer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
+
+    async def ready(self) -> dict:
+        await self.aengine.start()
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "pool": self.pool,
+                "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.engine.block_size}
+
+    async def output_stream(self):
+        """Every engine step's deltas, one list per step (a Ray streaming generator)."""
+        await self.ready()
+        async for batch in self.aengine.step_batches():
+            yield batch
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     cache_salt: str | None = None, handle: KVHandle | None = None) -> SubmitResult:
+        await self.ready()
+        if handle is None:
+            await self.aengine.call(lambda e: e.add_request(request_id, prompt_token_ids, params, cache_salt))
+            return SubmitResult(local_prefill=True)
+        return await self._pull(request_id, prompt_token_ids, params, cache_salt, handle)
+
+    async def _pull(self, request_id, prompt_token_ids, params, cache_salt, handle: KVHandle) -> SubmitResult:
+        deadline = time.monotonic() + self.settings.timeout
+        while True:
+            alloc = await self.aengine.call(lambda e: e.add_remote_request(
+                request_id, prompt_token_ids, params, handle.first_token, cache_salt))
+            if alloc is not None:
+                break
+            if time.monotonic() > deadline:   # no room: queue as a local recompute instead
+                await self.aengine.call(lambda e: _add_with_first_token(e, request_id, prompt_token_ids, params,
+                                                                         cache_salt, handle.first_token))
+                return SubmitResult(local_prefill=True, recomputed=True, error="no free KV blocks in time")
+            await asyncio.sleep(0.005)
+        src = handle.block_ids[alloc.num_cached_blocks:len(alloc.block_ids)]
+        dst = alloc.blocks_to_pull
+        t0 = time.monotonic()
+        status, nbytes, ndesc, err = TransferStatus.DONE, 0, 0, ""
+        if dst:
+            status, nbytes, ndesc, err = await self._read(handle, list(src), list(dst), request_id)
+        elif handle.block_ids:   # nothing to read: tell the source its lease can go
+            status = TransferStatus.DONE
+        seconds = time.monotonic() - t0
+        if status is TransferStatus.DONE:
+            await self.aengine.call(lambda e: e.remote_kv_ready(request_id))
+            return SubmitResult(False, alloc.num_cached_blocks, len(dst), nbytes, ndesc, seconds)
+        log.warning("KV pull of %s failed (%s): recomputing locally", request_id, err or status.value)
+        await self.aengine.call(lambda e: e.remote_kv_failed(request_id))
+        return SubmitResult(False, alloc.num_cached_blocks, 0, 0, ndesc, seconds, recomputed=True,
+                            error=err or status.value)
+
+    async def _read(self, handle: KVHandle, src: list[int], dst: list[int], request_id: str):
+        loop = asyncio.get_running_loop()
+        try:
+            xfer = await loop.run_in_executor(self._xfer_thread, lambda: self.transfer.read(
+                handle.peer, src, dst, notify=request_id.encode()))
+        except Exception as e:   # peer unreachable / gone
+            return TransferStatus.FAILED, 0, 0, f"{type(e).__name__}: {e}"
+        deadline = time.monotonic() + self.settings.timeout
+        while True:
+            status = await loop.run_in_executor(self._xfer_thread, xfer.poll)
+            if status is not TransferStatus.PENDING:
+                return status, xfer.nbytes, xfer.descriptors, xfer.error or ""
+            if time.monotonic() > deadline:
+                await loop.run_in_executor(self._xfer_thread, xfer.abandon)
+                return TransferStatus.TIMEOUT, 0, xfer.descriptors, "timed out"
+            await asyncio.sleep(0.0002)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.aengine.call(lambda e: e.abort_request(request_id))
+
+    async def report(self) -> WorkerReport:
+        return await self.aengine.report(self.worker_id, self.pool)
+
+    async def kv_snapshot(self):
+        return await self.aengine.call(lambda e: e.kv_snapshot())
+
+    async def check_integrity(self) -> dict:
+        stats = await self.aengine.call(lambda e: (e.check_integrity(), e.stats())[1])
+        return {"kv_blocks_used": stats.kv_blocks_used, "running": stats.running, "waiting": stats.waiting}
+
+
+def _add_with_first_token(engine: LLMEngine, request_id, prompt, params, salt, first_token) -> None:
+    """Recompute locally: the prefill node's first token was already streamed,
+    so it joins the prompt and one fewer token is generated."""
+    from dataclasses import replace
+
+    if params.max_tokens > 1:
+        params = replace(params, max_tokens=params.max_tokens - 1)
+    engine.add_request(request_id, list(prompt) + [first_token], params, salt)

@@ -1,0 +1,38 @@
+"""Transfer settings a worker is started with."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtransfer.registry import available_backends, create_engine
+from kvtransfer.engine import TransferEngine
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    backend: str = "auto"          # "auto" = the fastest installed
+    host: str = "127.0.0.1"        # this node's address: side channels bind here only
+    lease_ttl: float = 30.0
+    timeout: float = 10.0
+
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return available_backends()[0]
+
+    def create(self, name: str) -> TransferEngine:
+        backend = self.resolved_backend()
+        return create_engine(backend, name, _backend_config(backend, self.host))
+
+
+def _backend_config(backend: str, host: str) -> Any:
+    if backend == "nixl":
+        from kvtransfer.nixl_backend import NixlConfig
+        return NixlConfig(host=host)
+    if backend == "tcp":
+        from kvtransfer.tcp_backend import TcpConfig
+        return TcpConfig(host=host)
+    if backend == "ucxx":
+        from kvtransfer.ucxx_backend import UcxxConfig
+        return UcxxConfig(host=host)
+    raise ValueError(f"unknown transfer backend {backend!r}")

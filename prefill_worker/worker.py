@@ -1,0 +1,142 @@
+"""PrefillWorker: an engine in the prefill role, its KV pool registered for
+remote reads, and a lease table that frees every handed-off block exactly
+once (read notification, explicit release, or expiry).
+
+A plain class: the cluster launcher wraps it with `ray.remote(...)` and the
+resources of its pool, so it also runs in-process for tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+
+from engine.async_engine import AsyncEngine, WorkerReport
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import StepDelta
+from engine.sampling_params import SamplingParams
+from kvtransfer.handle import KVHandle
+from kvtransfer.layout import KVPoolLayout
+from kvtransfer.leases import Lease, LeaseTable, ReleaseCause
+from kvtransfer.settings import TransferSettings
+
+log = logging.getLogger("pdserve.prefill")
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """The first token's delta, and the KV handle unless that token ended the request."""
+    first: StepDelta
+    handle: KVHandle | None
+    queue_seconds: float
+    prefill_seconds: float
+
+
+@dataclass(frozen=True)
+class LeaseCounters:
+    active: int
+    expired: int
+    notified: int
+    released: int
+
+
+class PrefillWorker:
+    def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferSettings,
+                 torch_threads: int = 1) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, torch_threads))
+        self.worker_id = worker_id
+        self.settings = transfer
+        self.engine = LLMEngine(engine_config)
+        self.aengine = AsyncEngine(self.engine)
+        self.transfer = transfer.create(worker_id)
+        self.transfer.register_pool(KVPoolLayout.from_tensor(self.engine.kv_pool.tensor))
+        self.leases = LeaseTable(time.monotonic, self._on_lease_end)
+        self._maintenance: asyncio.Task | None = None
+
+    # ------------------------------------------------------------- control
+    async def ready(self) -> dict:
+        await self.aengine.start()
+        if self._maintenance is None:
+            self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "backend": self.transfer.backend_name,
+                "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.engine.block_size}
+
+    def peer_info(self):
+        return self.transfer.peer_info()
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      cache_salt: str | None = None) -> PrefillResult:
+        """Compute the prompt's KV and its first token; pin the blocks for a reader."""
+        await self.ready()
+        t0 = time.monotonic()
+        queue = self.aengine.subscribe(request_id)
+        try:
+            await self.aengine.call(lambda e: e.add_request(request_id, prompt_token_ids, params, cache_salt,
+                                                            prefill_only=True))
+            first: StepDelta = await queue.get()
+        except BaseException:
+            await self.aengine.call(lambda e: e.abort_request(request_id))
+            raise
+        finally:
+            self.aengine.unsubscribe(request_id)
+        t1 = time.monotonic()
+        block_ids = await self.aengine.call(lambda e: e.held_block_ids(request_id))
+        handle = None
+        if first.finish_reason:       # the first token ended it: nobody will read the KV
+            await self.aengine.call(lambda e: e.release_held(request_id))
+        else:
+            self.leases.pin(request_id, block_ids, self.settings.lease_ttl)
+            handle = KVHandle(request_id, self.transfer.peer_info(), tuple(block_ids), len(prompt_token_ids),
+                              first.new_token_ids[0], self.settings.lease_ttl)
+        return PrefillResult(first, handle, queue_seconds=0.0, prefill_seconds=t1 - t0)
+
+    async def release(self, request_id: str) -> bool:
+        """The decode side will not read (cancelled, or it recomputed): free now."""
+        if self.leases.release(request_id, ReleaseCause.RELEASED):
+            return True
+        return await self.aengine.call(lambda e: e.abort_request(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.release(request_id)
+
+    # ----------------------------------------------------------- reporting
+    async def report(self) -> WorkerReport:
+        report = await self.aengine.report(self.worker_id, "prefill")
+        return replace(report, leases_active=len(self.leases),
+                       lease_expiries=self.leases.releases[ReleaseCause.EXPIRED])
+
+    async def kv_snapshot(self):
+        return await self.aengine.call(lambda e: e.kv_snapshot())
+
+    def lease_counters(self) -> LeaseCounters:
+        r = self.leases.releases
+        return LeaseCounters(len(self.leases), r[ReleaseCause.EXPIRED], r[ReleaseCause.NOTIFIED],
+                             r[ReleaseCause.RELEASED])
+
+    async def check_integrity(self) -> dict:
+        """Raise if the engine's pools are inconsistent; return block usage."""
+        stats = await self.aengine.call(lambda e: (e.check_integrity(), e.stats())[1])
+        return {"kv_blocks_used": stats.kv_blocks_used, "held": stats.held, "leases": len(self.leases)}
+
+    # ------------------------------------------------------------- internal
+    def _on_lease_end(self, lease: Lease, cause: ReleaseCause) -> None:
+        # may run on any thread: hand the free to the engine thread
+        self.aengine.post(lambda e: e.release_held(lease.request_id))
+        if cause is ReleaseCause.EXPIRED:
+            log.warning("lease of %s expired unread: %d blocks freed", lease.request_id, len(lease.block_ids))
+
+    async def _maintain(self) -> None:
+        """Read notifications (this also progresses a passive transfer side) and expire leases."""
+        while True:
+            try:
+                for note in self.transfer.get_notifications():
+                    self.leases.release_by_notification(note.message)
+                self.leases.expire_due()
+            except Exception:  # keep the worker alive; the lease expiry is the backstop
+                log.exception("prefill maintenance")
+            await asyncio.sleep(0.001)
