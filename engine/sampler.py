@@ -46,11 +46,14 @@ class SamplingState:
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_token_ids: Sequence[int] = (),
-               output_token_ids: list[int] | None = None, device: torch.device | str = "cpu") -> SamplingState:
+               output_token_ids: list[int] | None = None, device: torch.device | str = "cpu",
+               sample_index: int = 0) -> SamplingState:
+        """``sample_index`` (0..n-1) offsets the seed, as vLLM does, so the n
+        samples of one seeded prompt differ yet each is reproducible."""
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(params.seed)
+            gen.manual_seed(params.seed + sample_index)
         return cls(params, prompt_token_ids, output_token_ids if output_token_ids is not None else [], gen)
 
     @property

@@ -62,7 +62,6 @@ class AttentionBackend(ABC):
 # name -> "module:Class"; imported lazily so optional backends cost nothing
 _BACKENDS = MappingProxyType({
     "torch_paged": "engine.attention.torch_paged:TorchPagedAttention",
-    "cpp_paged": "engine.attention.cpp_paged:CppPagedAttention",
 })
 
 

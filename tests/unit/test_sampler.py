@@ -108,6 +108,19 @@ def test_different_seeds_differ_and_unseeded_draws_vary():
     assert len(set(sampler().sample(logits, [state() for _ in range(200)]).token_ids)) > 20
 
 
+def test_n_samples_of_a_seeded_prompt_differ_but_reproduce():
+    params, logits = SamplingParams(seed=3, n=2), torch.zeros(2, 1000)
+
+    def two_samples() -> list[tuple[int, ...]]:
+        states = [SamplingState.create(params, [1], sample_index=i) for i in range(2)]
+        smp = sampler()
+        steps = [smp.sample(logits, states).token_ids for _ in range(6)]
+        return list(zip(*steps))
+
+    first = two_samples()
+    assert first == two_samples() and first[0] != first[1]
+
+
 # ---------------------------------------------------------------- truncation
 def test_top_k_support_is_exactly_the_k_highest():
     row = torch.linspace(0, 3, V)[torch.randperm(V, generator=torch.Generator().manual_seed(3))]

@@ -1,0 +1,49 @@
+"""A real pdserve stack (Ray actors, gRPC, metrics) on its own event-loop thread."""
+from __future__ import annotations
+
+import time
+import urllib.request
+
+from cluster.config import ServeConfig
+from cluster.server_stack import ServerStack, start_stack
+from grpc_harness import LoopThread
+
+
+class Cluster:
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.loop = LoopThread()
+        self.stack: ServerStack = self.loop.run(start_stack(cfg), timeout=300)
+        self.backend = self.stack.backend
+
+    @property
+    def target(self) -> str:
+        return self.stack.grpc.target
+
+    def call(self, worker_id: str, method: str, *args):
+        return self.loop.run(self.backend.call_worker(worker_id, method, *args))
+
+    def sample(self, name: str, **labels) -> float:
+        return self.stack.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(self.stack.metrics_server.url, timeout=10) as r:
+            return r.read().decode()
+
+    def wait_idle(self, timeout: float = 60.0) -> dict:
+        """Until every worker holds no blocks and runs nothing; integrity checked."""
+        end = time.monotonic() + timeout
+        while True:
+            states = {w: self.call(w, "check_integrity") for w in self.backend.workers}
+            if all(s["kv_blocks_used"] == 0 and s.get("running", 0) == 0 and s.get("leases", 0) == 0
+                   for s in states.values()):
+                return states
+            assert time.monotonic() < end, f"workers not idle: {states}"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        try:
+            self.loop.run(self.stack.drain_and_stop(1.0))
+        finally:
+            import ray
+            ray.shutdown()
+            self.loop.close()

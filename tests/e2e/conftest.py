@@ -1,0 +1,3 @@
+import os
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # local test clusters on loopback only

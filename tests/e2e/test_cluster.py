@@ -1,0 +1,152 @@
+"""The disaggregated cluster end to end: real local Ray, real gRPC on
+loopback, real KV transfer, the tiny random Llama."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.client import GenerationClient
+from cluster.config import ServeConfig
+from cluster_harness import Cluster
+from tiny_models import hf_greedy, load_hf_model
+
+pytestmark = pytest.mark.ray
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir, tmp_path_factory):
+    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, grpc_port=0,
+                      metrics_port=0, block_size=BS, prefill_workers=1, decode_workers=1,
+                      ray_temp_dir=str(tmp_path_factory.mktemp("ray")),
+                      # always hand off, so the tests see transfers
+                      local_prefill_threshold=0, local_prefill_hit_ratio=1.0)
+    c = Cluster(cfg)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama_dir):
+    return load_hf_model(tiny_llama_dir)
+
+
+async def _complete(target, ids, max_tokens=10, **kw):
+    async with GenerationClient(target) as c:
+        return await c.complete(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0,
+                                ignore_eos=True, **kw)
+
+
+def test_greedy_over_grpc_matches_transformers_for_8_concurrent(cluster, hf):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (1, 9, 16, 17, 40, 64, 90, 130)]
+
+    async def go():
+        return await asyncio.gather(*[_complete(cluster.target, p) for p in prompts])
+
+    outs = asyncio.run(go())
+    for p, out in zip(prompts, outs):
+        assert out.tokens == hf_greedy(hf, p, 10)
+        assert out.finish_reason == "length"
+    assert cluster.sample("pdserve_routing_decisions_total", kind="remote_prefill") >= 8
+    cluster.wait_idle()
+
+
+def test_decode_node_holding_the_prefix_pulls_fewer_blocks(cluster, hf):
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 380) for _ in range(6 * BS)]
+    first = shared + [rng.randrange(3, 380) for _ in range(20)]
+    second = shared + [rng.randrange(3, 380) for _ in range(20)]
+    blocks0 = cluster.sample("pdserve_kv_transfer_blocks_total")
+    out1 = asyncio.run(_complete(cluster.target, first))
+    cluster.wait_idle()
+    blocks1 = cluster.sample("pdserve_kv_transfer_blocks_total")
+    out2 = asyncio.run(_complete(cluster.target, second))
+    blocks2 = cluster.sample("pdserve_kv_transfer_blocks_total")
+    assert out1.tokens == hf_greedy(hf, first, 10) and out2.tokens == hf_greedy(hf, second, 10)
+    pulled_first, pulled_second = blocks1 - blocks0, blocks2 - blocks1
+    assert pulled_first == -(-len(first) // BS)
+    assert pulled_second == pulled_first - 6, "the decode node's cached prefix must not be pulled again"
+    usage = out2.usage[0]
+    assert usage.cached_tokens >= 6 * BS   # the prefill node hit its cache too
+    cluster.wait_idle()
+
+
+def test_cancel_mid_stream_frees_blocks_on_both_sides(cluster):
+    async def cancel_after_two():
+        async with GenerationClient(cluster.target) as c:
+            got = 0
+            async for _ in c.generate(prompt_token_ids=list(range(3, 100)), max_tokens=400, temperature=0.0,
+                                      ignore_eos=True):
+                got += 1
+                if got == 2:
+                    break
+        return got
+
+    assert asyncio.run(cancel_after_two()) == 2
+    states = cluster.wait_idle()
+    assert states["prefill-0"]["held"] == 0
+
+
+def test_bad_input_is_invalid_argument_and_cluster_stays_up(cluster, hf):
+    async def bad():
+        async with GenerationClient(cluster.target) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await c.complete(prompt_token_ids=[5, 6], max_tokens=0)
+            return ei.value
+
+    err = asyncio.run(bad())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in err.details()
+    assert asyncio.run(_complete(cluster.target, [7, 8, 9])).tokens == hf_greedy(hf, [7, 8, 9], 10)
+
+
+def test_health_model_info_and_metrics(cluster):
+    async def info():
+        async with GenerationClient(cluster.target) as c:
+            return await c.health(), await c.model_info()
+
+    health, mi = asyncio.run(info())
+    assert health == "SERVING"
+    assert mi.block_size == BS and dict(mi.pools) == {"prefill": 1, "decode": 1}
+    before = cluster.sample("pdserve_time_to_first_token_seconds_count")
+    asyncio.run(_complete(cluster.target, [11, 12, 13]))
+    assert cluster.sample("pdserve_time_to_first_token_seconds_count") == before + 1
+    names = {f.name for f in text_string_to_metric_families(cluster.scrape())}
+    for name in ("pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
+                 "pdserve_e2e_request_latency_seconds", "pdserve_kv_transfer_seconds",
+                 "pdserve_kv_transfer_bytes", "pdserve_requests_running", "pdserve_kv_blocks_used",
+                 "pdserve_routing_decisions", "pdserve_requests", "pdserve_prefix_cache_hit_tokens"):
+        assert name in names, name
+
+
+def test_dead_decode_worker_fails_requests_with_unavailable_then_recovers(cluster, hf):
+    import ray
+
+    async def long_request():
+        async with GenerationClient(cluster.target) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                async for r in c.generate(prompt_token_ids=list(range(3, 60)), max_tokens=450,
+                                          temperature=0.0, ignore_eos=True):
+                    if r.token_ids:
+                        ray.kill(cluster.backend.workers["decode-0"].actor, no_restart=False)
+            return ei.value
+
+    err = asyncio.run(asyncio.wait_for(long_request(), 120))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    # Ray restarts the actor; the cluster serves again
+    deadline = asyncio.run(_wait_serving(cluster, hf))
+    assert deadline
+
+
+async def _wait_serving(cluster, hf):
+    for _ in range(120):
+        try:
+            out = await _complete(cluster.target, [21, 22, 23])
+            return out.tokens == hf_greedy(hf, [21, 22, 23], 10)
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(0.5)
+    return False
