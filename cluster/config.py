@@ -75,6 +75,7 @@ class ServeConfig:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1_000_000
     request_timeout: float = 600.0
+    max_migrations: int = 2               # times a request may move after its decode worker died
     drain_timeout: float = 30.0           # SIGTERM: seconds in-flight requests get to finish
     # security (all optional)
     api_keys_file: str = ""               # lines of "key [tenant]"; env PDSERVE_API_KEYS also works

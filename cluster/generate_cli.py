@@ -40,6 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--tls-key", help="client key (PEM) for mutual TLS")
     p.add_argument("--model", default="", help="without --target: HF directory or .gguf to load "
                    "(default: the bundled SmolLM2)")
+    p.add_argument("--kv-cache-memory", default="256MiB",
+                   help="without --target: KV cache budget, e.g. 256MiB (default)")
     p.add_argument("--quiet", action="store_true", help="do not print the usage line on stderr")
     p.set_defaults(func=run)
 
@@ -114,7 +116,11 @@ async def _local(args) -> int:
     from cluster.request_runner import RequestRunner
     from cluster.validation import ChatMessage, GenerateInput, Limits, SamplingInput, ValidationError
 
-    backend = LocalEngineBackend.from_model(args.model)
+    from cluster.config import parse_size
+    from engine.config import CacheConfig, EngineConfig
+
+    cache = CacheConfig(kv_cache_memory_bytes=parse_size(args.kv_cache_memory))
+    backend = LocalEngineBackend(EngineConfig(model=args.model, cache=cache))
     await backend.start()
     try:
         runner = RequestRunner(backend, Metrics(), Limits.from_model(backend.model_info()),

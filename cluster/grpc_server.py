@@ -84,9 +84,9 @@ class GenerationServicer:
         except ValidationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except BackendError as e:
-            if e.retry_after_s is not None:
-                context.set_trailing_metadata((("retry-after-ms", str(max(1, round(e.retry_after_s * 1000)))),))
-            await context.abort(_status(e.code), e.message)
+            hint = () if e.retry_after_s is None else (
+                ("retry-after-ms", str(max(1, round(e.retry_after_s * 1000)))),)
+            await context.abort(_status(e.code), e.message, trailing_metadata=hint)
         except Exception as e:
             if isinstance(e, grpc.aio.AbortError):
                 raise
@@ -94,7 +94,10 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
-        info = self.runner.backend.model_info()
+        try:
+            info = self.runner.backend.model_info()
+        except BackendError as e:
+            await context.abort(_status(e.code), e.message)
         lim = self.runner.limits
         return pb.ModelInfoResponse(model_name=info.model_name, max_model_len=info.max_model_len,
                                     block_size=info.block_size, vocab_size=info.vocab_size,

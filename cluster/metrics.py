@@ -55,6 +55,8 @@ class Metrics:
         self.prompt_tokens = C("pdserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = C("pdserve_generation_tokens", "Tokens generated", registry=r)
         self.routing = C("pdserve_routing_decisions", "Routing decisions by kind", ["kind"], registry=r)
+        self.migrations = C("pdserve_request_migrations", "Requests moved to another decode worker "
+                            "after theirs died", registry=r)
         self.transfer_failures = C("pdserve_transfer_failures", "KV transfers that failed", registry=r)
         self.frontend_queue = G("pdserve_frontend_queue_depth", "Requests admitted and not finished",
                                 registry=r)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from cluster.backend import BackendError, GenerateJob, GenerationBackend, ModelInfoData
@@ -23,6 +23,7 @@ from cluster.local_backend import next_delta
 from cluster.metrics import Metrics, WorkerStats
 from cluster.router.policy import DecisionKind, NoWorkerAvailable, RoutingRequest
 from cluster.router.router import Router, RouterConfig
+from engine.block_hash import block_hashes
 from engine.outputs import StepDelta
 
 log = logging.getLogger("pdserve.cluster")
@@ -33,6 +34,8 @@ class _Inflight:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     decode_id: str | None = None
     prefill_id: str | None = None
+    emitted: list[int] = field(default_factory=list)   # tokens streamed so far (n == 1)
+    migrations: int = 0
 
 
 class RayClusterBackend(GenerationBackend):
@@ -84,9 +87,8 @@ class RayClusterBackend(GenerationBackend):
         state = self._inflight[rid] = _Inflight()
         done = False
         try:
-            decision = self._route(job)
+            decision = self._route(job, job.prompt_token_ids, job.block_hashes)
             self.metrics.routing.labels(kind=decision.kind.value).inc()
-            decode = self.workers[decision.decode_worker_id]
             remaining = job.sampling.n
             handle = None
             if decision.kind is DecisionKind.REMOTE_PREFILL and job.sampling.n == 1:
@@ -98,21 +100,19 @@ class RayClusterBackend(GenerationBackend):
                     remaining -= 1
                 done = remaining == 0
                 yield result.first
+                state.emitted.extend(result.first.new_token_ids)
                 if done:
                     return
                 handle = result.handle
-            state.decode_id = decode.worker_id
-            sub = await self._call(decode, decode.actor.submit.remote(
-                rid, list(job.prompt_token_ids), job.sampling, job.cache_salt, handle), job.deadline)
-            if handle is not None:
-                self._observe_transfer(sub)
-                if not sub.transferred_blocks:   # nothing read (all cached, or failed): free P now
-                    await self._release_prefill(state, rid)
-                state.prefill_id = None
+            await self._submit(job, state, decision.decode_worker_id, handle)
             while remaining:
                 item = await next_delta(state.queue, job.deadline)
                 if isinstance(item, BackendError):
-                    raise item
+                    await self._migrate_or_raise(job, state, item)
+                    continue
+                if state.migrations:
+                    item = replace(item, num_prompt_tokens=len(job.prompt_token_ids))
+                state.emitted.extend(item.new_token_ids)
                 if item.finish_reason:
                     remaining -= 1
                 done = remaining == 0
@@ -122,11 +122,50 @@ class RayClusterBackend(GenerationBackend):
             if not done:
                 await self._abort_state(rid, state)
 
-    def _route(self, job: GenerateJob):
-        bs = self.config.block_size
+    async def _submit(self, job: GenerateJob, state: _Inflight, decode_id: str, handle) -> None:
+        """Join the request to a decode worker (pulling `handle`'s blocks, if any)."""
+        decode = self.workers[decode_id]
+        state.decode_id = decode_id
         try:
-            return self.router.route(RoutingRequest(job.request_id, len(job.prompt_token_ids),
-                                                    tuple(job.block_hashes), bs))
+            sub = await self._call(decode, decode.actor.submit.remote(
+                job.request_id, list(job.prompt_token_ids), job.sampling, job.cache_salt, handle), job.deadline)
+        except BackendError as e:
+            if handle is not None:
+                await self._release_prefill(state, job.request_id)
+            await self._migrate_or_raise(job, state, e)
+            return
+        if handle is not None:
+            self._observe_transfer(sub)
+            if not sub.transferred_blocks:   # nothing read (all cached, or failed): free P now
+                await self._release_prefill(state, job.request_id)
+            state.prefill_id = None
+
+    async def _migrate_or_raise(self, job: GenerateJob, state: _Inflight, err: BackendError) -> None:
+        """A decode worker died: continue on another one from prompt + streamed tokens."""
+        limit = self.config.max_migrations
+        if err.code != "UNAVAILABLE" or job.sampling.n != 1:
+            raise err
+        if state.migrations >= limit:
+            raise BackendError("UNAVAILABLE", f"{err.message} (after {state.migrations} migrations, the "
+                               f"limit set by max_migrations={limit})") from None
+        state.migrations += 1
+        self.metrics.migrations.inc()
+        old = self.workers.get(state.decode_id or "")
+        if old is not None:   # best effort: it may be unreachable rather than dead
+            old.actor.abort.remote(job.request_id)
+        prompt = tuple(job.prompt_token_ids) + tuple(state.emitted)
+        params = replace(job.sampling, max_tokens=job.sampling.max_tokens - len(state.emitted))
+        hashes = tuple(block_hashes(prompt, self.config.block_size, job.cache_salt))
+        decision = self._route(job, prompt, hashes)
+        log.warning("migrating %s to %s after %d tokens", job.request_id, decision.decode_worker_id,
+                    len(state.emitted))
+        await self._submit(replace(job, prompt_token_ids=prompt, sampling=params, block_hashes=hashes),
+                           state, decision.decode_worker_id, None)
+
+    def _route(self, job: GenerateJob, prompt, hashes):
+        try:
+            return self.router.route(RoutingRequest(job.request_id, len(prompt), tuple(hashes),
+                                                    self.config.block_size))
         except NoWorkerAvailable as e:
             raise BackendError("UNAVAILABLE", f"no worker available: {e}", retry_after_s=1.0) from e
 
@@ -186,10 +225,10 @@ class RayClusterBackend(GenerationBackend):
                 gen = ref.actor.output_stream.options(num_returns="streaming").remote()
                 async for obj in gen:
                     batch = await obj
-                    ref.alive = True
+                    ref.alive = True    # the stream's first (empty) batch says it is back
                     for d in batch:
                         st = self._inflight.get(d.request_id)
-                        if st is not None:
+                        if st is not None and st.decode_id == ref.worker_id:   # not a migrated-away copy
                             st.queue.put_nowait(d)
             except asyncio.CancelledError:
                 raise
@@ -199,8 +238,9 @@ class RayClusterBackend(GenerationBackend):
                 await asyncio.sleep(0.5)
 
     def _mark_dead(self, ref: WorkerRef) -> None:
-        if ref.alive:
-            log.warning("worker %s is gone; its requests end with UNAVAILABLE", ref.worker_id)
+        if not ref.alive:   # already handled: its requests were told once
+            return
+        log.warning("worker %s is gone; its requests migrate or end with UNAVAILABLE", ref.worker_id)
         ref.alive = False
         self.router.on_worker_dead(ref.worker_id)
         self.metrics.forget_worker(ref.worker_id, ref.pool)
@@ -222,6 +262,8 @@ class RayClusterBackend(GenerationBackend):
         except Exception:
             self._mark_dead(ref)
             return
+        if not ref.alive and ref.pool != "prefill":
+            return   # a decode worker is back only once its output stream is (see _consume)
         revived = not ref.alive or ref.worker_id not in self.router.index.worker_ids
         ref.alive = True
         result = self.router.on_events(ref.worker_id, report.events)

@@ -197,8 +197,10 @@ class RequestRunner:
 
     async def _cleanup(self, pump: asyncio.Task, job: GenerateJob, finished: bool, release) -> None:
         try:
+            if not pump.done():
+                pump.cancel()
             await asyncio.gather(pump, return_exceptions=True)
-            if False:
+            if not finished:
                 try:
                     await self.backend.abort(job.request_id)
                 except Exception:   # best effort: closing the iterator has aborted it already

@@ -49,6 +49,7 @@ HELP = {
     "max_queued_requests": "requests admitted at once; more get RESOURCE_EXHAUSTED",
     "max_queued_tokens": "prompt + output tokens admitted at once; more get RESOURCE_EXHAUSTED",
     "request_timeout": "default deadline in seconds when the client sets none",
+    "max_migrations": "times a request may continue on another decode worker after its own died",
     "drain_timeout": "on SIGTERM, seconds in-flight requests get to finish",
     "api_keys_file": "file of 'key tenant' lines; requests then need authorization: Bearer <key>",
     "tls_cert_file": "server certificate (PEM): turns TLS on",

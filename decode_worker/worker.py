@@ -68,6 +68,7 @@ class DecodeWorker:
     async def output_stream(self):
         """Every engine step's deltas, one list per step (a Ray streaming generator)."""
         await self.ready()
+        yield []   # tells the consumer the stream is up (after a restart, too)
         async for batch in self.aengine.step_batches():
             yield batch
 

@@ -10,6 +10,12 @@ A request only ever writes into *private* blocks (ref_cnt 1, not cached).
 Before a write into a shared block the manager copies it (copy-on-write: a
 ``(src, dst)`` pair the runner copies before the forward); a cached block
 held by this request alone is simply taken out of the cache.
+
+Tiers (engine/tiers/): a prefix hit may also be found in the host or disk
+tier; admission then pages those blocks into fresh device blocks. A request
+preempted by swap keeps its blocks in pinned host slots (a
+:class:`~engine.tiers.SwapRecord`) and resumes from them. Every data movement,
+copy-on-write copies included, is one ordered move log: ``take_kv_moves()``.
 """
 from __future__ import annotations
 
@@ -18,8 +24,9 @@ from typing import NamedTuple
 
 from engine.block_hash import block_hashes, root_hash
 from engine.block_pool import BlockPool, IntegrityError, KVBlock
-from engine.kv_events import KVEvent, KVSnapshot
+from engine.kv_events import KVEvent, KVSnapshot, Tier
 from engine.request import Request
+from engine.tiers.types import KVMove, SwapRecord, TierCounters, TierEntry, TierSizes
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,13 +34,23 @@ def cdiv(a: int, b: int) -> int:
 
 
 class ComputedBlocks(NamedTuple):
-    """Result of a prefix-cache lookup: hit blocks and the tokens they cover."""
-    blocks: tuple[KVBlock, ...]
+    """Result of a prefix-cache lookup: hit blocks in order and the tokens
+    they cover. A hit is a device block, or a lower-tier entry that admission
+    pages in."""
+    blocks: tuple[KVBlock | TierEntry, ...]
     num_computed_tokens: int
 
     @property
     def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
+        return [b.block_id for b in self.blocks if isinstance(b, KVBlock)]
+
+    @property
+    def num_lower_hits(self) -> int:
+        return sum(1 for b in self.blocks if isinstance(b, TierEntry))
+
+
+class ResumedBlocks(ComputedBlocks):
+    """A swapped-out request's own blocks (host slots), not a prefix hit."""
 
 
 @dataclass(frozen=True)
@@ -47,14 +64,16 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 tier_sizes: TierSizes = TierSizes()) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, tier_sizes)
         self._tables: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}   # leading blocks of each table already offered to the cache
-        self._copies: list[tuple[int, int]] = []
+        self._swapped: dict[str, SwapRecord] = {}
+        self._moves = self.pool.moves
         self._stats = PrefixCacheStats()
 
     # ---- prefix cache lookup -------------------------------------------------
@@ -63,6 +82,10 @@ class KVCacheManager:
         """Longest cached prefix of full blocks, covering at most ``max_tokens``
         tokens (default ``num_tokens - 1``: at least one token is computed so
         its logits can be sampled). Does not take references."""
+        swapped = self._swapped.get(request.request_id)
+        if swapped is not None:
+            entries = tuple(TierEntry(Tier.HOST, slot) for slot in swapped.slots)
+            return ResumedBlocks(entries, swapped.num_tokens)
         limit = request.num_tokens - 1 if max_tokens is None else min(max_tokens, request.num_tokens)
         self.update_block_hashes(request)
         bs, tokens, hits = self.block_size, None, []
@@ -70,7 +93,7 @@ class KVCacheManager:
         for i, block_hash in enumerate(request.block_hashes):
             if i * bs >= limit:
                 break
-            block = self.pool.lookup(block_hash)
+            block = self.pool.lookup(block_hash) or self.pool.lookup_lower(block_hash)
             if block is None or block.parent_hash != parent:
                 break
             tokens = request.all_token_ids if tokens is None else tokens
@@ -107,17 +130,16 @@ class KVCacheManager:
             extra_ref = 0
         num_required = cdiv(start + num_new_tokens, self.block_size)
         written = range(start // self.block_size, min(len(prefix), num_required) if num_new_tokens else 0)
-        to_copy = [i for i in written if prefix[i].ref_cnt + extra_ref > 1]
-        taken_from_free = sum(1 for b in prefix if b.ref_cnt == 0) if computed_blocks is not None else 0
-        num_new = max(0, num_required - len(prefix)) + len(to_copy)
+        lower = [i for i, b in enumerate(prefix) if isinstance(b, TierEntry)]
+        to_copy = [i for i in written if isinstance(prefix[i], KVBlock) and prefix[i].ref_cnt + extra_ref > 1]
+        taken_from_free = sum(1 for b in prefix if isinstance(b, KVBlock) and b.ref_cnt == 0) \
+            if computed_blocks is not None else 0
+        num_new = max(0, num_required - len(prefix)) + len(to_copy) + len(lower)
         if num_new > self.pool.num_free_blocks - taken_from_free:
             return None
         if computed_blocks is not None:
-            self.pool.touch(prefix)
-            self._tables[rid] = prefix
-            self._num_cached[rid] = len(prefix)
-            self._stats = PrefixCacheStats(self._stats.queried_tokens + request.num_tokens,
-                                           self._stats.hit_tokens + computed_blocks.num_computed_tokens)
+            self._admit(request, computed_blocks, prefix, lower, written)
+            num_new -= len(lower)
         table = self._tables.setdefault(rid, [])
         self._num_cached.setdefault(rid, 0)
         fresh = self.pool.get_new_blocks(num_new)
@@ -126,11 +148,29 @@ class KVCacheManager:
         table.extend(fresh)
         return [b.block_id for b in table]
 
+    def _admit(self, request: Request, computed: ComputedBlocks, prefix: list, lower: list[int],
+               written: range) -> None:
+        """Take the hits: a reference to each device hit, fresh device blocks
+        for lower-tier hits (paged in; a swapped request's blocks come back)."""
+        rid = request.request_id
+        self.pool.touch(b for b in prefix if isinstance(b, KVBlock))
+        if lower:
+            paged = self.pool.page_in([prefix[i] for i in lower], [i in written for i in lower])
+            for i, block in zip(lower, paged):
+                prefix[i] = block
+        self._tables[rid] = prefix
+        self._num_cached[rid] = next((i for i, b in enumerate(prefix) if b.block_hash is None), len(prefix))
+        if isinstance(computed, ResumedBlocks):
+            self._swapped.pop(rid)
+        else:
+            self._stats = PrefixCacheStats(self._stats.queried_tokens + request.num_tokens,
+                                           self._stats.hit_tokens + computed.num_computed_tokens)
+
     def _make_writable(self, rid: str, table: list[KVBlock], i: int, fresh: list[KVBlock]) -> None:
         block = table[i]
         if block.ref_cnt > 1:
             dst = fresh.pop()
-            self._copies.append((block.block_id, dst.block_id))
+            self._moves.add(Tier.DEVICE, block.block_id, Tier.DEVICE, dst.block_id)
             table[i] = dst
             self.pool.free_blocks([block])
         elif block.block_hash is not None:
@@ -140,9 +180,14 @@ class KVCacheManager:
         self._num_cached[rid] = min(self._num_cached[rid], i)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
-        """Copy-on-write pairs ``(src, dst)`` made since the last call."""
-        copies, self._copies = self._copies, []
-        return copies
+        """Copy-on-write pairs ``(src, dst)`` made since the last call. Takes the
+        whole move log: with lower tiers in use call :meth:`take_kv_moves`."""
+        return [(m.src, m.dst) for m in self._moves.take() if m.is_copy]
+
+    def take_kv_moves(self) -> list[KVMove]:
+        """Every block move decided since the last call, in order (copy-on-write
+        copies, page-outs, page-ins, swaps); run them before the next forward."""
+        return self._moves.take()
 
     def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> list[int]:
         """Child shares the parent's blocks covering ``num_tokens`` tokens
@@ -158,12 +203,34 @@ class KVCacheManager:
         return [b.block_id for b in shared]
 
     def free(self, request: Request) -> None:
-        """Release a request's blocks, tail first (the tail is evicted first)."""
+        """Release a request's blocks, tail first (the tail is evicted first),
+        and its swapped-out blocks if it has any."""
         table = self._tables.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
-        mine = {b.block_id for b in table}
-        self._copies = [(s, d) for s, d in self._copies if d not in mine]
+        self._moves.drop_copies_into({b.block_id for b in table})
         self.pool.free_blocks(reversed(table))
+        swapped = self._swapped.pop(request.request_id, None)
+        if swapped is not None:
+            self.pool.lower.release_swap(swapped.slots)
+
+    def swap_out(self, request: Request) -> bool:
+        """Preempt by swap: copy the blocks holding the request's computed
+        tokens to pinned host slots and free its device blocks. False (nothing
+        changed) when there is nothing to keep or the host tier has no room."""
+        rid = request.request_id
+        table = self._tables.get(rid, [])
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        slots = self.pool.lower.swap_out(table[:keep]) if keep else None
+        if slots is None:
+            return False
+        self._swapped[rid] = SwapRecord(slots, request.num_computed_tokens)
+        del self._tables[rid], self._num_cached[rid]
+        # pending copies into these blocks stay: the swap-out reads them after
+        self.pool.free_blocks(reversed(table))
+        return True
+
+    def swapped_ids(self) -> set[str]:
+        return set(self._swapped)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Offer the full blocks among the first ``num_tokens`` (computed)
@@ -206,6 +273,10 @@ class KVCacheManager:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self._stats
 
+    @property
+    def tier_counters(self) -> TierCounters:
+        return self.pool.lower.counters
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; blocks in use stay allocated, now private."""
         self.pool.reset_prefix_cache()
@@ -229,5 +300,11 @@ class KVCacheManager:
             if block.ref_cnt != refs.get(block.block_id, 0):
                 errors.append(f"block {block.block_id} has ref_cnt {block.ref_cnt} but "
                               f"{refs.get(block.block_id, 0)} tables hold it")
+        swap_slots = [s for record in self._swapped.values() for s in record.slots]
+        if sorted(swap_slots) != sorted(self.pool.lower.host.pinned_slots()):
+            errors.append(f"swap records hold host slots {sorted(swap_slots)} but the host tier pins "
+                          f"{sorted(self.pool.lower.host.pinned_slots())}")
+        for rid in self._swapped.keys() & self._tables.keys():
+            errors.append(f"request {rid} is swapped out and owns device blocks")
         if errors:
             raise IntegrityError("kv cache manager: " + "; ".join(errors))

@@ -7,16 +7,26 @@ queue head and evicts it (a REMOVED event). Blocks without a hash are worth
 nothing when free, so they go to the queue head and are reused first;
 cached blocks go to the tail (least recently used is evicted first).
 
-The prefix cache itself (hash -> block map and the event log) is a policy
-object: :class:`PrefixCache`, or :class:`NullPrefixCache` when prefix caching
-is off, so no method here checks a flag.
+The prefix cache itself (hash -> block map) is a policy object:
+:class:`PrefixCache`, or :class:`NullPrefixCache` when prefix caching is off,
+so no method here checks a flag. Below the device sit the lower tiers
+(:class:`engine.tiers.LowerTiers`, host then disk, possibly of size 0): an
+evicted cached block moves down instead of vanishing, and a prefix hit there
+is paged back into a fresh device block. Data moves are recorded in order in
+``moves`` (a :class:`~engine.tiers.types.MoveLog`) and executed by the model
+runner before the next forward.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
-from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
+from engine.kv_events import KVEvent, KVEventLog, KVSnapshot, Tier
+from engine.prefix_cache import NullPrefixCache, PrefixCache
+from engine.tiers.hierarchy import LowerTiers
+from engine.tiers.types import MoveLog, TierEntry, TierSizes
+
+__all__ = ["BlockPool", "FreeBlockQueue", "IntegrityError", "KVBlock", "NullPrefixCache", "PrefixCache"]
 
 
 class IntegrityError(AssertionError):
@@ -113,100 +123,21 @@ class FreeBlockQueue:
         return [b.block_id for b in self]
 
 
-class PrefixCache:
-    """Hash -> block map of cached full blocks, plus the KV event log."""
-
-    def __init__(self, tier: Tier = Tier.DEVICE) -> None:
-        self._by_hash: dict[int, KVBlock] = {}
-        self._events: list[KVEvent] = []
-        self._last_event_id = 0
-        self._tier = tier
-
-    def __len__(self) -> int:
-        return len(self._by_hash)
-
-    def lookup(self, block_hash: int) -> KVBlock | None:
-        return self._by_hash.get(block_hash)
-
-    def store(self, blocks: Sequence[KVBlock], hashes: Sequence[int],
-              token_chunks: Sequence[Sequence[int]], parent_hash: int) -> None:
-        """Cache full blocks of one chain; one STORED event per contiguous run
-        of newly stored blocks (a hash another block already holds is skipped)."""
-        run: list[int] = []
-        run_parent = prev = parent_hash
-        for block, block_hash, tokens in zip(blocks, hashes, token_chunks, strict=True):
-            assert block.block_hash is None, f"block {block.block_id} is already cached"
-            if block_hash in self._by_hash:
-                self._emit_stored(run, run_parent)
-                run, run_parent = [], block_hash
-            else:
-                block.block_hash, block.parent_hash, block.token_ids = block_hash, prev, tuple(tokens)
-                self._by_hash[block_hash] = block
-                run.append(block_hash)
-            prev = block_hash
-        self._emit_stored(run, run_parent)
-
-    def evict(self, blocks: Sequence[KVBlock]) -> None:
-        hashes = []
-        for block in blocks:
-            if block.block_hash is not None:
-                hashes.append(block.block_hash)
-                del self._by_hash[block.block_hash]
-                block.forget_hash()
-        if hashes:
-            self._emit(KVEventKind.REMOVED, tuple(hashes))
-
-    def clear(self) -> None:
-        for block in self._by_hash.values():
-            block.forget_hash()
-        self._by_hash.clear()
-        self._emit(KVEventKind.CLEARED)
-
-    def drain_events(self) -> list[KVEvent]:
-        events, self._events = self._events, []
-        return events
-
-    def snapshot(self) -> KVSnapshot:
-        return KVSnapshot(last_event_id=self._last_event_id, blocks={self._tier: tuple(self._by_hash)})
-
-    def check(self, errors: list[str]) -> None:
-        for block_hash, block in self._by_hash.items():
-            if block.block_hash != block_hash:
-                errors.append(f"hash {block_hash:#x} maps to block {block.block_id} "
-                              f"carrying {block.block_hash}")
-
-    def _emit_stored(self, hashes: list[int], parent_hash: int) -> None:
-        if hashes:
-            self._emit(KVEventKind.STORED, tuple(hashes), parent_hash)
-
-    def _emit(self, kind: KVEventKind, hashes: tuple[int, ...] = (), parent: int | None = None) -> None:
-        self._last_event_id += 1
-        self._events.append(KVEvent(self._last_event_id, kind, hashes, parent, self._tier))
-
-
-class NullPrefixCache(PrefixCache):
-    """Prefix caching off: nothing is ever stored, so nothing hits or is evicted."""
-
-    def lookup(self, block_hash: int) -> KVBlock | None:
-        return None
-
-    def store(self, blocks: Sequence[KVBlock], hashes: Sequence[int],
-              token_chunks: Sequence[Sequence[int]], parent_hash: int) -> None:
-        return None
-
-    def clear(self) -> None:
-        return None
-
-
 class BlockPool:
-    """All KV blocks of one node, the free queue and the prefix cache."""
+    """All KV blocks of one node, the free queue, the prefix cache and the
+    lower tiers."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 tier_sizes: TierSizes = TierSizes()) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}; give the KV pool more memory")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cache: PrefixCache = PrefixCache() if enable_caching else NullPrefixCache()
+        self.events = KVEventLog()
+        self.moves = MoveLog()
+        self.cache: PrefixCache = (PrefixCache(Tier.DEVICE, self.events) if enable_caching
+                                   else NullPrefixCache(Tier.DEVICE, self.events))
+        self.lower = LowerTiers(tier_sizes, self.events, self.moves)
 
     @property
     def num_blocks(self) -> int:
@@ -221,16 +152,44 @@ class BlockPool:
         return len(self.cache)
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Pop ``n`` blocks from the queue head (ref_cnt 1), evicting cached ones."""
+        """Pop ``n`` blocks from the queue head (ref_cnt 1); cached ones among
+        them move down a tier (or are dropped when there is none)."""
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks but only {self.num_free_blocks} are free; "
                              "check num_free_blocks before allocating")
         blocks = [self.free_queue.popleft() for _ in range(n)]
-        self.cache.evict(blocks)
+        cached = [b for b in blocks if b.block_hash is not None]
+        if cached:
+            self.lower.demote(cached)
+            self.cache.forget(cached)
         for block in blocks:
             assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
             block.ref_cnt = 1
         return blocks
+
+    def page_in(self, entries: Sequence[TierEntry], keep: Sequence[bool]) -> list[KVBlock]:
+        """Fresh device blocks (ref_cnt 1) for blocks found in a lower tier,
+        with their moves recorded. A cached entry becomes a cached device block
+        (STORED at DEVICE) unless ``keep``: then the lower tier keeps it and the
+        device copy is private (its owner is about to write into it)."""
+        self.lower.claim(entries)
+        blocks = self.get_new_blocks(len(entries))
+        self.lower.finish_page_in(entries, blocks, keep)
+        run: list[tuple[KVBlock, TierEntry]] = []
+        for entry, block, stay in zip(entries, blocks, keep):
+            if entry.is_private or stay:
+                continue
+            if run and entry.parent_hash != run[-1][1].block_hash:
+                self._store_run(run)
+                run = []
+            run.append((block, entry))
+        self._store_run(run)
+        return blocks
+
+    def _store_run(self, run: list[tuple[KVBlock, TierEntry]]) -> None:
+        if run:
+            self.cache.store([b for b, _ in run], [e.block_hash for _, e in run],
+                             [e.token_ids for _, e in run], run[0][1].parent_hash)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference (a cache hit or a fork)."""
@@ -254,23 +213,31 @@ class BlockPool:
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self.cache.lookup(block_hash)
 
+    def lookup_lower(self, block_hash: int) -> TierEntry | None:
+        return self.lower.lookup(block_hash)
+
     def cache_full_blocks(self, blocks: Sequence[KVBlock], hashes: Sequence[int],
                           token_chunks: Sequence[Sequence[int]], parent_hash: int) -> None:
         self.cache.store(blocks, hashes, token_chunks, parent_hash)
+        # the device holds these now (or already did): a lower copy is redundant
+        self.lower.discard([h for h in hashes if self.cache.lookup(h) is not None])
 
     def uncache(self, block: KVBlock) -> None:
         """Take one block out of the prefix cache (its owner will write into it)."""
         self.cache.evict([block])
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use stay allocated, now private)."""
+        """Forget every cached hash in every tier (blocks in use stay
+        allocated, now private; swapped-out blocks stay)."""
         self.cache.clear()
+        self.lower.clear()
 
     def drain_events(self) -> list[KVEvent]:
-        return self.cache.drain_events()
+        return self.events.drain()
 
     def snapshot(self) -> KVSnapshot:
-        return self.cache.snapshot()
+        blocks = {Tier.DEVICE: self.cache.hashes(), **self.lower.snapshot_blocks()}
+        return KVSnapshot(last_event_id=self.events.last_event_id, blocks=blocks)
 
     def check_integrity(self) -> None:
         errors: list[str] = []
@@ -291,5 +258,6 @@ class BlockPool:
                 errors.append(f"block {block.block_id} carries hash {block.block_hash:#x} "
                               "the prefix cache does not map to it")
         self.cache.check(errors)
+        self.lower.check(errors, self.cache.hashes())
         if errors:
             raise IntegrityError("block pool: " + "; ".join(errors))

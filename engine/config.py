@@ -35,6 +35,13 @@ class CacheConfig:
     num_blocks: int | None = None            # explicit count wins over the memory budget
     kv_cache_memory_bytes: int = 1 << 30     # budget for the KV pool when num_blocks is None
     enable_prefix_caching: bool = True
+    # lower tiers (docs/tiering.md): host DRAM, then disk; 0 bytes = off
+    host_kv_memory_bytes: int = 0
+    num_host_blocks: int | None = None       # explicit count wins over host_kv_memory_bytes
+    disk_kv_dir: str = ""                    # directory of the disk tier's file
+    disk_kv_bytes: int = 0                   # the disk tier's file never exceeds this
+    num_disk_blocks: int | None = None       # explicit count wins over disk_kv_bytes
+    preemption_mode: str = "auto"            # auto (cost rule) | swap | recompute
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -43,6 +50,14 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory must be positive, e.g. '1GiB'")
+        for name in ("host_kv_memory_bytes", "disk_kv_bytes", "num_host_blocks", "num_disk_blocks"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 turns the tier off), got {getattr(self, name)}")
+        if (self.disk_kv_bytes or self.num_disk_blocks) and not self.disk_kv_dir:
+            raise ValueError("the disk tier has a size but no directory: set disk_kv_dir "
+                             "(or set disk_kv_bytes to 0)")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RemoteAllocation, Scheduler
 from engine.sequence import SeqGroup, Sequence, make_sequence
+from engine.tiers.cost import PreemptionPolicy, ThroughputMeter
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.engine")
@@ -45,6 +46,16 @@ class EngineStats:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     preemptions: int
+    # tiers (cumulative counts except the *_blocks_used / *_total occupancy)
+    kv_host_blocks_used: int = 0
+    kv_host_blocks_total: int = 0
+    kv_disk_blocks_used: int = 0
+    kv_disk_blocks_total: int = 0
+    kv_page_ins: int = 0               # cached blocks paged back into the device
+    kv_page_outs: int = 0              # cached blocks moved down a tier
+    kv_bytes_moved: int = 0            # between tiers, swaps included
+    swap_preemptions: int = 0
+    recompute_preemptions: int = 0
 
 
 class LLMEngine:
@@ -61,8 +72,12 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer.load(self.model_path)
         self.max_model_len = runner.max_model_len
         self.block_size = runner.block_size
+        # preemption: swap vs recompute at measured host bandwidth / prefill speed
+        self.prefill_speed = ThroughputMeter()
+        policy = PreemptionPolicy(config.cache.preemption_mode, runner.kv_pool.bytes_per_block,
+                                  runner.tiers.bandwidth, self.prefill_speed)
         self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, self.max_model_len,
-                                   clock=clock)
+                                   clock=clock, tier_sizes=runner.tiers.sizes, preemption=policy)
         generator = torch.Generator(device=runner.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -103,6 +118,8 @@ class LLMEngine:
         alloc = self.scheduler.add_remote_request(seq.request)
         if alloc is None:
             return None
+        # page-ins / page-outs land before the pull writes into the blocks
+        self.runner.apply_kv_moves(self.scheduler.kv.take_kv_moves())
         group.forked = True
         seq.stop.process(first_token, seq.detok)   # the prefill node already streamed it
         seq.pending_first_token = first_token    
@@ -140,8 +157,12 @@ class LLMEngine:
         self._num_preemptions += len(sched.preempted_ids)
         self.last_step_tokens = sched.num_tokens
         if sched.is_empty:
+            self.runner.apply_kv_moves(sched.moves())     # e.g. swap-outs of a step that ran nothing
             return []
+        t0 = time.perf_counter()
         logits = self.runner.execute(sched)
+        if any(s.num_new_tokens > 1 for s in sched.seqs):
+            self.prefill_speed.observe(sched.num_tokens, time.perf_counter() - t0)
         sampled_seqs = [self._seqs[s.request.request_id] for s in sched.seqs if s.sample]
         rows, targets = self._expand_forks(sampled_seqs)
         if len(rows) != len(sampled_seqs):
@@ -208,7 +229,16 @@ class LLMEngine:
                            remote_waiting=s.num_remote, held=s.num_held,
                            kv_blocks_used=kv.num_blocks - kv.num_free_blocks, kv_blocks_total=kv.num_blocks,
                            prefix_queried_tokens=pc.queried_tokens, prefix_hit_tokens=pc.hit_tokens,
-                           preemptions=self._num_preemptions)
+                           preemptions=self._num_preemptions, **self._tier_stats())
+
+    def _tier_stats(self) -> dict[str, int]:
+        lower, counters = self.scheduler.kv.pool.lower, self.scheduler.kv.tier_counters
+        return dict(kv_host_blocks_used=lower.host.num_used, kv_host_blocks_total=lower.host.num_slots,
+                    kv_disk_blocks_used=lower.disk.num_used, kv_disk_blocks_total=lower.disk.num_slots,
+                    kv_page_ins=counters.page_ins, kv_page_outs=counters.page_outs,
+                    kv_bytes_moved=self.runner.tiers.stats.bytes_moved,
+                    swap_preemptions=self.scheduler.num_swap_preemptions,
+                    recompute_preemptions=self.scheduler.num_recompute_preemptions)
 
     def drain_kv_events(self) -> list[KVEvent]:
         self._events.extend(self.scheduler.kv.drain_events())

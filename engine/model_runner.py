@@ -16,6 +16,8 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.kv_pool import KVPool
 from engine.model.llama import LlamaForCausalLM
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine.tiers.storage import TierStorage
+from engine.tiers.types import KVMove
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,6 +75,7 @@ class ModelRunner:
         self.model.eval()
         self.kv_pool = KVPool.from_cache_config(model_config, cache_config, device=self.device,
                                                 dtype=self.dtype, max_model_len=self.max_model_len)
+        self.tiers = TierStorage.from_cache_config(cache_config, self.kv_pool)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, attention_backend: str = "torch_paged") -> "ModelRunner":
@@ -146,10 +149,15 @@ class ModelRunner:
                              f"{ctx} tokens of block_size {self.block_size}")
 
     @torch.inference_mode()
+    def apply_kv_moves(self, moves: list[KVMove]) -> None:
+        """Run block moves (copy-on-write, page-outs, page-ins, swaps) in order."""
+        self.tiers.apply(moves)
+
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Copy blocks, run the forward; float32 logits ``[num seqs with sample, vocab]`` in the
-        order those sequences appear in ``sched.seqs``."""
-        self.kv_pool.copy_blocks(sched.block_copies)
+        """Move / copy blocks, run the forward; float32 logits ``[num seqs with sample, vocab]``
+        in the order those sequences appear in ``sched.seqs``."""
+        self.tiers.apply(sched.moves())
         if sched.is_empty:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         inputs = self.build_inputs(sched)

@@ -5,7 +5,8 @@ running requests (decodes and continuing chunked prefills, oldest arrival
 first), then on waiting requests in FCFS order. A request computes the
 tokens between ``num_computed_tokens`` and ``num_tokens``; prefill, decode and
 "KV arrived from a remote node" are the same case. When the pool runs out,
-the most recently arrived running request is preempted by recompute.
+the most recently arrived running request is preempted: by swap to the host
+tier or by recompute, as ``preemption`` (a cost rule) chooses per request.
 
 Protocol (one engine step): ``schedule()`` -> model runner -> sampler ->
 ``update_from_output()`` -> stop checks -> ``finish_request()``.
@@ -27,6 +28,8 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request, RequestStatus
 from engine.request_queues import RequestQueues
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine.tiers.cost import PreemptionMode, PreemptionPolicy
+from engine.tiers.types import TierSizes
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,18 @@ class _StepBudget:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_model_len: int, clock: Callable[[], float] = time.monotonic, *,
+                 tier_sizes: TierSizes = TierSizes(), preemption: PreemptionPolicy | None = None) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                 tier_sizes)
+        self.preemption = preemption or PreemptionPolicy()
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
         self._clock = clock
         self.queues = RequestQueues()
         self.waiting = self.queues.waiting          # FCFS
@@ -104,7 +112,8 @@ class Scheduler:
         self._schedule_running(out, budget)
         if not out.preempted_ids:
             self._schedule_waiting(out, budget)
-        out.block_copies = self.kv.take_block_copies()
+        out.kv_moves = self.kv.take_kv_moves()
+        out.block_copies = [(m.src, m.dst) for m in out.kv_moves if m.is_copy]
         return out
 
     def _chunk(self, remaining: int, budget: _StepBudget) -> int:
@@ -135,7 +144,13 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        self.kv.free(request)
+        num_blocks = cdiv(request.num_computed_tokens, self.block_size)
+        mode = self.preemption.choose(num_blocks, request.num_computed_tokens)
+        if mode is PreemptionMode.SWAP and self.kv.swap_out(request):
+            self.num_swap_preemptions += 1
+        else:
+            self.kv.free(request)
+            self.num_recompute_preemptions += 1
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -326,5 +341,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         errors = self.queues.check(self.kv.get_block_ids, self.kv.owners(), self.block_size)
+        for rid in self.kv.swapped_ids():
+            request = self.queues.get(rid)
+            if request is None or request.status != RequestStatus.PREEMPTED or request not in self.waiting:
+                errors.append(f"swapped-out request {rid} is not waiting as PREEMPTED")
         if errors:
             raise IntegrityError("scheduler: " + "; ".join(errors))

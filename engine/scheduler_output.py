@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import Request
+from engine.tiers.types import KVMove
 
 
 @dataclass
@@ -24,6 +25,14 @@ class SchedulerOutput:
     # block copies the runner performs before the forward (copy-on-write): (src, dst)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # every block move of this step in decision order (copy-on-write copies
+    # included, so block_copies lists its device -> device moves); when empty,
+    # block_copies alone is executed
+    kv_moves: list[KVMove] = field(default_factory=list)
+
+    def moves(self) -> list[KVMove]:
+        """What the runner executes, in order, before the forward."""
+        return self.kv_moves or [KVMove.copy(s, d) for s, d in self.block_copies]
 
     @property
     def num_tokens(self) -> int:

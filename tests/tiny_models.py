@@ -97,12 +97,20 @@ def load_hf_model(path: str | Path, dtype=torch.float32):
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Reference: transformers generate, greedy, ignoring eos."""
+    """Reference: transformers' model with its own KV cache, greedy, for exactly
+    max_new_tokens (eos is neither suppressed nor final, as with ignore_eos;
+    `generate` would suppress eos under min_new_tokens)."""
+    out: list[int] = []
     with torch.no_grad():
         ids = torch.tensor([prompt_ids], dtype=torch.long)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+        past = None
+        for _ in range(max_new_tokens):
+            res = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            token = int(res.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]], dtype=torch.long)
+    return out
 
 
 def hf_llama_from_state(cfg, state):

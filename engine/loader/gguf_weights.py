@@ -36,7 +36,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_SKIPPED = ("rope_freqs.weight",)
 
 
 def _field(reader, key: str, default=None):
@@ -75,6 +74,9 @@ def gguf_model_config(reader, *, name: str = "model") -> ModelConfig:
             _field(reader, f"{arch}.rope.scaling.type") not in ("none", "linear"):
         raise ValueError("this GGUF uses a rope scaling pdserve does not read from GGUF; "
                          "load the Hugging Face directory instead")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError("this GGUF carries llama3 rope frequency factors (rope_freqs.weight), which "
+                         "pdserve does not read from GGUF; load the Hugging Face directory instead")
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     tensor_names = {t.name for t in reader.tensors}
@@ -127,8 +129,6 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
-            if t.name in _SKIPPED:
-                continue
             raise ValueError(f"unexpected tensor {t.name!r} in {path.name}: not a Llama-family GGUF?")
         w = _dequantize(t)
         if permuted and ".q_proj." in name:

@@ -267,3 +267,53 @@ def test_metrics_endpoint_serves_series_and_ttft_rises(fe):
     assert rise("pdserve_requests_total", outcome="finished") == 2
     assert rise("pdserve_generation_tokens_total") == 8
     assert rise("pdserve_prompt_tokens_total") > 0
+
+
+def test_cli_generate_streams_from_a_target(fe, hf, capsys):
+    from cluster.cli import main
+
+    tok = fe.backend.tokenizer()
+    want = tok.decode(hf_greedy(hf, tok.encode("The capital of France is"), 8))
+    rc = main(["generate", "The capital of France is", "--target", fe.target, "--max-tokens", "8",
+               "--temperature", "0", "--ignore-eos"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out == want + "\n" and "[length: prompt" in err
+    rc = main(["generate", "x", "--target", fe.target, "--top-p", "3"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "INVALID_ARGUMENT" in err and "sampling.top_p" in err
+
+
+def test_cli_generate_in_process(tiny_llama_dir, hf, capsys):
+    from cluster.cli import main
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tiny_llama_dir)
+    want = tok.decode(hf_greedy(hf, tok.encode("Once upon a time"), 6))
+    rc = main(["generate", "Once upon a time", "--model", str(tiny_llama_dir), "--max-tokens", "6",
+               "--temperature", "0", "--ignore-eos", "--kv-cache-memory", "16MiB", "--quiet"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out == want + "\n" and err == ""
+
+
+def test_stop_string_and_logprobs(fe, hf):
+    tok = fe.backend.tokenizer()
+    ids = tok.encode("The quick brown fox")
+    full = run(_complete(fe.target, prompt_token_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True,
+                         logprobs=2))
+    assert full.tokens == hf_greedy(hf, ids, 8)
+    stop = tok.decode(full.tokens[3:5])
+    cut = run(_complete(fe.target, prompt_token_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True,
+                        stop=[stop]))
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    assert full.text.startswith(cut.text) and len(cut.text) < len(full.text)
+
+    async def lp():
+        async with GenerationClient(fe.target) as c:
+            return [r async for r in c.generate(prompt_token_ids=ids, max_tokens=3, temperature=0.0, logprobs=2)]
+
+    chunks = run(lp())
+    last = chunks[-1]
+    assert last.stop_string == "" and last.finish_reason
+    per_token = [lp for r in chunks for lp in r.logprobs]
+    assert [p.token_id for p in per_token] == [t for r in chunks for t in r.token_ids]
+    assert all(len(p.top) == 2 and p.logprob <= 0 for p in per_token)

@@ -1,0 +1,15 @@
+"""Fleet simulator: pdserve's own router, schedulers and block managers on a
+virtual clock, with per-node cost models instead of model executors.
+
+- clock.py        `VirtualClock` (injected wherever engine/ and cluster/ read time)
+- events.py       `EventLoop`: single-threaded discrete-event loop
+- cost_model.py   `CostModel` interface, `TableCostModel` (JSON interpolation tables)
+- gpu_profiles.py analytic H100/A100-class tables from published figures
+- workload.py     Mooncake traces, synthetic datasets, time compression, overlays
+- node.py         `SimNode`: a real `Scheduler` with a null executor
+- cluster_sim.py  `ClusterSim`: arrivals -> real `Router` -> prefill -> transfer -> decode
+- metrics.py      TTFT / ITL / e2e, goodput, hit rate, bytes, utilisation
+- measure.py      `--measure`: time real engine steps into a CPU cost table
+- cli.py          `pdserve simulate`
+- plots.py        PNG plots of sweeps
+"""

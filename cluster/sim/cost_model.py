@@ -1,0 +1,214 @@
+"""How long a simulated engine step or KV transfer takes.
+
+One interface (`CostModel`), one implementation filled from interpolation
+tables (`TableCostModel`, loaded from JSON; see docs/simulator.md for the
+format). Tables hold *whole-step* seconds of pure steps:
+
+- ``prefill[new_tokens][cached_tokens]``: a step that only prefills
+  ``new_tokens`` prompt tokens whose sequences already hold ``cached_tokens``
+  of context (token-weighted mean over the chunks of the step);
+- ``decode[batch_size][context_tokens]``: a step of ``batch_size`` decodes
+  whose contexts add up to ``context_tokens``;
+- a mixed step costs ``prefill + decode - step_overhead_s`` (the fixed part
+  is paid once);
+- a transfer costs ``fixed_s + per_descriptor_s * runs + bytes / bandwidth``.
+
+Interpolation is bilinear on each table's grid and linear beyond its edges
+(never below zero).
+"""
+from __future__ import annotations
+
+import abc
+import bisect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from engine.scheduler_output import SchedulerOutput
+
+
+class Table2D:
+    """Bilinear interpolation of ``values[i][j]`` at (xs[i], ys[j]); linear
+    extrapolation outside the grid, clamped at 0."""
+
+    def __init__(self, name: str, xs: Sequence[float], ys: Sequence[float],
+                 values: Sequence[Sequence[float]]) -> None:
+        self.name = name
+        self.xs, self.ys = [float(x) for x in xs], [float(y) for y in ys]
+        self.v = np.asarray(values, dtype=float)
+        if self.v.shape != (len(self.xs), len(self.ys)):
+            raise ValueError(f"table {name!r}: values must be {len(self.xs)} rows x {len(self.ys)} "
+                             f"columns (one row per first-axis point), got shape {self.v.shape}")
+        for axis, pts in (("first", self.xs), ("second", self.ys)):
+            if not pts or any(b <= a for a, b in zip(pts, pts[1:])):
+                raise ValueError(f"table {name!r}: {axis} axis must be non-empty and strictly "
+                                 f"increasing, got {pts}")
+        if np.any(self.v < 0) or not np.all(np.isfinite(self.v)):
+            raise ValueError(f"table {name!r}: seconds must be finite and >= 0")
+
+    @staticmethod
+    def _bracket(pts: list[float], x: float) -> tuple[int, float]:
+        """Index i of the segment [pts[i], pts[i+1]] used for x and the weight of pts[i+1]."""
+        if len(pts) == 1:
+            return 0, 0.0
+        i = min(max(bisect.bisect_right(pts, x) - 1, 0), len(pts) - 2)
+        return i, (x - pts[i]) / (pts[i + 1] - pts[i])
+
+    def __call__(self, x: float, y: float) -> float:
+        i, wx = self._bracket(self.xs, x)
+        j, wy = self._bracket(self.ys, y)
+        v = self.v
+        i1 = min(i + 1, len(self.xs) - 1)
+        j1 = min(j + 1, len(self.ys) - 1)
+        a = v[i, j] + (v[i, j1] - v[i, j]) * wy
+        b = v[i1, j] + (v[i1, j1] - v[i1, j]) * wy
+        return max(0.0, float(a + (b - a) * wx))
+
+    def along_y(self, x: float, ys: np.ndarray) -> np.ndarray:
+        """Values at fixed x for many y (vectorised; same rule as __call__)."""
+        i, wx = self._bracket(self.xs, x)
+        i1 = min(i + 1, len(self.xs) - 1)
+        row = self.v[i] + (self.v[i1] - self.v[i]) * wx
+        grid = np.asarray(self.ys)
+        if len(grid) == 1:
+            return np.maximum(np.full(ys.shape, row[0]), 0.0)
+        j = np.clip(np.searchsorted(grid, ys, side="right") - 1, 0, len(grid) - 2)
+        w = (ys - grid[j]) / (grid[j + 1] - grid[j])
+        return np.maximum(row[j] + (row[j + 1] - row[j]) * w, 0.0)
+
+    def to_json(self, x_name: str, y_name: str) -> dict:
+        return {x_name: self.xs, y_name: self.ys, "seconds": self.v.tolist()}
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    fixed_s: float
+    per_descriptor_s: float
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if self.fixed_s < 0 or self.per_descriptor_s < 0 or self.bandwidth_bytes_per_s <= 0:
+            raise ValueError("transfer: fixed_s and per_descriptor_s must be >= 0 and "
+                             "bandwidth_bytes_per_s > 0 (bytes per second)")
+
+    def seconds(self, descriptors: int, nbytes: int) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return self.fixed_s + self.per_descriptor_s * descriptors + nbytes / self.bandwidth_bytes_per_s
+
+
+class CostModel(abc.ABC):
+    """What the simulator asks of a node's hardware."""
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int
+
+    @abc.abstractmethod
+    def step_seconds(self, sched: SchedulerOutput) -> float:
+        """Duration of one engine step running ``sched`` (before it is applied)."""
+
+    @abc.abstractmethod
+    def decode_run(self, batch: int, context0: int, steps: int) -> np.ndarray:
+        """Durations of ``steps`` consecutive pure-decode steps of ``batch``
+        sequences whose contexts add up to ``context0`` in the first step
+        (each step adds ``batch``)."""
+
+    @abc.abstractmethod
+    def transfer_seconds(self, descriptors: int, nbytes: int) -> float: ...
+
+
+class TableCostModel(CostModel):
+    def __init__(self, name: str, prefill: Table2D, decode: Table2D, step_overhead_s: float,
+                 transfer: TransferCost, kv_bytes_per_token: int, kv_capacity_tokens: int,
+                 meta: dict | None = None) -> None:
+        if step_overhead_s < 0 or kv_bytes_per_token <= 0 or kv_capacity_tokens <= 0:
+            raise ValueError("step_overhead_s must be >= 0, kv_bytes_per_token and "
+                             "kv_capacity_tokens > 0")
+        self.name = name
+        self.prefill, self.decode = prefill, decode
+        self.step_overhead_s = step_overhead_s
+        self.transfer = transfer
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.meta = dict(meta or {})
+
+    def pure_prefill(self, new_tokens: int, cached_tokens: float) -> float:
+        return self.prefill(new_tokens, cached_tokens)
+
+    def pure_decode(self, batch: int, context_tokens: int) -> float:
+        return self.decode(batch, context_tokens)
+
+    def step_seconds(self, sched: SchedulerOutput) -> float:
+        p_new = p_ctx = d_n = d_ctx = 0
+        for s in sched.seqs:
+            n = s.num_new_tokens
+            c = s.request.num_computed_tokens
+            if n == 1 and c >= s.request.num_prompt_tokens:
+                d_n += 1
+                d_ctx += c + 1
+            else:
+                p_new += n
+                p_ctx += n * c
+        if p_new and d_n:
+            return (self.prefill(p_new, p_ctx / p_new) + self.decode(d_n, d_ctx)
+                    - self.step_overhead_s)
+        if p_new:
+            return self.prefill(p_new, p_ctx / p_new)
+        return self.decode(d_n, d_ctx) if d_n else 0.0
+
+    def decode_run(self, batch: int, context0: int, steps: int) -> np.ndarray:
+        ctx = context0 + batch * np.arange(steps, dtype=float)
+        return self.decode.along_y(batch, ctx)
+
+    def transfer_seconds(self, descriptors: int, nbytes: int) -> float:
+        return self.transfer.seconds(descriptors, nbytes)
+
+    # ---- file format -----------------------------------------------------
+    def to_json(self) -> dict:
+        return {"name": self.name, "format": "pdserve-sim-cost/1", **self.meta,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "kv_capacity_tokens": self.kv_capacity_tokens,
+                "step_overhead_s": self.step_overhead_s,
+                "prefill": self.prefill.to_json("new_tokens", "cached_tokens"),
+                "decode": self.decode.to_json("batch_size", "context_tokens"),
+                "transfer": {"fixed_s": self.transfer.fixed_s,
+                             "per_descriptor_s": self.transfer.per_descriptor_s,
+                             "bandwidth_bytes_per_s": self.transfer.bandwidth_bytes_per_s}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TableCostModel":
+        missing = [k for k in ("name", "kv_bytes_per_token", "kv_capacity_tokens", "step_overhead_s",
+                               "prefill", "decode", "transfer") if k not in data]
+        if missing:
+            raise ValueError(f"cost profile lacks {missing}: see docs/simulator.md, 'Cost-model "
+                             "file format'")
+        p, d = data["prefill"], data["decode"]
+        meta = {k: v for k, v in data.items() if k in ("source", "description", "hardware", "model",
+                                                       "scheduler", "block_size")}
+        return cls(data["name"], Table2D("prefill", p["new_tokens"], p["cached_tokens"], p["seconds"]),
+                   Table2D("decode", d["batch_size"], d["context_tokens"], d["seconds"]),
+                   float(data["step_overhead_s"]), TransferCost(**data["transfer"]),
+                   int(data["kv_bytes_per_token"]), int(data["kv_capacity_tokens"]), meta)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+
+
+def load_cost_model(name_or_path: str) -> TableCostModel:
+    """A profile by file path or by name in cluster/sim/profiles/ (``h100``, ...)."""
+    path = Path(name_or_path)
+    if not path.exists():
+        path = PROFILE_DIR / f"{name_or_path}.json"
+    if not path.exists():
+        names = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+        raise ValueError(f"no cost profile {name_or_path!r}: give a JSON file path or one of {names}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"cost profile {path} is not valid JSON: {e}") from None
+    return TableCostModel.from_json(data)

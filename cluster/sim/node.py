@@ -1,0 +1,179 @@
+"""`SimNode`: one simulated worker. It holds pdserve's real `Scheduler` (and
+so the real `KVCacheManager`, block pool and prefix cache) with a null model
+executor: the scheduler forms each batch, the cost model says how long the
+step takes, and the node feeds `update_from_output` a fixed output token for
+every sampled sequence (output lengths come from the trace).
+
+Like the real engine loop, calls from outside (add a request, KV landed,
+release held blocks) run between steps: while a step is in flight they wait
+in an inbox. A run of pure-decode steps in which nothing can change (no
+waiting request, nothing in the inbox, nobody reaches its length) is one
+event: the node plans ``k`` steps at once, and an outside call arriving
+mid-run cuts the run at the end of the step in flight. Applying the run
+repeats `update_from_output`'s bookkeeping ``k - 1`` times in bulk (allocate,
+advance, append, cache) through the same `KVCacheManager` calls.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import numpy as np
+
+from cluster.sim.cost_model import CostModel
+from cluster.sim.events import EventLoop
+from engine.block_manager import cdiv
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
+
+Action = Callable[["SimNode"], None]
+Retry = Callable[["SimNode"], bool]
+
+
+class NodeListener(Protocol):
+    def on_tokens(self, node: "SimNode", requests: list[Request], ends: np.ndarray) -> None:
+        """Each request got one token at each time in ``ends``."""
+
+    def on_finished(self, node: "SimNode", request: Request, t: float) -> None: ...
+
+
+class _Run:
+    __slots__ = ("sched", "ends", "start")
+
+    def __init__(self, sched: SchedulerOutput, ends: np.ndarray, start: float) -> None:
+        self.sched, self.ends, self.start = sched, ends, start
+
+
+class SimNode:
+    def __init__(self, node_id: str, role: str, scheduler: Scheduler, cost: CostModel, loop: EventLoop,
+                 listener: NodeListener, *, collapse: bool = True, max_run_steps: int = 4096,
+                 output_token: int = 1) -> None:
+        if max_run_steps < 1:
+            raise ValueError(f"max_run_steps must be >= 1, got {max_run_steps}")
+        self.node_id, self.role = node_id, role
+        self.scheduler, self.cost, self.loop, self.listener = scheduler, cost, loop, listener
+        self.collapse, self.max_run_steps, self.output_token = collapse, max_run_steps, output_token
+        self.inbox: list[Action] = []
+        self.retries: list[Retry] = []
+        self._run: _Run | None = None
+        self._gen = 0
+        self._start_pending = False
+        self.busy_s = 0.0
+        self.steps = 0
+        self.events = 0
+        self.dirty = True           # state changed since the last load report
+
+    # ---- calls from outside --------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self._run is not None
+
+    def post(self, action: Action) -> None:
+        """Run ``action(node)`` between steps (now, if the node is idle)."""
+        self.dirty = True
+        if self._run is not None:
+            self.inbox.append(action)
+            self._cut_run()
+            return
+        action(self)
+        self._kick()
+
+    def post_retry(self, retry: Retry) -> None:
+        """Like post, but ``retry(node)`` runs at every step boundary until it returns True."""
+        def first(node: SimNode) -> None:
+            if not retry(node):
+                node.retries.append(retry)
+        self.post(first)
+
+    def _kick(self) -> None:
+        if not self._start_pending and self._run is None:
+            self._start_pending = True
+            self.loop.at(self.loop.now, self._start)
+
+    def _cut_run(self) -> None:
+        run = self._run
+        if run is None or len(run.ends) == 1:
+            return
+        j = int(np.searchsorted(run.ends, self.loop.now, side="left"))
+        if j + 1 < len(run.ends):
+            run.ends = run.ends[:j + 1]
+            self._gen += 1
+            self.loop.at(float(run.ends[-1]), self._end, self._gen)
+
+    # ---- one step or run -----------------------------------------------------
+    def _start(self) -> None:
+        self._start_pending = False
+        if self._run is not None:
+            return
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return
+        now = self.loop.now
+        k = self._collapsible_steps(sched) if self.collapse else 1
+        if k > 1:
+            ctx0 = sum(s.request.num_computed_tokens + 1 for s in sched.seqs)
+            ends = now + np.cumsum(self.cost.decode_run(len(sched.seqs), ctx0, k))
+        else:
+            ends = np.array([now + self.cost.step_seconds(sched)])
+        self._run = _Run(sched, ends, now)
+        self._gen += 1
+        self.events += 1
+        self.loop.at(float(ends[-1]), self._end, self._gen)
+
+    def _collapsible_steps(self, sched: SchedulerOutput) -> int:
+        s = self.scheduler
+        if self.inbox or self.retries or s.num_waiting or sched.preempted_ids \
+                or len(sched.seqs) != s.num_running:
+            return 1
+        k = self.max_run_steps
+        for seq in sched.seqs:
+            r = seq.request
+            if seq.num_new_tokens != 1 or not seq.sample or r.hold_kv_on_finish \
+                    or r.num_computed_tokens < r.num_prompt_tokens:
+                return 1
+            k = min(k, r.sampling_params.max_tokens - r.num_output_tokens)
+        bs, free = s.block_size, s.kv.num_free_blocks
+        while k > 1:
+            extra = sum(cdiv(q.request.num_computed_tokens + k, bs) - cdiv(q.request.num_computed_tokens + 1, bs)
+                        for q in sched.seqs)
+            if extra <= free:
+                break
+            k //= 2
+        return max(k, 1)
+
+    def _end(self, gen: int) -> None:
+        if gen != self._gen:
+            return
+        run, self._run = self._run, None
+        ends, k = run.ends, len(run.ends)
+        self.busy_s += float(ends[-1]) - run.start
+        self.steps += k
+        self.dirty = True
+        tok = self.output_token
+        sampled = {q.request.request_id: [tok] for q in run.sched.seqs if q.sample}
+        updated = self.scheduler.update_from_output(run.sched, sampled)
+        if k > 1:
+            for r in updated:
+                self._advance(r, k - 1)
+        if updated:
+            self.listener.on_tokens(self, updated, ends)
+        t = float(ends[-1])
+        for r in updated:
+            if r.hold_kv_on_finish or r.num_output_tokens >= r.sampling_params.max_tokens:
+                self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+                self.listener.on_finished(self, r, t)
+        inbox, self.inbox = self.inbox, []
+        for action in inbox:
+            action(self)
+        if self.retries:
+            self.retries = [r for r in self.retries if not r(self)]
+        self._start()
+
+    def _advance(self, r: Request, m: int) -> None:
+        """``m`` more decode steps of ``r``: what update_from_output does per step."""
+        kv = self.scheduler.kv
+        if kv.allocate_slots(r, m) is None:
+            raise AssertionError(f"{self.node_id}: collapsed run of {r.request_id} found no blocks")
+        r.num_computed_tokens += m
+        r.output_token_ids.extend([self.output_token] * m)
+        kv.cache_blocks(r, r.num_computed_tokens)

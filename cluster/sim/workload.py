@@ -1,0 +1,177 @@
+"""Workloads: Mooncake traces, synthetic shared-prefix datasets, time
+compression and overlaid copies, and the expansion of trace hash ids into
+tokens and pdserve block hashes.
+
+A trace request names its prompt by hash ids, one per ``tokens_per_id``
+(512 in Mooncake) tokens; equal ids at the same position mean a shared
+prefix. `PromptBuilder` expands each id into ``tokens_per_id`` deterministic
+tokens seeded by the id (equal ids -> equal tokens), cuts the prompt to the
+request's input length, and computes pdserve's own chained block hashes
+(`engine.block_hash.block_hashes`) with the copy's salt. The block size must
+divide ``tokens_per_id`` so every id segment starts on a block boundary; the
+hashes of a segment are then a function of (parent hash, id) and are memoised.
+"""
+from __future__ import annotations
+
+import json
+import math
+from array import array
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from engine.block_hash import block_hashes, root_hash
+
+MOONCAKE_TOKENS_PER_ID = 512
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    request_id: str
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+    salt: str | None = None
+
+
+def load_mooncake(path: str | Path, limit: int | None = None, tokens_per_id: int = MOONCAKE_TOKENS_PER_ID,
+                  output_scale: float | None = None) -> list[TraceRequest]:
+    """Read a Mooncake JSONL trace (timestamp ms, input/output lengths, hash ids).
+    ``tokens_per_id`` < 512 shrinks prompts for small models: input lengths
+    scale by ``tokens_per_id / 512``, output lengths by ``output_scale``
+    (default: the same factor)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"trace {path} not found: give a Mooncake JSONL file, e.g. "
+                         "../shared/traces/mooncake/conversation_trace.jsonl")
+    scale = tokens_per_id / MOONCAKE_TOKENS_PER_ID
+    out_scale = scale if output_scale is None else output_scale
+    out = []
+    with path.open() as f:
+        for i, line in enumerate(f):
+            if limit is not None and i >= limit:
+                break
+            row = json.loads(line)
+            ids = tuple(int(h) for h in row["hash_ids"])
+            n_in = max(1, min(len(ids) * tokens_per_id, math.ceil(int(row["input_length"]) * scale)))
+            n_out = max(1, round(int(row["output_length"]) * out_scale))
+            out.append(TraceRequest(f"r{i}", float(row["timestamp"]) / 1000.0, n_in, n_out, ids))
+    if not out:
+        raise ValueError(f"trace {path} has no requests")
+    return out
+
+
+def synthetic_shared_prefix(num_requests: int, rate: float, num_prefixes: int, prefix_ids: int,
+                            suffix_ids: int, output_length: int, tokens_per_id: int = 16,
+                            seed: int = 0) -> list[TraceRequest]:
+    """Poisson arrivals; each prompt = one of ``num_prefixes`` shared prefixes
+    (``prefix_ids`` ids) + a unique suffix (``suffix_ids`` ids)."""
+    if num_requests < 1 or rate <= 0 or num_prefixes < 1 or prefix_ids < 0 or suffix_ids < 1:
+        raise ValueError("synthetic workload: num_requests >= 1, rate > 0, num_prefixes >= 1, "
+                         "prefix_ids >= 0 and suffix_ids >= 1")
+    rng = random.Random(seed)
+    t, out, next_id = 0.0, [], num_prefixes * prefix_ids
+    for i in range(num_requests):
+        t += rng.expovariate(rate)
+        p = rng.randrange(num_prefixes)
+        ids = tuple(range(p * prefix_ids, (p + 1) * prefix_ids)) + tuple(range(next_id, next_id + suffix_ids))
+        next_id += suffix_ids
+        out.append(TraceRequest(f"s{i}", t, len(ids) * tokens_per_id, output_length, ids))
+    return out
+
+
+def compress_time(reqs: Iterable[TraceRequest], factor: float) -> list[TraceRequest]:
+    """Divide every arrival time by ``factor`` (> 1 = faster). Same requests and
+    sharing, so the hit rate only moves through cache pressure: entries are
+    reused sooner, so fewer are evicted between uses (hit rate rises or holds)."""
+    if factor <= 0:
+        raise ValueError(f"time compression factor must be > 0, got {factor}")
+    return [replace(r, arrival_s=r.arrival_s / factor) for r in reqs]
+
+
+def overlay(reqs: list[TraceRequest], copies: int) -> list[TraceRequest]:
+    """``copies`` copies of the trace, each with its own cache salt (no sharing
+    across copies) and shifted by ``k / copies`` of the mean inter-arrival gap.
+    The rate multiplies by ``copies``; the reachable hit rate per copy is the
+    original's, but copies compete for the same cache (it falls under pressure)."""
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    if copies == 1:
+        return list(reqs)
+    span = reqs[-1].arrival_s - reqs[0].arrival_s
+    gap = span / max(1, len(reqs) - 1)
+    out = [replace(r, request_id=f"{r.request_id}c{k}", salt=f"copy{k}", arrival_s=r.arrival_s + gap * k / copies)
+           for k in range(copies) for r in reqs]
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    x = (x + np.uint64(0x9E3779B97F4A7C15)) & np.uint64(0xFFFFFFFFFFFFFFFF)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class PromptBuilder:
+    """Tokens and block hashes of trace prompts (deterministic, memoised).
+
+    Token ids default to [0, 256): CPython shares those int objects, so the
+    millions of tokens the simulated prefix caches hold cost 8 bytes each.
+    Hashing passes ``array('I')`` slices to `block_hashes` (same bytes, same
+    hashes as a list, without the per-call list conversion)."""
+
+    def __init__(self, block_size: int, tokens_per_id: int = MOONCAKE_TOKENS_PER_ID,
+                 vocab_size: int = 256, first_token: int = 0, seed: int = 0,
+                 cache_entries: int = 1 << 16) -> None:
+        if block_size < 1 or tokens_per_id % block_size:
+            raise ValueError(f"block_size {block_size} must divide tokens_per_id {tokens_per_id} "
+                             "(e.g. 16, 64 or 512 for Mooncake traces) so equal hash ids give equal blocks")
+        if vocab_size - first_token < 2:
+            raise ValueError("vocab_size must leave at least 2 token ids above first_token")
+        self.block_size, self.tokens_per_id = block_size, tokens_per_id
+        self.vocab_size, self.first_token, self.seed = vocab_size, first_token, seed
+        self._segments: dict[tuple[int, int], list[int]] = {}
+        self._cache_entries = cache_entries
+        self._offsets = np.arange(tokens_per_id, dtype=np.uint64)
+
+    def _mix(self, ids: np.ndarray) -> np.ndarray:
+        base = ((ids.astype(np.uint64) * np.uint64(0x10001) + np.uint64(self.seed * 0x9E3779B1))
+                & np.uint64(0xFFFFFFFFFFFF)) << np.uint64(16)
+        mixed = _splitmix(base[:, None] + self._offsets[None, :])
+        return (mixed % np.uint64(self.vocab_size - self.first_token)) + np.uint64(self.first_token)
+
+    def id_tokens(self, hash_id: int) -> list[int]:
+        """The ``tokens_per_id`` tokens of one hash id (seeded by the id)."""
+        return self._mix(np.asarray([hash_id])).ravel().astype(np.int64).tolist()
+
+    def tokens(self, req: TraceRequest) -> list[int]:
+        """The prompt: each id's tokens in order, cut to ``input_length``."""
+        n_ids = -(-req.input_length // self.tokens_per_id)
+        flat = self._mix(np.asarray(req.hash_ids[:n_ids], dtype=np.int64)).ravel()
+        return flat[:req.input_length].astype(np.int64).tolist()
+
+    def hashes(self, req: TraceRequest, tokens: list[int]) -> list[int]:
+        """pdserve's chained hashes of every full block of the prompt."""
+        bs, tpi = self.block_size, self.tokens_per_id
+        out: list[int] = []
+        parent = root_hash(req.salt)
+        for k, h in enumerate(req.hash_ids):
+            start = k * tpi
+            if start + tpi > len(tokens):
+                out.extend(block_hashes(array("I", tokens[start:]), bs, parent=parent))
+                break
+            key = (parent, h)
+            seg = self._segments.get(key)
+            if seg is None:
+                seg = block_hashes(array("I", tokens[start:start + tpi]), bs, parent=parent)
+                if len(self._segments) > 8 * self._cache_entries:
+                    self._segments.clear()
+                self._segments[key] = seg
+            out.extend(seg)
+            parent = seg[-1]
+        return out
