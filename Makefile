@@ -25,10 +25,14 @@ serve: $(STAMP)
 	$(BIN)/pdserve serve $(ARGS)
 
 test: $(STAMP) $(BIN)/helm
-	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests -m "not chaos_full" $(PYTEST_ARGS)
+
+# The chaos suite's full counts (>= 20 trials per fault, 10,000 fuzzed requests); prints the summary table.
+chaos: $(STAMP)
+	$(BIN)/python -m pytest -q tests/chaos -m chaos_full $(PYTEST_ARGS)
 
 test-fast: $(STAMP) $(BIN)/helm
-	$(BIN)/python -m pytest -q tests -m "not slow and not smollm2" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests -m "not slow and not smollm2 and not chaos_full" $(PYTEST_ARGS)
 
 # Generates cluster/pb/pdserve/v1/*; the sed makes the *_grpc.py import its
 # sibling relatively, so it works from the repo and from an installed wheel.

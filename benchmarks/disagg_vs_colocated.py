@@ -16,7 +16,7 @@ edited. Conditional disaggregation keeps the server defaults, so the streams'
 short prompts prefill on the decode worker and long prompts on the prefill
 worker.
 
-    .venv/bin/python benchmarks/disagg_vs_colocated.py [--duration 40] [--model ""]
+    .venv/bin/python benchmarks/disagg_vs_colocated.py [--duration 30] [--model ""]
 
 Prints one JSON line. Figures vary with the machine's load: compare the two
 modes of one run, not runs of different days.
@@ -156,7 +156,7 @@ def main() -> None:
     p.add_argument("--long-len", type=int, default=512, help="tokens of each arriving long prompt")
     p.add_argument("--long-output", type=int, default=4)
     p.add_argument("--long-rate", type=float, default=0.25, help="long prompts per second (Poisson)")
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of load per mode")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load per mode")
     p.add_argument("--settle", type=float, default=3.0, help="seconds before long prompts and measuring start")
     p.add_argument("--kv-blocks", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=1024)

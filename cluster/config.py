@@ -21,7 +21,9 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
           "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40}
 
 ROUTER_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 TRANSFER_BACKENDS = ("auto", "nixl", "ucxx", "tcp")
+PREFILL_FAILURE_POLICIES = ("recompute", "reprefill")
 
 
 def parse_size(value: str | int) -> int:
@@ -43,6 +45,11 @@ class ServeConfig:
     block_size: int = 16
     kv_cache_memory: str = "1GiB"         # per worker
     num_kv_blocks: int = 0                # > 0 overrides kv_cache_memory
+    # KV tiers below the device (docs/tiering.md); "0" = off
+    host_kv_memory: str = "0"             # per worker: host DRAM lent to the KV cache
+    disk_kv_dir: str = ""                 # directory of the disk tier's file
+    disk_kv_bytes: str = "0"              # per worker: the disk tier's file never exceeds this
+    preemption_mode: str = "auto"         # auto (cost rule: swap vs recompute) | swap | recompute
     max_model_len: int = 4096
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -77,6 +84,7 @@ class ServeConfig:
     request_timeout: float = 600.0
     max_migrations: int = 2               # times a request may move after its decode worker died
     drain_timeout: float = 30.0           # SIGTERM: seconds in-flight requests get to finish
+    prefill_failure_policy: str = "recompute"   # prefill node lost: recompute on decode, or reprefill
     # security (all optional)
     api_keys_file: str = ""               # lines of "key [tenant]"; env PDSERVE_API_KEYS also works
     tls_cert_file: str = ""
@@ -95,6 +103,9 @@ class ServeConfig:
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}, "
                              f"got {self.transfer_backend!r}")
+        if self.prefill_failure_policy not in PREFILL_FAILURE_POLICIES:
+            raise ValueError(f"prefill_failure_policy must be one of {', '.join(PREFILL_FAILURE_POLICIES)}, "
+                             f"got {self.prefill_failure_policy!r}")
         for name in ("prefill_workers", "decode_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -108,6 +119,12 @@ class ServeConfig:
         if self.lease_ttl <= 0 or self.transfer_timeout <= 0:
             raise ValueError("lease_ttl and transfer_timeout must be positive seconds")
         parse_size(self.kv_cache_memory)
+        parse_size(self.host_kv_memory)
+        if parse_size(self.disk_kv_bytes) and not self.disk_kv_dir:
+            raise ValueError("disk_kv_bytes is set but disk_kv_dir is empty: give the disk tier a directory")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
 
     @property
     def kv_cache_memory_bytes(self) -> int:

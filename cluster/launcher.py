@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cluster.config import ServeConfig
+from cluster.config import ServeConfig, parse_size
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvtransfer.settings import TransferSettings
 
@@ -26,7 +26,9 @@ def engine_config(cfg: ServeConfig) -> EngineConfig:
     return EngineConfig(
         model=cfg.model, device=cfg.device, dtype=cfg.dtype,
         cache=CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_kv_blocks or None,
-                          kv_cache_memory_bytes=cfg.kv_cache_memory_bytes),
+                          kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+                          host_kv_memory_bytes=parse_size(cfg.host_kv_memory), disk_kv_dir=cfg.disk_kv_dir,
+                          disk_kv_bytes=parse_size(cfg.disk_kv_bytes), preemption_mode=cfg.preemption_mode),
         scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len))
 

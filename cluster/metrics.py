@@ -8,13 +8,38 @@ so a single scrape of the frontend's metrics port sees the whole cluster.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 BYTES_BUCKETS = tuple(float(2 ** i) for i in range(10, 34, 2))
+
+
+TIERS = ("device", "host", "disk")
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """A worker's KV tiers (engine/tiers/): occupancy now, movements cumulative."""
+    host_blocks_used: int = 0
+    host_blocks_total: int = 0
+    disk_blocks_used: int = 0
+    disk_blocks_total: int = 0
+    page_ins: int = 0              # cached blocks paged back into the device on a prefix hit
+    page_outs: int = 0             # cached blocks moved down a tier
+    bytes_moved: int = 0           # between tiers, swaps included
+    swap_preemptions: int = 0
+    recompute_preemptions: int = 0
+
+    @classmethod
+    def from_engine(cls, s) -> "TierStats":
+        """From an engine.llm_engine.EngineStats."""
+        return cls(s.kv_host_blocks_used, s.kv_host_blocks_total, s.kv_disk_blocks_used,
+                   s.kv_disk_blocks_total, s.kv_page_ins, s.kv_page_outs, s.kv_bytes_moved,
+                   s.swap_preemptions, s.recompute_preemptions)
 
 
 @dataclass
@@ -31,6 +56,7 @@ class WorkerStats:
     lease_expiries: int = 0        # cumulative
     leases_active: int = 0
     preemptions: int = 0           # cumulative
+    tiers: TierStats = field(default_factory=TierStats)
 
 
 class Metrics:
@@ -76,6 +102,20 @@ class Metrics:
         self.preemptions = G("pdserve_preemptions", "Preemptions (cumulative, per worker)", labels,
                              registry=r)
 
+        tier_labels = labels + ["tier"]
+        self.tier_blocks_used = G("pdserve_kv_tier_blocks_used", "KV blocks held per tier (device, host, "
+                                  "disk) per worker", tier_labels, registry=r)
+        self.tier_blocks_total = G("pdserve_kv_tier_blocks_total", "KV block capacity per tier per worker",
+                                   tier_labels, registry=r)
+        self.page_ins = G("pdserve_kv_page_ins", "Cached KV blocks paged back into the device from host or "
+                          "disk (cumulative, per worker)", labels, registry=r)
+        self.page_outs = G("pdserve_kv_page_outs", "Cached KV blocks moved down a tier instead of being "
+                           "dropped (cumulative, per worker)", labels, registry=r)
+        self.tier_bytes = G("pdserve_kv_tier_bytes_moved", "Bytes moved between KV tiers, swaps included "
+                            "(cumulative, per worker)", labels, registry=r)
+        self.preemptions_by_mode = G("pdserve_preemptions_by_mode", "Preemptions by swap or by recompute "
+                                     "(cumulative, per worker)", labels + ["mode"], registry=r)
+
     def observe_worker(self, s: WorkerStats) -> None:
         lbl = dict(worker=s.worker_id, pool=s.pool)
         self.running.labels(**lbl).set(s.running)
@@ -88,12 +128,30 @@ class Metrics:
         self.lease_expiries.labels(**lbl).set(s.lease_expiries)
         self.leases_active.labels(**lbl).set(s.leases_active)
         self.preemptions.labels(**lbl).set(s.preemptions)
+        t = s.tiers
+        for tier, used, total in (("device", s.kv_blocks_used, s.kv_blocks_total),
+                                  ("host", t.host_blocks_used, t.host_blocks_total),
+                                  ("disk", t.disk_blocks_used, t.disk_blocks_total)):
+            self.tier_blocks_used.labels(**lbl, tier=tier).set(used)
+            self.tier_blocks_total.labels(**lbl, tier=tier).set(total)
+        self.page_ins.labels(**lbl).set(t.page_ins)
+        self.page_outs.labels(**lbl).set(t.page_outs)
+        self.tier_bytes.labels(**lbl).set(t.bytes_moved)
+        self.preemptions_by_mode.labels(**lbl, mode="swap").set(t.swap_preemptions)
+        self.preemptions_by_mode.labels(**lbl, mode="recompute").set(t.recompute_preemptions)
 
     def forget_worker(self, worker_id: str, pool: str) -> None:
         for g in (self.running, self.waiting, self.kv_used, self.kv_total, self.kv_usage,
                   self.prefix_queried, self.prefix_hit, self.lease_expiries, self.leases_active,
-                  self.preemptions):
+                  self.preemptions, self.page_ins, self.page_outs, self.tier_bytes):
             try:
                 g.remove(worker_id, pool)
             except KeyError:
                 pass
+        for g, extra in ((self.tier_blocks_used, TIERS), (self.tier_blocks_total, TIERS),
+                         (self.preemptions_by_mode, PREEMPTION_MODES)):
+            for value in extra:
+                try:
+                    g.remove(worker_id, pool, value)
+                except KeyError:
+                    pass

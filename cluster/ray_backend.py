@@ -5,7 +5,7 @@ submit to D (pull missing blocks, or prefill locally) -> stream D's deltas.
 D's outputs arrive on one stream per decode worker (one message per engine
 step) and are fanned out here to per-request queues. Worker reports (load +
 KV events) are polled every `report_interval` and feed the router index and
-the metrics.
+the metrics. Failure handling, lease renewal and draining: ray_recovery.py.
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from cluster.backend import BackendError, GenerateJob, GenerationBackend, ModelI
 from cluster.config import ServeConfig
 from cluster.launcher import WorkerRef, launch_workers
 from cluster.local_backend import next_delta
-from cluster.metrics import Metrics, WorkerStats
+from cluster.metrics import Metrics, TierStats, WorkerStats
+from cluster.ray_recovery import Moved, Prefilled, RecoveryMixin, RecoveryState
 from cluster.router.policy import DecisionKind, NoWorkerAvailable, RoutingRequest
 from cluster.router.router import Router, RouterConfig
-from engine.block_hash import block_hashes
 from engine.outputs import StepDelta
 
 log = logging.getLogger("pdserve.cluster")
@@ -36,9 +36,10 @@ class _Inflight:
     prefill_id: str | None = None
     emitted: list[int] = field(default_factory=list)   # tokens streamed so far (n == 1)
     migrations: int = 0
+    continued: bool = False      # moved on from prompt + emitted at least once
 
 
-class RayClusterBackend(GenerationBackend):
+class RayClusterBackend(RecoveryMixin, GenerationBackend):
     def __init__(self, config: ServeConfig, metrics: Metrics, *, report_interval: float = 0.1,
                  tokenizer=None) -> None:
         from engine.loader.load import resolve_model_path
@@ -54,6 +55,7 @@ class RayClusterBackend(GenerationBackend):
         self._tasks: list[asyncio.Task] = []
         self._report_interval = report_interval
         self._stopping = False
+        self.recovery = RecoveryState()
 
     # ---------------------------------------------------------------- life
     async def start(self) -> None:
@@ -91,11 +93,10 @@ class RayClusterBackend(GenerationBackend):
             self.metrics.routing.labels(kind=decision.kind.value).inc()
             remaining = job.sampling.n
             handle = None
+            result = None
             if decision.kind is DecisionKind.REMOTE_PREFILL and job.sampling.n == 1:
-                prefill = self.workers[decision.prefill_worker_id]
-                state.prefill_id = prefill.worker_id
-                result = await self._call(prefill, prefill.actor.prefill.remote(
-                    rid, list(job.prompt_token_ids), job.sampling, job.cache_salt), job.deadline)
+                result = await self._prefill(job, state, decision.prefill_worker_id)
+            if result is not None:   # None: the decode node prefills (policy, or no prefill node left)
                 if result.first.finish_reason:
                     remaining -= 1
                 done = remaining == 0
@@ -110,9 +111,16 @@ class RayClusterBackend(GenerationBackend):
                 if isinstance(item, BackendError):
                     await self._migrate_or_raise(job, state, item)
                     continue
-                if state.migrations:
+                if isinstance(item, Moved):   # a draining decode worker gave it back unstarted
+                    if item.worker_id == state.decode_id:
+                        await self._continue(job, state, "route")
+                    continue
+                if isinstance(item, Prefilled):   # re-prefilled elsewhere: already in `emitted`
+                    item = item.delta
+                else:
+                    state.emitted.extend(item.new_token_ids)
+                if state.continued:
                     item = replace(item, num_prompt_tokens=len(job.prompt_token_ids))
-                state.emitted.extend(item.new_token_ids)
                 if item.finish_reason:
                     remaining -= 1
                 done = remaining == 0
@@ -121,46 +129,6 @@ class RayClusterBackend(GenerationBackend):
             self._inflight.pop(rid, None)
             if not done:
                 await self._abort_state(rid, state)
-
-    async def _submit(self, job: GenerateJob, state: _Inflight, decode_id: str, handle) -> None:
-        """Join the request to a decode worker (pulling `handle`'s blocks, if any)."""
-        decode = self.workers[decode_id]
-        state.decode_id = decode_id
-        try:
-            sub = await self._call(decode, decode.actor.submit.remote(
-                job.request_id, list(job.prompt_token_ids), job.sampling, job.cache_salt, handle), job.deadline)
-        except BackendError as e:
-            if handle is not None:
-                await self._release_prefill(state, job.request_id)
-            await self._migrate_or_raise(job, state, e)
-            return
-        if handle is not None:
-            self._observe_transfer(sub)
-            if not sub.transferred_blocks:   # nothing read (all cached, or failed): free P now
-                await self._release_prefill(state, job.request_id)
-            state.prefill_id = None
-
-    async def _migrate_or_raise(self, job: GenerateJob, state: _Inflight, err: BackendError) -> None:
-        """A decode worker died: continue on another one from prompt + streamed tokens."""
-        limit = self.config.max_migrations
-        if err.code != "UNAVAILABLE" or job.sampling.n != 1:
-            raise err
-        if state.migrations >= limit:
-            raise BackendError("UNAVAILABLE", f"{err.message} (after {state.migrations} migrations, the "
-                               f"limit set by max_migrations={limit})") from None
-        state.migrations += 1
-        self.metrics.migrations.inc()
-        old = self.workers.get(state.decode_id or "")
-        if old is not None:   # best effort: it may be unreachable rather than dead
-            old.actor.abort.remote(job.request_id)
-        prompt = tuple(job.prompt_token_ids) + tuple(state.emitted)
-        params = replace(job.sampling, max_tokens=job.sampling.max_tokens - len(state.emitted))
-        hashes = tuple(block_hashes(prompt, self.config.block_size, job.cache_salt))
-        decision = self._route(job, prompt, hashes)
-        log.warning("migrating %s to %s after %d tokens", job.request_id, decision.decode_worker_id,
-                    len(state.emitted))
-        await self._submit(replace(job, prompt_token_ids=prompt, sampling=params, block_hashes=hashes),
-                           state, decision.decode_worker_id, None)
 
     def _route(self, job: GenerateJob, prompt, hashes):
         try:
@@ -198,19 +166,13 @@ class RayClusterBackend(GenerationBackend):
         if state.prefill_id and self.workers[state.prefill_id].alive:
             calls.append(self.workers[state.prefill_id].actor.release.remote(rid))
         for c in calls:
-            try:
-                await c
+            try:   # bounded: a stopped worker must not hold the caller (its lease frees the blocks)
+                await asyncio.wait_for(c, self.config.transfer_timeout)
             except Exception:   # a dead worker frees everything anyway
                 pass
 
-    async def _release_prefill(self, state: _Inflight, rid: str) -> None:
-        try:
-            await self.workers[state.prefill_id].actor.release.remote(rid)
-        except Exception:
-            pass
-
     def _observe_transfer(self, sub) -> None:
-        if sub.error:
+        if sub.error and not sub.local_prefill:   # a failed or timed-out pull (not "no KV room")
             self.metrics.transfer_failures.inc()
         if sub.transferred_blocks:
             self.metrics.transfer_seconds.observe(sub.transfer_seconds)
@@ -262,6 +224,8 @@ class RayClusterBackend(GenerationBackend):
         except Exception:
             self._mark_dead(ref)
             return
+        if ref.worker_id in self.recovery.draining:   # unrouted: its reports must not revive it
+            return
         if not ref.alive and ref.pool != "prefill":
             return   # a decode worker is back only once its output stream is (see _consume)
         revived = not ref.alive or ref.worker_id not in self.router.index.worker_ids
@@ -275,7 +239,7 @@ class RayClusterBackend(GenerationBackend):
         s = report.stats
         stats = WorkerStats(ref.worker_id, ref.pool, s.running, s.waiting, s.kv_blocks_used, s.kv_blocks_total,
                             s.prefix_queried_tokens, s.prefix_hit_tokens, report.lease_expiries,
-                            report.leases_active, s.preemptions)
+                            report.leases_active, s.preemptions, TierStats.from_engine(s))
         self.router.observe_stats(stats, queued_prefill_tokens=s.waiting_tokens)
         self.metrics.observe_worker(stats)
 

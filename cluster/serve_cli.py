@@ -51,6 +51,8 @@ HELP = {
     "request_timeout": "default deadline in seconds when the client sets none",
     "max_migrations": "times a request may continue on another decode worker after its own died",
     "drain_timeout": "on SIGTERM, seconds in-flight requests get to finish",
+    "prefill_failure_policy": "a prefill node lost before its KV was read: 'recompute' on the decode node, "
+                              "or 'reprefill' on another prefill node",
     "api_keys_file": "file of 'key tenant' lines; requests then need authorization: Bearer <key>",
     "tls_cert_file": "server certificate (PEM): turns TLS on",
     "tls_key_file": "server private key (PEM)",

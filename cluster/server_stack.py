@@ -1,6 +1,7 @@
-"""Everything `pdserve serve` runs in its process: backend, gRPC, metrics."""
+"""Everything `pdserve serve` runs in its process: backend, gRPC, HTTP (OpenAI), metrics."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from cluster.backend import GenerationBackend
@@ -15,6 +16,7 @@ class ServerStack:
     backend: GenerationBackend
     grpc: object
     metrics_server: object
+    http: object = None            # cluster.http.HttpServer, None when http_port == 0
 
     def banner(self) -> str:
         info = self.backend.model_info()
@@ -22,12 +24,17 @@ class ServerStack:
         t = self.grpc.target
         return (f"pdserve: serving {info.model_name} ({pools}; max_model_len {info.max_model_len})\n"
                 f"  gRPC     {t}   (pdserve.v1.Generation, grpc.health.v1, reflection)\n"
-                f"  metrics  {self.metrics_server.url}\n"
+                + (f"  HTTP     {self.http.url}   (OpenAI-compatible: /v1/completions, /v1/chat/completions)\n"
+                   if self.http is not None else "")
+                + f"  metrics  {self.metrics_server.url}\n"
                 f"  try:     pdserve generate --target {t} --chat \"What is the capital of France?\"\n"
                 f"           grpcurl -plaintext {t} list")
 
     async def drain_and_stop(self, timeout: float) -> None:
-        await self.grpc.stop(grace=timeout)
+        if self.http is not None:
+            self.http.set_serving(False)     # GET /ready -> 503 at once, like gRPC health
+        await asyncio.gather(self.grpc.stop(grace=timeout),
+                             *([self.http.stop(grace=timeout)] if self.http is not None else []))
         self.metrics_server.stop()
         await self.backend.stop()
 
@@ -55,5 +62,9 @@ async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None
     if cfg.tls_cert_file and not cfg.tls_key_file:
         raise ValueError("tls_cert_file is set but tls_key_file is not: give both")
     grpc_server = await serve_grpc(backend, cfg, metrics, api_keys=keys, tls=tls)
+    http = None
+    if cfg.http_port != 0:
+        from cluster.http import serve_http
+        http = await serve_http(grpc_server.runner, cfg, metrics, api_keys=keys)   # shares admission
     msrv = start_metrics_server(metrics, cfg.host, cfg.metrics_port)
-    return ServerStack(cfg, metrics, backend, grpc_server, msrv)
+    return ServerStack(cfg, metrics, backend, grpc_server, msrv, http)

@@ -81,6 +81,7 @@ class Limits:
     max_n: int = sp.MAX_N
     max_stop_strings: int = sp.MAX_STOP_STRINGS
     max_stop_string_len: int = sp.MAX_STOP_STRING_LEN
+    max_stop_token_ids: int = 64
     max_logprobs: int = sp.MAX_LOGPROBS
     max_messages: int = 256
     max_prompt_chars: int = 0              # 0 = 32 characters per context token
@@ -235,6 +236,9 @@ def build_sampling(s: SamplingInput, prompt_len: int, limits: Limits) -> sp.Samp
     if s.seed is not None:
         kw["seed"] = _int("seed", s.seed, _SEED_MIN, _SEED_MAX)
     kw["stop"] = _stops(s.stop, limits)
+    if len(s.stop_token_ids) > limits.max_stop_token_ids:
+        raise ValidationError("sampling.stop_token_ids", f"{len(s.stop_token_ids)} stop token ids; at most "
+                              f"{limits.max_stop_token_ids} are allowed")
     kw["stop_token_ids"] = tuple(_check_token_ids("sampling.stop_token_ids", s.stop_token_ids, limits))
     try:
         return sp.SamplingParams(**kw)

@@ -4,6 +4,10 @@ joins the request to its continuous batch. Outputs leave through one
 stream per worker: every engine step's deltas as one message.
 
 In colocated mode (or for a conditional local prefill) it prefills itself.
+A failed or timed-out pull is recomputed here (`on_pull_failure="recompute"`)
+or handed back to the frontend to prefill elsewhere (`"report"`). `drain()`
+(scale-down) hands back queued, unstarted requests; submits arriving or still
+waiting for KV room while draining come back `moved` (nothing joined here).
 A plain class; the launcher wraps it with `ray.remote(...)`.
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvtransfer.layout import KVPoolLayout
 from kvtransfer.settings import TransferSettings
 
 log = logging.getLogger("pdserve.decode")
+PULL_FAILURE_ACTIONS = ("recompute", "report")
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,8 @@ class SubmitResult:
     transfer_seconds: float = 0.0
     recomputed: bool = False
     error: str = ""
+    joined: bool = True      # False: not in this engine (pull failed with "report", or moved)
+    moved: bool = False      # the worker is draining: submit it elsewhere (the handle is still good)
 
 
 class DecodeWorker:
@@ -59,6 +66,9 @@ class DecodeWorker:
             self.transfer.register_pool(KVPoolLayout.from_tensor(self.engine.kv_pool.tensor))
         # one thread owns every transfer-engine call (backends need not be thread-safe)
         self._xfer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
+        self._draining = False
+        self._cancelled: set[str] = set()   # aborted while their submit() was still in progress
+        self._submitting: set[str] = set()
 
     async def ready(self) -> dict:
         await self.aengine.start()
@@ -78,11 +88,18 @@ class DecodeWorker:
         if handle is None:
             await self.aengine.call(lambda e: e.add_request(request_id, prompt_token_ids, params, cache_salt))
             return SubmitResult(local_prefill=True)
-        return await self._pull(request_id, prompt_token_ids, params, cache_salt, handle)
+        self._submitting.add(request_id)
+        try:
+            return await self._pull(request_id, prompt_token_ids, params, cache_salt, handle)
+        finally:
+            self._submitting.discard(request_id)
+            self._cancelled.discard(request_id)
 
     async def _pull(self, request_id, prompt_token_ids, params, cache_salt, handle: KVHandle) -> SubmitResult:
         deadline = time.monotonic() + self.settings.timeout
         while True:
+            if request_id in self._cancelled:
+                return SubmitResult(False, error="aborted before its KV arrived")
             alloc = await self.aengine.call(lambda e: e.add_remote_request(
                 request_id, prompt_token_ids, params, handle.first_token, cache_salt))
             if alloc is not None:
@@ -104,6 +121,11 @@ class DecodeWorker:
         if status is TransferStatus.DONE:
             await self.aengine.call(lambda e: e.remote_kv_ready(request_id))
             return SubmitResult(False, alloc.num_cached_blocks, len(dst), nbytes, ndesc, seconds)
+        if on_pull_failure == "report":
+            log.warning("KV pull of %s failed (%s): handing it back", request_id, err or status.value)
+            await self.aengine.call(lambda e: e.abort_request(request_id))
+            return SubmitResult(False, alloc.num_cached_blocks, 0, 0, ndesc, seconds, joined=False,
+                                error=err or status.value)
         log.warning("KV pull of %s failed (%s): recomputing locally", request_id, err or status.value)
         await self.aengine.call(lambda e: e.remote_kv_failed(request_id))
         return SubmitResult(False, alloc.num_cached_blocks, 0, 0, ndesc, seconds, recomputed=True,
@@ -127,6 +149,8 @@ class DecodeWorker:
             await asyncio.sleep(0.0002)
 
     async def abort(self, request_id: str) -> bool:
+        if request_id in self._submitting:
+            self._cancelled.add(request_id)
         return await self.aengine.call(lambda e: e.abort_request(request_id))
 
     async def report(self) -> WorkerReport:

@@ -19,48 +19,18 @@ copy-on-write copies included, is one ordered move log: ``take_kv_moves()``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 from engine.block_hash import block_hashes, root_hash
 from engine.block_pool import BlockPool, IntegrityError, KVBlock
 from engine.kv_events import KVEvent, KVSnapshot, Tier
+from engine.kv_lookup import ComputedBlocks, PrefixCacheStats, ResumedBlocks
 from engine.request import Request
 from engine.tiers.types import KVMove, SwapRecord, TierCounters, TierEntry, TierSizes
+
+__all__ = ["ComputedBlocks", "KVCacheManager", "PrefixCacheStats", "ResumedBlocks", "cdiv"]
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-class ComputedBlocks(NamedTuple):
-    """Result of a prefix-cache lookup: hit blocks in order and the tokens
-    they cover. A hit is a device block, or a lower-tier entry that admission
-    pages in."""
-    blocks: tuple[KVBlock | TierEntry, ...]
-    num_computed_tokens: int
-
-    @property
-    def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks if isinstance(b, KVBlock)]
-
-    @property
-    def num_lower_hits(self) -> int:
-        return sum(1 for b in self.blocks if isinstance(b, TierEntry))
-
-
-class ResumedBlocks(ComputedBlocks):
-    """A swapped-out request's own blocks (host slots), not a prefix hit."""
-
-
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 class KVCacheManager:

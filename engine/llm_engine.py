@@ -126,15 +126,22 @@ class LLMEngine:
         self._register(group)
         return alloc
 
-    def remote_kv_ready(self, request_id: str) -> None:
-        seq = self._seqs[request_id]
+    def remote_kv_ready(self, request_id: str) -> bool:
+        """The prompt's KV landed: decode on. False if the request was aborted meanwhile."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
         self.scheduler.remote_kv_ready(request_id, seq.pending_first_token)
+        return True
 
-    def remote_kv_failed(self, request_id: str) -> None:
+    def remote_kv_failed(self, request_id: str) -> bool:
         """The pull failed: recompute the prompt here (the first token is kept)."""
-        seq = self._seqs[request_id]
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
         self.scheduler.remote_kv_failed(request_id)
         seq.request.output_token_ids.append(seq.pending_first_token)
+        return True
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all n samples) wherever it is; frees its blocks."""

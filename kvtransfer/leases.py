@@ -2,6 +2,9 @@
 
 Every lease ends exactly once: by the read notification, an explicit
 release, or expiry (``expire_due(now)``, run periodically by the worker).
+``renew(request_id, ttl)`` pushes the expiry out while a reader still waits
+(e.g. queued for KV room on the decode node); ``pins`` counts leases ever
+pinned, so ``pins == len(table) + sum(releases.values())`` always holds.
 The release callback (e.g. the engine freeing the blocks) runs once per
 lease; a second release of the same request is a harmless no-op.
 """
@@ -39,6 +42,8 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
         self.releases: Counter[ReleaseCause] = Counter()
+        self.pins = 0
+        self.renewals = 0
 
     def pin(self, request_id: str, block_ids: Sequence[int], ttl: float) -> Lease:
         if ttl <= 0:
@@ -51,7 +56,22 @@ class LeaseTable:
                 raise ValueError(f"request {request_id!r} already holds a lease: release it "
                                  "first or use a new request id")
             self._leases[request_id] = lease
+            self.pins += 1
         return lease
+
+    def renew(self, request_id: str, ttl: float) -> bool:
+        """Expire `ttl` seconds from now (never earlier than already set);
+        False if the lease is gone (read, released or expired)."""
+        if ttl <= 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return False
+            expires = max(lease.expires_at, self._clock() + ttl)
+            self._leases[request_id] = Lease(lease.request_id, lease.block_ids, expires)
+            self.renewals += 1
+        return True
 
     def release(self, request_id: str, cause: ReleaseCause = ReleaseCause.RELEASED) -> bool:
         """End the lease; False if it was already gone (double release is harmless)."""
@@ -70,9 +90,14 @@ class LeaseTable:
 
     def expire_due(self, now: Optional[float] = None) -> list[Lease]:
         now = self._clock() if now is None else now
-        with self._lock:
+        with self._lock:   # re-checked under the lock: a renewal may have moved the expiry
             due = [l for l in self._leases.values() if l.expires_at <= now]
-        return [l for l in due if self.release(l.request_id, ReleaseCause.EXPIRED)]
+            for lease in due:
+                del self._leases[lease.request_id]
+                self.releases[ReleaseCause.EXPIRED] += 1
+        for lease in due:
+            self._on_release(lease, ReleaseCause.EXPIRED)
+        return due
 
     def get(self, request_id: str) -> Optional[Lease]:
         with self._lock:

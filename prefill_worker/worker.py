@@ -1,6 +1,9 @@
 """PrefillWorker: an engine in the prefill role, its KV pool registered for
 remote reads, and a lease table that frees every handed-off block exactly
-once (read notification, explicit release, or expiry).
+once (read notification, explicit release, or expiry). The frontend renews
+a lease while the decode node still waits for KV room (`renew`). `drain()`
+(scale-down) hands back the requests still queued here, unstarted, so the
+frontend can prefill them elsewhere.
 
 A plain class: the cluster launcher wraps it with `ray.remote(...)` and the
 resources of its pool, so it also runs in-process for tests.
@@ -17,6 +20,7 @@ from engine.async_engine import AsyncEngine, WorkerReport
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepDelta
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from kvtransfer.handle import KVHandle
 from kvtransfer.layout import KVPoolLayout
@@ -28,11 +32,13 @@ log = logging.getLogger("pdserve.prefill")
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """The first token's delta, and the KV handle unless that token ended the request."""
-    first: StepDelta
+    """The first token's delta, and the KV handle unless that token ended the request.
+    `moved`: the worker is draining and did not start it (`first` is None): prefill elsewhere."""
+    first: StepDelta | None
     handle: KVHandle | None
     queue_seconds: float
     prefill_seconds: float
+    moved: bool = False
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,8 @@ class LeaseCounters:
     expired: int
     notified: int
     released: int
+    pinned: int = 0      # ever pinned: pinned == active + expired + notified + released
+    renewed: int = 0
 
 
 class PrefillWorker:
@@ -57,6 +65,9 @@ class PrefillWorker:
         self.transfer.register_pool(KVPoolLayout.from_tensor(self.engine.kv_pool.tensor))
         self.leases = LeaseTable(time.monotonic, self._on_lease_end)
         self._maintenance: asyncio.Task | None = None
+        self._pending: dict[str, asyncio.Queue] = {}   # request id -> queue, while prefilling
+        self._pending: dict[str, asyncio.Queue] = {}   # prefill() calls awaiting their first token
+        self._draining = False
 
     # ------------------------------------------------------------- control
     async def ready(self) -> dict:
@@ -74,16 +85,22 @@ class PrefillWorker:
         """Compute the prompt's KV and its first token; pin the blocks for a reader."""
         await self.ready()
         t0 = time.monotonic()
+        if self._draining:
+            return PrefillResult(None, None, 0.0, 0.0, moved=True)
         queue = self.aengine.subscribe(request_id)
+        self._pending[request_id] = queue
         try:
             await self.aengine.call(lambda e: e.add_request(request_id, prompt_token_ids, params, cache_salt,
                                                             prefill_only=True))
-            first: StepDelta = await queue.get()
+            first: StepDelta | None = await queue.get()
         except BaseException:
             await self.aengine.call(lambda e: e.abort_request(request_id))
             raise
         finally:
             self.aengine.unsubscribe(request_id)
+            self._pending.pop(request_id, None)
+        if first is None:   # drain() took it back before it started
+            return PrefillResult(None, None, 0.0, 0.0, moved=True)
         t1 = time.monotonic()
         block_ids = await self.aengine.call(lambda e: e.held_block_ids(request_id))
         handle = None
@@ -99,10 +116,32 @@ class PrefillWorker:
         """The decode side will not read (cancelled, or it recomputed): free now."""
         if self.leases.release(request_id, ReleaseCause.RELEASED):
             return True
+        pending = self._pending.get(request_id)
+        if pending is not None:      # still prefilling: end the waiting prefill() call too
+            pending.put_nowait(None)
         return await self.aengine.call(lambda e: e.abort_request(request_id))
 
     async def abort(self, request_id: str) -> bool:
         return await self.release(request_id)
+
+    def renew(self, request_id: str, ttl: float | None = None) -> bool:
+        """The reader still waits (queued for KV room): keep the blocks pinned
+        `ttl` (default lease_ttl) seconds from now. False if the lease is gone."""
+        return self.leases.renew(request_id, ttl or self.settings.lease_ttl)
+
+    async def drain(self) -> list[str]:
+        """Scale-down: accept no new prefills and hand back the queued, unstarted
+        ones (their prefill() returns `moved`). Running prefills finish."""
+        self._draining = True
+        moved = await self.aengine.call(abort_unstarted)
+        for rid in moved:
+            q = self._pending.get(rid)
+            if q is not None:
+                q.put_nowait(None)
+        return moved
+
+    def undrain(self) -> None:
+        self._draining = False
 
     # ----------------------------------------------------------- reporting
     async def report(self) -> WorkerReport:
@@ -116,7 +155,7 @@ class PrefillWorker:
     def lease_counters(self) -> LeaseCounters:
         r = self.leases.releases
         return LeaseCounters(len(self.leases), r[ReleaseCause.EXPIRED], r[ReleaseCause.NOTIFIED],
-                             r[ReleaseCause.RELEASED])
+                             r[ReleaseCause.RELEASED], self.leases.pins, self.leases.renewals)
 
     async def check_integrity(self) -> dict:
         """Raise if the engine's pools are inconsistent; return block usage."""
@@ -140,3 +179,13 @@ class PrefillWorker:
             except Exception:  # keep the worker alive; the lease expiry is the backstop
                 log.exception("prefill maintenance")
             await asyncio.sleep(0.001)
+
+
+def abort_unstarted(engine: LLMEngine) -> list[str]:
+    """On the engine thread: abort the n == 1 requests still queued with nothing
+    computed (no token produced here) and return their ids."""
+    ids = [r.request_id for r in engine.scheduler.waiting
+           if r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 and r.sampling_params.n == 1]
+    for rid in ids:
+        engine.abort_request(rid)
+    return ids

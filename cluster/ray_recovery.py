@@ -1,0 +1,294 @@
+"""How RayClusterBackend keeps a request going when a worker fails or drains.
+
+- Prefill node lost (its `prefill` call fails, or the decode node's pull of
+  its KV fails or times out): `prefill_failure_policy` decides. `recompute`
+  (default): the decode node prefills the prompt itself. `reprefill`: another
+  prefill node prefills prompt + streamed tokens and the decode node pulls
+  from it (locally when no other prefill node is live).
+- Decode node lost: the request continues on another decode node from prompt
+  + streamed tokens, up to `max_migrations` times, then UNAVAILABLE.
+- A lease on the prefill node is renewed by the frontend while the decode
+  node's `submit` is pending (queued for KV room or pulling): the frontend is
+  the one party that knows both nodes, so the decode worker needs no handle
+  to the prefill actor. A frontend that vanishes stops renewing and the lease
+  expires, which frees the blocks.
+- `drain_worker(id)` (scale-down): routing stops at once, queued (unstarted)
+  requests move to other workers, running ones finish there.
+
+A mixin: the attributes it uses (`config`, `workers`, `router`, `metrics`,
+`_inflight`, `_call`, `_route`, `_observe_transfer`) belong to RayClusterBackend.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable
+
+from cluster.backend import BackendError, GenerateJob
+from cluster.router.policy import DecisionKind
+from engine.block_hash import block_hashes
+
+log = logging.getLogger("pdserve.cluster")
+EVENT_LOG_LEN = 100_000
+
+
+@dataclass
+class RecoveryCounters:
+    """Cumulative, per frontend process (tests and the admin API read them)."""
+    migrations: int = 0          # decode node died: continued on another one
+    moved: int = 0               # a draining worker handed a queued request back
+    prefill_lost: int = 0        # a prefill call failed: the node died or is unreachable
+    transfer_failures: int = 0   # KV pulls that failed or timed out
+    recomputed: int = 0          # ... then recomputed on the decode node
+    reprefilled: int = 0         # ... then prefilled again on another prefill node
+    lease_renewals: int = 0
+
+
+@dataclass
+class RecoveryHooks:
+    """Test-only fault injection points (None in production).
+    after_prefill(job, prefill_ref, result): runs after a prefill returned its
+    KV handle and before the decode node is asked to pull it."""
+    after_prefill: Callable[[GenerateJob, Any, Any], Awaitable[None]] | None = None
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    worker_id: str
+    moved: int                   # queued requests handed back and continued elsewhere
+    idle: bool                   # nothing of it in flight any more (False: timed out)
+    in_flight: int               # requests still using it when drain_worker returned
+
+
+@dataclass(frozen=True)
+class Moved:
+    """Queue marker: the draining worker `worker_id` gave the request back unstarted."""
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """Queue marker: a delta from a re-prefill, already counted in `emitted`."""
+    delta: Any
+
+
+@dataclass
+class RecoveryState:
+    counters: RecoveryCounters = field(default_factory=RecoveryCounters)
+    hooks: RecoveryHooks = field(default_factory=RecoveryHooks)
+    draining: set[str] = field(default_factory=set)
+    events: deque = field(default_factory=lambda: deque(maxlen=EVENT_LOG_LEN))   # (request id, kind)
+    background: set[asyncio.Task] = field(default_factory=set)
+
+
+class RecoveryMixin:
+    recovery: RecoveryState
+
+    # ----------------------------------------------------------- bookkeeping
+    def _note(self, rid: str, kind: str) -> None:
+        c = self.recovery.counters
+        setattr(c, kind, getattr(c, kind) + 1)
+        self.recovery.events.append((rid, kind))
+
+    def request_events(self, request_id: str) -> list[str]:
+        """What happened to a request (recent ones): migrations, moves, recomputes..."""
+        return [k for r, k in self.recovery.events if r == request_id]
+
+    def _background(self, awaitable, timeout: float) -> None:
+        async def run():
+            try:
+                await asyncio.wait_for(awaitable, timeout)
+            except Exception:   # best effort: a dead worker frees everything anyway
+                pass
+        task = asyncio.get_running_loop().create_task(run())
+        self.recovery.background.add(task)
+        task.add_done_callback(self.recovery.background.discard)
+
+    def _release_prefill(self, state, rid: str) -> None:
+        """Free the prefill node's pins now, without waiting on it (it may be stopped)."""
+        ref = self.workers.get(state.prefill_id or "")
+        state.prefill_id = None
+        if ref is not None and ref.alive:
+            self._background(ref.actor.release.remote(rid), self.config.transfer_timeout)
+
+    # --------------------------------------------------------------- prefill
+    async def _prefill(self, job: GenerateJob, state, prefill_id: str | None):
+        """Prefill on `prefill_id`, applying the failure policy. None: prefill on the decode node."""
+        tried: list[str] = []
+        while prefill_id is not None:
+            ref = self.workers[prefill_id]
+            state.prefill_id = prefill_id
+            try:
+                result = await self._call(ref, ref.actor.prefill.remote(
+                    job.request_id, list(job.prompt_token_ids), job.sampling, job.cache_salt), job.deadline)
+            except BackendError as e:
+                state.prefill_id = None
+                if e.code != "UNAVAILABLE":
+                    raise
+                self._note(job.request_id, "prefill_lost")
+                tried.append(prefill_id)
+                prefill_id = self._other_prefill(tried) if self.config.prefill_failure_policy == "reprefill" else None
+                continue
+            if result.moved:
+                state.prefill_id = None
+                self._note(job.request_id, "moved")
+                tried.append(prefill_id)
+                prefill_id = self._other_prefill(tried)
+                continue
+            if result.handle is None:
+                state.prefill_id = None
+            elif self.recovery.hooks.after_prefill is not None:
+                await self.recovery.hooks.after_prefill(job, ref, result)
+            return result
+        return None
+
+    def _other_prefill(self, exclude: list[str]) -> str | None:
+        """The least-loaded live prefill node not in `exclude` (draining ones are not live)."""
+        views = [v for v in self.router.view.prefill if v.worker_id not in exclude and self.workers[v.worker_id].alive]
+        if not views:
+            return None
+        return min(views, key=lambda v: (v.load.queued_prefill_tokens, v.worker_id)).worker_id
+
+    # ---------------------------------------------------------------- decode
+    async def _submit(self, job: GenerateJob, state, decode_id: str, handle) -> None:
+        """Join the request to a decode worker (pulling `handle`'s blocks, if any)."""
+        rid = job.request_id
+        on_failure = "report" if self.config.prefill_failure_policy == "reprefill" else "recompute"
+        while True:
+            decode = self.workers[decode_id]
+            state.decode_id = decode_id
+            try:
+                async with self._renewing(rid, state, handle):
+                    sub = await self._call(decode, decode.actor.submit.remote(
+                        rid, list(job.prompt_token_ids), job.sampling, job.cache_salt, handle, on_failure),
+                        job.deadline)
+            except BackendError as e:
+                if handle is not None:
+                    self._release_prefill(state, rid)
+                await self._migrate_or_raise(job, state, e)
+                return
+            if not sub.moved:
+                break
+            self._note(rid, "moved")      # the decode node is draining: the lease is still good
+            moved_from = decode_id
+            decode_id = self._route(job, job.prompt_token_ids, job.block_hashes).decode_worker_id
+            if decode_id == moved_from:
+                raise BackendError("UNAVAILABLE", f"decode worker {decode_id} is draining and no other "
+                                   "one is live; retry the request", retry_after_s=1.0)
+        if handle is None:
+            return
+        self._observe_transfer(sub)
+        failed_on = state.prefill_id
+        if not sub.transferred_blocks:   # nothing read (all cached, or failed): free P now
+            self._release_prefill(state, rid)
+        state.prefill_id = None
+        if sub.error and not sub.local_prefill:
+            self._note(rid, "transfer_failures")
+            if sub.joined:
+                self._note(rid, "recomputed")
+        if not sub.joined:
+            await self._continue(job, state, "reprefill", exclude=[failed_on] if failed_on else [])
+
+    @contextlib.asynccontextmanager
+    async def _renewing(self, rid: str, state, handle):
+        """Renew the prefill node's lease every ttl/3 while the decode node has not joined."""
+        ref = self.workers.get(state.prefill_id or "")
+        if handle is None or ref is None:
+            yield
+            return
+        ttl = handle.lease_ttl_s
+
+        async def renew_loop():
+            while True:
+                await asyncio.sleep(ttl / 3)
+                try:
+                    if await asyncio.wait_for(ref.actor.renew.remote(rid, ttl), ttl / 3):
+                        self.recovery.counters.lease_renewals += 1
+                except Exception:   # unreachable: its lease, or its death, frees the blocks
+                    pass
+
+        task = asyncio.get_running_loop().create_task(renew_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    async def _migrate_or_raise(self, job: GenerateJob, state, err: BackendError) -> None:
+        """A decode worker died: continue on another one from prompt + streamed tokens."""
+        limit = self.config.max_migrations
+        if err.code != "UNAVAILABLE" or job.sampling.n != 1:
+            raise err
+        if state.migrations >= limit:
+            raise BackendError("UNAVAILABLE", f"{err.message} (after {state.migrations} migrations, the "
+                               f"limit set by max_migrations={limit})") from None
+        state.migrations += 1
+        self.metrics.migrations.inc()
+        self._note(job.request_id, "migrations")
+        old = self.workers.get(state.decode_id or "")
+        if old is not None:   # best effort: it may be unreachable rather than dead
+            self._background(old.actor.abort.remote(job.request_id), self.config.transfer_timeout)
+        log.warning("migrating %s after %d tokens", job.request_id, len(state.emitted))
+        await self._continue(job, state, "route")
+
+    async def _continue(self, job: GenerateJob, state, mode: str, exclude: list[str] = ()) -> None:
+        """Continue from prompt + streamed tokens. mode: 'route' (the router decides),
+        'reprefill' (another prefill node, else the decode node)."""
+        prompt = tuple(job.prompt_token_ids) + tuple(state.emitted)
+        params = replace(job.sampling, max_tokens=job.sampling.max_tokens - len(state.emitted))
+        hashes = tuple(block_hashes(prompt, self.config.block_size, job.cache_salt))
+        cont = replace(job, prompt_token_ids=prompt, sampling=params, block_hashes=hashes)
+        state.continued = True
+        decision = self._route(cont, prompt, hashes)
+        prefill_id = None
+        if mode == "reprefill":
+            prefill_id = self._other_prefill(list(exclude))
+            self._note(job.request_id, "reprefilled" if prefill_id else "recomputed")
+        elif decision.kind is DecisionKind.REMOTE_PREFILL and job.sampling.n == 1:
+            prefill_id = decision.prefill_worker_id
+        handle = None
+        result = await self._prefill(cont, state, prefill_id) if prefill_id else None
+        if result is not None:
+            state.emitted.extend(result.first.new_token_ids)
+            state.queue.put_nowait(Prefilled(result.first))
+            if result.first.finish_reason:
+                return
+            handle = result.handle
+        await self._submit(cont, state, decision.decode_worker_id, handle)
+
+    # ----------------------------------------------------------------- drain
+    async def drain_worker(self, worker_id: str, timeout: float = 60.0) -> DrainReport:
+        """Scale-down one worker: stop routing to it, move its queued requests to
+        other workers, let its running ones finish (up to `timeout` seconds).
+        It stays up, unrouted, until `undrain_worker` or its removal."""
+        ref = self.workers.get(worker_id)
+        if ref is None:
+            raise ValueError(f"unknown worker {worker_id!r}; workers: {sorted(self.workers)}")
+        role = "prefill" if ref.pool == "prefill" else "decode"
+        peers = [w for w, r in self.workers.items() if w != worker_id and r.alive
+                 and w not in self.recovery.draining and (r.pool == "prefill") == (role == "prefill")]
+        if not peers and role == "decode":
+            raise ValueError(f"cannot drain {worker_id}: it is the last live decode worker")
+        self.recovery.draining.add(worker_id)
+        self.router.on_worker_dead(worker_id)    # unrouted now; its reports no longer revive it
+        moved = await ref.actor.drain.remote()
+        for rid in moved:
+            st = self._inflight.get(rid)
+            if st is not None and st.decode_id == worker_id:
+                st.queue.put_nowait(Moved(worker_id))
+        end = time.monotonic() + timeout
+        while (left := self._using(worker_id)) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        log.info("drained %s: %d queued requests moved, %d still in flight", worker_id, len(moved), left)
+        return DrainReport(worker_id, len(moved), idle=left == 0, in_flight=left)
+
+    async def undrain_worker(self, worker_id: str) -> None:
+        """Route to a drained worker again (its next report resyncs the router)."""
+        await self.workers[worker_id].actor.undrain.remote()
+        self.recovery.draining.discard(worker_id)
+
+    def _using(self, worker_id: str) -> int:
+        return sum(1 for st in self._inflight.values() if worker_id in (st.decode_id, st.prefill_id))

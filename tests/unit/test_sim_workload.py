@@ -1,0 +1,63 @@
+"""Trace expansion: equal hash ids give equal tokens and equal pdserve block
+hashes; time compression and overlays."""
+import json
+
+import pytest
+
+from cluster.sim.workload import (PromptBuilder, TraceRequest, compress_time, load_mooncake, overlay,
+                                  synthetic_shared_prefix)
+from engine.block_hash import block_hashes
+
+
+def _req(rid, ids, n, salt=None):
+    return TraceRequest(rid, 0.0, n, 4, tuple(ids), salt)
+
+
+@pytest.mark.parametrize("bs", [16, 64, 512])
+def test_equal_ids_give_equal_block_hashes_and_match_the_engine(bs):
+    b = PromptBuilder(bs)
+    a, c = _req("a", [7, 8, 9], 1536), _req("c", [7, 8, 10], 1536)
+    ta, tc = b.tokens(a), b.tokens(c)
+    assert len(ta) == len(tc) == 1536
+    assert ta[:1024] == tc[:1024] and ta[1024:] != tc[1024:]
+    ha, hc = b.hashes(a, ta), b.hashes(c, tc)
+    assert ha == block_hashes(ta, bs) and hc == block_hashes(tc, bs)     # memo == the engine's function
+    shared = 1024 // bs
+    assert ha[:shared] == hc[:shared]
+    assert ha[shared] != hc[shared]
+
+
+def test_same_id_at_another_position_or_salt_does_not_share():
+    b = PromptBuilder(512)
+    x, y = _req("x", [1, 2], 1024), _req("y", [2, 1], 1024)
+    hx, hy = b.hashes(x, b.tokens(x)), b.hashes(y, b.tokens(y))
+    assert hx[0] != hy[1] and hx[1] != hy[0]        # chained: position matters
+    s = _req("s", [1, 2], 1024, salt="copy1")
+    assert set(b.hashes(s, b.tokens(s))).isdisjoint(hx)
+
+
+def test_block_size_must_divide_tokens_per_id():
+    with pytest.raises(ValueError, match="divide"):
+        PromptBuilder(block_size=48)
+
+
+def test_load_mooncake_scales_lengths(tmp_path):
+    p = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 1500, "input_length": 1000, "output_length": 64, "hash_ids": [0, 1]}]
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    full = load_mooncake(p)[0]
+    assert (full.arrival_s, full.input_length, full.output_length, full.hash_ids) == (1.5, 1000, 64, (0, 1))
+    small = load_mooncake(p, tokens_per_id=16)[0]
+    assert small.input_length == 32 and small.output_length == 2
+    with pytest.raises(ValueError, match="not found"):
+        load_mooncake(tmp_path / "missing.jsonl")
+
+
+def test_compress_and_overlay():
+    reqs = synthetic_shared_prefix(10, rate=2.0, num_prefixes=2, prefix_ids=2, suffix_ids=1, output_length=4)
+    fast = compress_time(reqs, 4.0)
+    assert [r.arrival_s * 4 for r in fast] == pytest.approx([r.arrival_s for r in reqs])
+    three = overlay(reqs, 3)
+    assert len(three) == 30 and len({r.request_id for r in three}) == 30
+    assert {r.salt for r in three} == {"copy0", "copy1", "copy2"}
+    assert [r.arrival_s for r in three] == sorted(r.arrival_s for r in three)
