@@ -14,7 +14,9 @@ pinned with os.sched_setaffinity (worker i -> core i), from this process; the
 frontend and the load generator run here, unpinned. The workers are not
 edited. Conditional disaggregation keeps the server defaults, so the streams'
 short prompts prefill on the decode worker and long prompts on the prefill
-worker.
+worker. Both modes chunk prefills at --max-num-batched-tokens (256) tokens per
+engine step, the usual way a colocated server bounds the stall a long prompt
+causes; pass 2048 (the server default) to see colocated without it.
 
     .venv/bin/python benchmarks/disagg_vs_colocated.py [--duration 30] [--model ""]
 
@@ -32,6 +34,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -48,7 +51,8 @@ from cluster.server_stack import start_stack  # noqa: E402
 def machine() -> dict:
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), platform.processor())
-    return {"cpu": model, "cores": os.cpu_count(), "loadavg_1m": os.getloadavg()[0], "python": platform.python_version()}
+    return {"cpu": model, "cores": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
+            "python": platform.python_version()}
 
 
 async def pin_workers(stack) -> dict[str, int]:
@@ -113,7 +117,7 @@ async def run_mode(name: str, cfg: ServeConfig, args) -> dict:
         "stream_ttft_ms": pick(latency_stats(r.ttft_s for r in ok_s)),
         "stream_output_tok_s": sum(r.output_tokens for r in ok_s) / max(s_run.elapsed_s, 1e-9),
         "long_prompts_finished": len(ok_l), "streams_finished": len(ok_s),
-        "failures": sum(1 for r in s_run.results + l_run.results if not r.ok),
+        "failures": dict(Counter(r.error_code for r in s_run.results + l_run.results if not r.ok)),
     }
 
 
@@ -125,6 +129,7 @@ def ratio(a: dict, b: dict, key: str, p: str) -> float | None:
 async def main_async(args) -> dict:
     base = dict(model=args.model, grpc_port=0, metrics_port=0, http_port=0, torch_threads=1, cpus_per_worker=1.0,
                 num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len, dtype=args.dtype,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 ray_temp_dir=tempfile.mkdtemp(prefix="pdserve-bench-ray-"), log_level="WARNING")
     modes = {"disaggregated": ServeConfig(**base, prefill_workers=1, decode_workers=1),
              "colocated": ServeConfig(**base, colocated=True, prefill_workers=0, decode_workers=2)}
@@ -134,7 +139,8 @@ async def main_async(args) -> dict:
     return {
         "benchmark": "disagg_vs_colocated", "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)",
         "machine": machine(),
-        "workload": {"streams": args.streams, "stream_prompt": args.stream_prompt,
+        "workload": {"max_num_batched_tokens": args.max_num_batched_tokens,
+                     "streams": args.streams, "stream_prompt": args.stream_prompt,
                      "stream_output": args.stream_output, "long_prompt": args.long_len,
                      "long_output": args.long_output, "long_rate_per_s": args.long_rate,
                      "duration_s": args.duration, "measure_window_s": [args.settle, args.duration]},
@@ -159,6 +165,9 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load per mode")
     p.add_argument("--settle", type=float, default=3.0, help="seconds before long prompts and measuring start")
     p.add_argument("--kv-blocks", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="engine token budget per step in both modes: chunked prefill, the usual colocated "
+                   "mitigation (default 256)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--colocated-first", action="store_true")
     args = p.parse_args()

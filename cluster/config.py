@@ -92,7 +92,7 @@ class ServeConfig:
     tls_client_ca_file: str = ""          # set: clients must present a certificate (mutual TLS)
     # ray
     address: str = ""                     # "" = start a local Ray cluster
-    no_ray: bool = False                  # one process, one colocated engine (laptop / debugging)
+    ray: bool = True                      # False (--no-ray): one colocated engine in this process
     ray_temp_dir: str = ""
     log_level: str = "INFO"
 

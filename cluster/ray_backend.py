@@ -5,7 +5,8 @@ submit to D (pull missing blocks, or prefill locally) -> stream D's deltas.
 D's outputs arrive on one stream per decode worker (one message per engine
 step) and are fanned out here to per-request queues. Worker reports (load +
 KV events) are polled every `report_interval` and feed the router index and
-the metrics. Failure handling, lease renewal and draining: ray_recovery.py.
+the metrics. Failure handling and lease renewal: ray_recovery.py; draining
+one worker: ray_drain.py.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from cluster.config import ServeConfig
 from cluster.launcher import WorkerRef, launch_workers
 from cluster.local_backend import next_delta
 from cluster.metrics import Metrics, TierStats, WorkerStats
+from cluster.ray_drain import DrainMixin
 from cluster.ray_recovery import Moved, Prefilled, RecoveryMixin, RecoveryState
 from cluster.router.policy import DecisionKind, NoWorkerAvailable, RoutingRequest
 from cluster.router.router import Router, RouterConfig
@@ -39,7 +41,7 @@ class _Inflight:
     continued: bool = False      # moved on from prompt + emitted at least once
 
 
-class RayClusterBackend(RecoveryMixin, GenerationBackend):
+class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
     def __init__(self, config: ServeConfig, metrics: Metrics, *, report_interval: float = 0.1,
                  tokenizer=None) -> None:
         from engine.loader.load import resolve_model_path
@@ -75,11 +77,27 @@ class RayClusterBackend(RecoveryMixin, GenerationBackend):
         self._stopping = True
         for t in self._tasks:
             t.cancel()
+        await self._shutdown_check()
         for ref in self.workers.values():
             try:
                 ray.kill(ref.actor)
             except Exception:
                 pass
+
+    async def _shutdown_check(self) -> None:
+        """Log each live worker's integrity and blocks in use: a leak shows at shutdown."""
+        live = [r for r in self.workers.values() if r.alive]
+        try:
+            states = await asyncio.wait_for(asyncio.gather(
+                *[r.actor.check_integrity.remote() for r in live], return_exceptions=True), 10.0)
+        except Exception:
+            return
+        for ref, st in zip(live, states):
+            if isinstance(st, Exception):
+                log.warning("shutdown check: %s failed: %s", ref.worker_id, st)
+            else:
+                log.info("shutdown check: %s: integrity ok, %d KV blocks in use", ref.worker_id,
+                         st["kv_blocks_used"])
 
     # ------------------------------------------------------------ requests
     async def generate(self, job: GenerateJob) -> AsyncIterator[StepDelta]:
@@ -113,6 +131,7 @@ class RayClusterBackend(RecoveryMixin, GenerationBackend):
                     continue
                 if isinstance(item, Moved):   # a draining decode worker gave it back unstarted
                     if item.worker_id == state.decode_id:
+                        self._note(rid, "moved")
                         await self._continue(job, state, "route")
                     continue
                 if isinstance(item, Prefilled):   # re-prefilled elsewhere: already in `emitted`

@@ -12,18 +12,16 @@
   the one party that knows both nodes, so the decode worker needs no handle
   to the prefill actor. A frontend that vanishes stops renewing and the lease
   expires, which frees the blocks.
-- `drain_worker(id)` (scale-down): routing stops at once, queued (unstarted)
-  requests move to other workers, running ones finish there.
+- `drain_worker(id)` (scale-down, ray_drain.py): routing stops at once,
+  queued (unstarted) requests move to other workers, running ones finish.
 
-A mixin: the attributes it uses (`config`, `workers`, `router`, `metrics`,
-`_inflight`, `_call`, `_route`, `_observe_transfer`) belong to RayClusterBackend.
+A mixin of RayClusterBackend (whose attributes it uses).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
@@ -57,22 +55,12 @@ class RecoveryHooks:
 
 
 @dataclass(frozen=True)
-class DrainReport:
-    worker_id: str
-    moved: int                   # queued requests handed back and continued elsewhere
-    idle: bool                   # nothing of it in flight any more (False: timed out)
-    in_flight: int               # requests still using it when drain_worker returned
-
-
-@dataclass(frozen=True)
-class Moved:
-    """Queue marker: the draining worker `worker_id` gave the request back unstarted."""
+class Moved:   # queue marker: the draining worker `worker_id` gave the request back unstarted
     worker_id: str
 
 
 @dataclass(frozen=True)
-class Prefilled:
-    """Queue marker: a delta from a re-prefill, already counted in `emitted`."""
+class Prefilled:   # queue marker: a delta already counted in `emitted`
     delta: Any
 
 
@@ -237,6 +225,8 @@ class RecoveryMixin:
     async def _continue(self, job: GenerateJob, state, mode: str, exclude: list[str] = ()) -> None:
         """Continue from prompt + streamed tokens. mode: 'route' (the router decides),
         'reprefill' (another prefill node, else the decode node)."""
+        if self._take_queued(state):
+            return
         prompt = tuple(job.prompt_token_ids) + tuple(state.emitted)
         params = replace(job.sampling, max_tokens=job.sampling.max_tokens - len(state.emitted))
         hashes = tuple(block_hashes(prompt, self.config.block_size, job.cache_salt))
@@ -259,36 +249,17 @@ class RecoveryMixin:
             handle = result.handle
         await self._submit(cont, state, decision.decode_worker_id, handle)
 
-    # ----------------------------------------------------------------- drain
-    async def drain_worker(self, worker_id: str, timeout: float = 60.0) -> DrainReport:
-        """Scale-down one worker: stop routing to it, move its queued requests to
-        other workers, let its running ones finish (up to `timeout` seconds).
-        It stays up, unrouted, until `undrain_worker` or its removal."""
-        ref = self.workers.get(worker_id)
-        if ref is None:
-            raise ValueError(f"unknown worker {worker_id!r}; workers: {sorted(self.workers)}")
-        role = "prefill" if ref.pool == "prefill" else "decode"
-        peers = [w for w, r in self.workers.items() if w != worker_id and r.alive
-                 and w not in self.recovery.draining and (r.pool == "prefill") == (role == "prefill")]
-        if not peers and role == "decode":
-            raise ValueError(f"cannot drain {worker_id}: it is the last live decode worker")
-        self.recovery.draining.add(worker_id)
-        self.router.on_worker_dead(worker_id)    # unrouted now; its reports no longer revive it
-        moved = await ref.actor.drain.remote()
-        for rid in moved:
-            st = self._inflight.get(rid)
-            if st is not None and st.decode_id == worker_id:
-                st.queue.put_nowait(Moved(worker_id))
-        end = time.monotonic() + timeout
-        while (left := self._using(worker_id)) and time.monotonic() < end:
-            await asyncio.sleep(0.05)
-        log.info("drained %s: %d queued requests moved, %d still in flight", worker_id, len(moved), left)
-        return DrainReport(worker_id, len(moved), idle=left == 0, in_flight=left)
-
-    async def undrain_worker(self, worker_id: str) -> None:
-        """Route to a drained worker again (its next report resyncs the router)."""
-        await self.workers[worker_id].actor.undrain.remote()
-        self.recovery.draining.discard(worker_id)
-
-    def _using(self, worker_id: str) -> int:
-        return sum(1 for st in self._inflight.values() if worker_id in (st.decode_id, st.prefill_id))
+    @staticmethod
+    def _take_queued(state) -> bool:
+        """Before continuing elsewhere: deltas queued for the client count as streamed
+        (they will be), markers about the old worker are void, and its late deltas are
+        dropped from now on (decode_id no longer names it). True: the end is queued."""
+        items = [state.queue.get_nowait() for _ in range(state.queue.qsize())]
+        for item in items:
+            if not isinstance(item, (BackendError, Moved, Prefilled)):
+                state.emitted.extend(item.new_token_ids)
+                item = Prefilled(item)
+            if isinstance(item, Prefilled):
+                state.queue.put_nowait(item)
+        state.decode_id = None
+        return any(isinstance(i, Prefilled) and i.delta.finish_reason for i in items)

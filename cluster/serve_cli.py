@@ -58,7 +58,7 @@ HELP = {
     "tls_key_file": "server private key (PEM)",
     "tls_client_ca_file": "CA (PEM) client certificates must chain to: turns mutual TLS on",
     "address": "existing Ray cluster to join ('auto', 'ray://...', host:port); empty = start one",
-    "no_ray": "run one colocated engine in this process, without Ray",
+    "ray": "use Ray (--no-ray: one colocated engine in this process, for a laptop or debugging)",
     "ray_temp_dir": "Ray's temp/session directory",
     "log_level": "DEBUG, INFO, WARNING ...",
 }

@@ -28,7 +28,8 @@ class ServerStack:
                    if self.http is not None else "")
                 + f"  metrics  {self.metrics_server.url}\n"
                 f"  try:     pdserve generate --target {t} --chat \"What is the capital of France?\"\n"
-                f"           grpcurl -plaintext {t} list")
+                f"           grpcurl -plaintext {t} list"
+                + (f"\n           curl -s {self.http.url}/v1/models" if self.http is not None else ""))
 
     async def drain_and_stop(self, timeout: float) -> None:
         if self.http is not None:
@@ -40,7 +41,7 @@ class ServerStack:
 
 
 def make_backend(cfg: ServeConfig, metrics: Metrics) -> GenerationBackend:
-    if cfg.no_ray:
+    if not cfg.ray:
         from cluster.launcher import engine_config
         from cluster.local_backend import LocalEngineBackend
         return LocalEngineBackend(engine_config(cfg))

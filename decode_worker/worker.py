@@ -83,23 +83,41 @@ class DecodeWorker:
             yield batch
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     cache_salt: str | None = None, handle: KVHandle | None = None) -> SubmitResult:
+                     cache_salt: str | None = None, handle: KVHandle | None = None,
+                     on_pull_failure: str = "recompute") -> SubmitResult:
+        if on_pull_failure not in PULL_FAILURE_ACTIONS:
+            raise ValueError(f"on_pull_failure must be one of {PULL_FAILURE_ACTIONS}, got {on_pull_failure!r}")
         await self.ready()
+        if self._draining:
+            return SubmitResult(local_prefill=handle is None, joined=False, moved=True, error="draining")
         if handle is None:
             await self.aengine.call(lambda e: e.add_request(request_id, prompt_token_ids, params, cache_salt))
             return SubmitResult(local_prefill=True)
         self._submitting.add(request_id)
         try:
-            return await self._pull(request_id, prompt_token_ids, params, cache_salt, handle)
+            return await self._pull(request_id, prompt_token_ids, params, cache_salt, handle, on_pull_failure)
         finally:
             self._submitting.discard(request_id)
             self._cancelled.discard(request_id)
 
-    async def _pull(self, request_id, prompt_token_ids, params, cache_salt, handle: KVHandle) -> SubmitResult:
+    async def drain(self) -> list[str]:
+        """Scale-down: take no new requests; abort and return the queued, unstarted ones."""
+        from prefill_worker.worker import abort_unstarted
+
+        self._draining = True
+        return await self.aengine.call(abort_unstarted)
+
+    def undrain(self) -> None:
+        self._draining = False
+
+    async def _pull(self, request_id, prompt_token_ids, params, cache_salt, handle: KVHandle,
+                    on_pull_failure: str) -> SubmitResult:
         deadline = time.monotonic() + self.settings.timeout
         while True:
             if request_id in self._cancelled:
                 return SubmitResult(False, error="aborted before its KV arrived")
+            if self._draining:   # still queued for KV room: nothing joined, the lease is still good
+                return SubmitResult(local_prefill=False, joined=False, moved=True, error="draining")
             alloc = await self.aengine.call(lambda e: e.add_remote_request(
                 request_id, prompt_token_ids, params, handle.first_token, cache_salt))
             if alloc is not None:

@@ -66,7 +66,6 @@ class PrefillWorker:
         self.leases = LeaseTable(time.monotonic, self._on_lease_end)
         self._maintenance: asyncio.Task | None = None
         self._pending: dict[str, asyncio.Queue] = {}   # request id -> queue, while prefilling
-        self._pending: dict[str, asyncio.Queue] = {}   # prefill() calls awaiting their first token
         self._draining = False
 
     # ------------------------------------------------------------- control
@@ -99,7 +98,7 @@ class PrefillWorker:
         finally:
             self.aengine.unsubscribe(request_id)
             self._pending.pop(request_id, None)
-        if first is None:   # drain() took it back before it started
+        if first is None:   # drain() took it back before it started (or release() ended it)
             return PrefillResult(None, None, 0.0, 0.0, moved=True)
         t1 = time.monotonic()
         block_ids = await self.aengine.call(lambda e: e.held_block_ids(request_id))

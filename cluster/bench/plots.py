@@ -66,6 +66,7 @@ def plot_run(results: Sequence[RequestResult], timeline: dict, out_dir: str | Pa
     ax2.plot(t, timeline["requests_s"], color="tab:orange", label="finished req/s")
     ax2.set_ylabel("finished requests / s")
     ax.set_title(f"{title} throughput over time".strip())
+    fig.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     paths.append(_save(fig, out / "throughput_over_time.png"))
 

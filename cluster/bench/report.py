@@ -87,8 +87,8 @@ def summarize(run: RunResult, slo: Slo = Slo(), meta: dict | None = None) -> dic
 
 
 def timeline(results: Sequence[RequestResult], elapsed_s: float, bin_s: float | None = None) -> dict:
-    """Per time bin (default: about 40 bins, at least 0.1 s, at most 1 s wide): output tokens/s, requests finished/s, mean TTFT and e2e (ms) of the
-    requests finishing in the bin (None where none did)."""
+    """Per time bin (default: about 40 bins, 0.1-1 s wide): output tokens/s, requests
+    finished/s, mean TTFT and e2e (ms) of the requests finishing in the bin (None if none)."""
     if bin_s is None:
         bin_s = min(1.0, max(0.1, round(elapsed_s / 40, 1)))
     if bin_s <= 0:
@@ -125,7 +125,8 @@ def format_table(s: dict) -> str:
     lines.append(f"{'ms':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p95':>10}{'p99':>10}")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "cap_wait_ms"):
         st = s[key]
-        lines.append(f"{key[:-3]:<10}" + "".join(f"{fmt(st[k]):>10}" for k in ("mean", "p50", "p90", "p95", "p99")))
+        cells = "".join(f"{fmt(st[k]):>10}" for k in ("mean", "p50", "p90", "p95", "p99"))
+        lines.append(f"{key[:-3]:<10}{cells}")
     if s.get("goodput"):
         g = s["goodput"]
         lines.append(f"goodput: {g['requests']} requests ({g['fraction']:.1%}) meet {g['slo_ms']}, "

@@ -8,7 +8,7 @@ of a remote prefill includes the KV transfer and the decode join.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 

@@ -20,7 +20,7 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, tmp_path_factory):
-    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, grpc_port=0,
+    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, grpc_port=0, http_port=0,
                       metrics_port=0, block_size=BS, prefill_workers=1, decode_workers=1,
                       ray_temp_dir=str(tmp_path_factory.mktemp("ray")),
                       # always hand off, so the tests see transfers

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, tmp_path_factory):
-    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, grpc_port=0,
+    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, grpc_port=0, http_port=0,
                       metrics_port=0, prefill_workers=1, decode_workers=2, max_migrations=1,
                       ray_temp_dir=str(tmp_path_factory.mktemp("ray")))
     c = Cluster(cfg)

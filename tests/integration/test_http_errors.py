@@ -4,6 +4,7 @@ unknown model / route, 429 from admission control with Retry-After, 503 while dr
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -147,3 +148,26 @@ def test_503_while_draining_and_in_flight_requests_finish(fe):
         stopped.result(120)
     with pytest.raises(urllib.error.URLError):
         call(srv.url, "/health")
+
+
+def test_serve_stack_runs_http_on_the_grpc_runner_and_drains_it(tiny_llama_dir):
+    from cluster.server_stack import start_stack
+    from grpc_harness import LoopThread
+
+    with socket.socket() as s:        # a free port: http_port 0 means "off" for the stack
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = ServeConfig(model=str(tiny_llama_dir), ray=False, grpc_port=0, metrics_port=0, http_port=port,
+                      num_kv_blocks=64, max_model_len=256)
+    loop = LoopThread()
+    stack = loop.run(start_stack(cfg))
+    try:
+        assert stack.http.state.runner is stack.grpc.runner     # one router, validator, admission, metrics
+        assert f"http://127.0.0.1:{port}" in stack.banner()
+        status, _, out = call(stack.http.url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
+    finally:
+        loop.run(stack.drain_and_stop(10))
+        loop.close()
+    with pytest.raises(urllib.error.URLError):
+        call(stack.http.url, "/health")
