@@ -14,7 +14,7 @@ before the step's forward), and greedy outputs compared across settings.
 >= 90% of their cacheable history (its full blocks). A burst (every session's next turn at once) adds
 swap vs recompute preemptions. Prints ONE JSON line.
 
-  .venv/bin/python benchmarks/tiering.py                      # SmolLM2-135M, ~3 min on 2 CPUs
+  .venv/bin/python benchmarks/tiering.py                      # SmolLM2-135M, a few minutes on 2 CPUs
   .venv/bin/python benchmarks/tiering.py --model tiny --sessions 4 8 16
 """
 from __future__ import annotations
@@ -33,6 +33,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.loader import load_model_source  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -44,10 +46,14 @@ def _model(name: str) -> str:
 
 
 def _engine(args, host_blocks: int) -> LLMEngine:
+    """A fresh engine on the weights loaded once (args.weights)."""
     cache = CacheConfig(block_size=16, num_blocks=args.device_blocks, num_host_blocks=host_blocks,
                         preemption_mode=args.preemption_mode)
-    return LLMEngine(EngineConfig(model=args.model, cache=cache, scheduler=SchedulerConfig(
-        max_model_len=args.max_model_len, max_num_seqs=64, max_num_batched_tokens=4096)))
+    config = EngineConfig(model=args.model, cache=cache, scheduler=SchedulerConfig(
+        max_model_len=args.max_model_len, max_num_seqs=64, max_num_batched_tokens=4096))
+    model_config, state = args.weights
+    runner = ModelRunner(model_config, state, cache_config=cache, max_model_len=args.max_model_len)
+    return LLMEngine(config, runner=runner)
 
 
 def _run_turns(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams):
@@ -103,24 +109,28 @@ def run(args, n: int, host_blocks: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="", help='HF dir, .gguf, "" = SmolLM2-135M, "tiny" = a random tiny Llama')
-    p.add_argument("--sessions", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--sessions", type=int, nargs="+", default=[4, 8, 12])
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--history", type=int, default=192, help="tokens of history each session starts with")
-    p.add_argument("--user", type=int, default=24, help="new tokens per turn")
-    p.add_argument("--reply", type=int, default=8, help="generated tokens per turn")
-    p.add_argument("--device-blocks", type=int, default=72, help="device pool (blocks of 16 tokens)")
-    p.add_argument("--host-blocks", type=int, default=512, help="host tier when on (blocks)")
-    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--history", type=int, default=128, help="tokens of history each session starts with")
+    p.add_argument("--user", type=int, default=16, help="new tokens per turn")
+    p.add_argument("--reply", type=int, default=4, help="generated tokens per turn")
+    p.add_argument("--device-blocks", type=int, default=48, help="device pool (blocks of 16 tokens)")
+    p.add_argument("--host-blocks", type=int, default=256, help="host tier when on (blocks)")
+    p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--preemption-mode", default="auto")
     args = p.parse_args()
     args.model = _model(args.model)
+    args.weights = load_model_source(args.model or None)
     result: dict = {"benchmark": "tiering", "model": Path(args.model).name or "SmolLM2-135M",
                     "device_blocks": args.device_blocks, "host_blocks": args.host_blocks,
                     "history_tokens": args.history, "turns": args.turns, "by_sessions": {}}
     sustained = {"device_only": 0, "with_host": 0}
     t0 = time.perf_counter()
     for n in args.sessions:
-        off, on = run(args, n, 0), run(args, n, args.host_blocks)
+        off = run(args, n, 0)
+        print(f"n={n} device only: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+        on = run(args, n, args.host_blocks)
+        print(f"n={n} with host: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
         same = off.pop("_outputs") == on.pop("_outputs")
         result["by_sessions"][str(n)] = {"device_only": off, "with_host": on, "outputs_identical": same}
         for key, r in (("device_only", off), ("with_host", on)):

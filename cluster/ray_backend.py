@@ -240,6 +240,9 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
             report = await asyncio.wait_for(ref.actor.report.remote(), 5.0)
         except asyncio.CancelledError:
             raise
+        except asyncio.TimeoutError:   # slow (a loaded host), not dead: only Ray says dead
+            log.info("report of %s timed out; keeping it", ref.worker_id)
+            return
         except Exception:
             self._mark_dead(ref)
             return

@@ -21,7 +21,7 @@ from engine.block_hash import block_hashes
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 _ID_RE = re.compile(r"^[\x21-\x7e]*$")   # printable ASCII, no spaces
-_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 63 - 1   # room for the engine's per-sample seed offsets
 
 
 class ValidationError(ValueError):

@@ -72,7 +72,9 @@ class AsyncEngine:
             yield await self._batches.get()
 
     async def report(self, worker_id: str, pool: str) -> WorkerReport:
-        stats, events = await self.call(lambda e: (e.stats(), e.drain_kv_events()))
+        """Load and KV events as of the last step: answers at once even mid-step."""
+        await self.start()
+        stats, events = self._loop.snapshot()
         return WorkerReport(worker_id, pool, stats, tuple(events))
 
     def _on_deltas(self, deltas: list[StepDelta]) -> None:   # on the engine thread

@@ -34,6 +34,11 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
         self.error: BaseException | None = None
+        # published after every step / command batch, readable from any thread without
+        # waiting for a long step: the latest stats and the KV events not yet taken
+        self._pub_lock = threading.Lock()
+        self._latest_stats = engine.stats()
+        self._events: deque = deque(maxlen=1 << 16)   # a lagging reader sees an event-id gap and resyncs
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -55,6 +60,19 @@ class EngineLoop:
         self._wake.set()
         return fut
 
+    def snapshot(self):
+        """(latest EngineStats, KV events since the last call); never blocks on a step."""
+        with self._pub_lock:
+            events = list(self._events)
+            self._events.clear()
+            return self._latest_stats, events
+
+    def _publish(self) -> None:
+        stats, events = self.engine.stats(), self.engine.drain_kv_events()
+        with self._pub_lock:
+            self._latest_stats = stats
+            self._events.extend(events)
+
     def _run_commands(self) -> None:
         while self._commands:
             fn, fut = self._commands.popleft()
@@ -68,6 +86,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                had_commands = bool(self._commands)
                 self._run_commands()
                 did_work = False
                 if self.engine.has_unfinished():
@@ -76,6 +95,8 @@ class EngineLoop:
                     self.steps += 1
                     if deltas:
                         self._on_deltas(deltas)
+                if did_work or had_commands:
+                    self._publish()
                 if not did_work and not self._commands:
                     if not self._wake.wait(self._idle_interval if not self.engine.has_unfinished() else 0.002):
                         if self._idle_callback is not None and not self.engine.has_unfinished():

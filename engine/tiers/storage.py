@@ -121,7 +121,8 @@ class TierStorage:
             return
         target = self.kv_pool.tensor if tier is Tier.DEVICE else self.host
         index = torch.tensor(ids, dtype=torch.int64, device=target.device)
-        target.index_copy_(0, index, data.to(target.device, non_blocking=True))
+        # non_blocking only towards the device: a CPU destination must be complete before it is read
+        target.index_copy_(0, index, data.to(target.device, non_blocking=target.device.type != "cpu"))
 
     def _disk(self) -> DiskStore:
         if self.disk is None:

@@ -1,0 +1,125 @@
+"""Scale-down under load: `drain_worker` on a random worker at a random moment.
+Its queued requests move to other workers, its running ones finish, every
+request ends with exactly its undisturbed tokens, and afterwards nothing is
+routed to it until it is undrained. Also: leases are renewed while decode
+nodes queue for KV room (the chaos cluster's lease_ttl is 2 s) and none
+expires; the KV side channel listens on the node's own address only."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from chaos_lib import check_leases, check_outcomes, trials
+from chaos_load import make_requests, references, run_load
+
+pytestmark = pytest.mark.ray
+
+
+def run_drain(c, hf, report, n_trials: int, n_requests: int, seed: int) -> int:
+    rng = random.Random(seed)
+    moved_total = 0
+    for t in range(n_trials):
+        c.settle()
+        victim = rng.choice(c.pool("decode") + c.pool("prefill"))
+        reqs = make_requests(rng, n_requests, f"dr{seed}-{t}", max_tokens=32)
+        refs = references(hf, reqs)
+        before = c.counters()
+        threshold = rng.uniform(0.0, 0.3) * sum(r.max_tokens for r in reqs)
+        streamed, drained = [0], {}
+
+        def on_chunk(req, n):
+            streamed[0] += 1
+
+        async def fault():
+            while streamed[0] < threshold:
+                await asyncio.sleep(0.01)
+            drained["report"] = await asyncio.wrap_future(c.loop.submit(c.backend.drain_worker(victim, 300)))
+
+        outs = asyncio.run(run_load(c.target, reqs, on_chunk=on_chunk, during=fault))
+        assert drained, "the fault never fired"
+        errors = check_outcomes(outs, refs, allowed=set())
+        rep = drained["report"]
+        assert rep.idle and rep.in_flight == 0, rep
+        # drained: new requests never touch it
+        queried = c.call(victim, "report").stats.prefix_queried_tokens
+        more = make_requests(rng, 6, f"dr{seed}-{t}-after", max_tokens=4)
+        check_outcomes(asyncio.run(run_load(c.target, more)), references(hf, more), allowed=set())
+        assert c.call(victim, "report").stats.prefix_queried_tokens == queried, f"{victim} got work while drained"
+        c.loop.run(c.backend.undrain_worker(victim))
+        leaked = c.settle()
+        moved = c.counters()["moved"] - before["moved"]
+        events = [rid for rid, k in c.events() if k == "moved" and rid.startswith(f"dr{seed}-{t}-")]
+        assert len(events) == moved
+        moved_total += moved
+        report.add("drain one worker (scale-down)", outs, errors=errors, leaked=leaked, moved=moved,
+                   **{f"drained_{victim.split('-')[0]}": 1})
+    return moved_total
+
+
+def test_drain_worker_fast(chaos_cluster, hf_model, chaos_report):
+    moved = run_drain(chaos_cluster, hf_model, chaos_report, trials(2, 20, False), 32, seed=7)
+    # max_num_seqs=8 per worker and 32 requests at once: the drained worker has a queue to give back
+    assert moved >= 1, "no queued request was moved off a draining worker"
+
+
+@pytest.mark.chaos_full
+@pytest.mark.timeout(7200)
+def test_drain_worker_full(chaos_cluster, hf_model, chaos_report):
+    moved = run_drain(chaos_cluster, hf_model, chaos_report, trials(2, 20, True), 48, seed=707)
+    assert moved >= 1
+
+
+def test_leases_renewed_while_decode_queues_none_expire(chaos_cluster, hf_model, chaos_report):
+    c = chaos_cluster
+    c.settle()
+    reqs = make_requests(random.Random(8), 40, "renew", max_tokens=48)
+    refs = references(hf_model, reqs)
+    before, leases0 = c.counters(), c.lease_counters()
+    outs = asyncio.run(run_load(c.target, reqs))
+    errors = check_outcomes(outs, refs, allowed=set())
+    leaked = c.settle()
+    leases = check_leases(leases0, c.lease_counters())
+    renewed = c.counters()["lease_renewals"] - before["lease_renewals"]
+    # 16 decode slots for 40 requests: decode nodes queue for seconds, longer than the 2 s lease
+    assert renewed >= 1 and leases["renewed"] == renewed, (renewed, leases)
+    assert leases["expired"] == 0, leases
+    assert leases["pinned"] == leases["notified"] + leases["released"], leases
+    chaos_report.add("lease renewal under queueing", outs, errors=errors, leaked=leaked,
+                     leases_renewed=renewed, leases_expired=leases["expired"])
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(ip, port) of the TCP sockets process `pid` listens on (IPv4, from /proc)."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = set()
+    for line in open(f"/proc/{pid}/net/tcp").read().splitlines()[1:]:
+        parts = line.split()
+        if parts[3] == "0A" and parts[9] in inodes:   # LISTEN
+            hexip, hexport = parts[1].split(":")
+            ip = ".".join(str(int(hexip[i:i + 2], 16)) for i in (6, 4, 2, 0))
+            out.add((ip, int(hexport, 16)))
+    return out
+
+
+def test_kv_side_channel_listens_on_the_node_address_only(chaos_cluster):
+    """Every socket a worker process listens on (KV side channel, and Ray's own)
+    is bound to the node's address (127.0.0.1 here), never a wildcard."""
+    c = chaos_cluster
+    c.wait_alive()
+    for w in c.backend.workers:
+        socks = _listening(c.pid(w))
+        assert socks and all(ip == "127.0.0.1" for ip, _ in socks), (w, socks)
+        if w.startswith("prefill"):
+            peer = c.call(w, "peer_info")
+            assert peer.host == "127.0.0.1" and (peer.host, peer.port) in socks

@@ -1,0 +1,125 @@
+"""Fast, in-process pieces of the reliability story (no Ray):
+- LeaseTable.renew and the pinned == active + ended invariant;
+- a real PrefillWorker whose reader never comes: its lease expires and the
+  blocks come back (the decode side vanished, nobody releases), while a
+  renewed lease outlives its TTL;
+- per-tenant fairness of admission (injected clock)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.admission import AdmissionController, tenant_of
+from cluster.backend import BackendError, GenerateJob
+from engine.sampling_params import SamplingParams
+from kvtransfer.leases import LeaseTable, ReleaseCause
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_renew_pushes_expiry_and_counts_stay_consistent():
+    clock, freed = Clock(), []
+    table = LeaseTable(clock, lambda lease, cause: freed.append((lease.request_id, cause)))
+    table.pin("a", [1, 2], ttl=2.0)
+    table.pin("b", [3], ttl=2.0)
+    clock.t += 1.5
+    assert table.renew("a", 2.0) and table.get("a").expires_at == clock.t + 2.0
+    clock.t += 1.0                     # b's TTL is over, a's renewed one is not
+    assert [lease.request_id for lease in table.expire_due()] == ["b"]
+    assert table.renew("b", 2.0) is False, "an expired lease cannot be renewed back"
+    assert table.renew("a", 0.5) and table.get("a").expires_at == clock.t + 1.0, "renew never shortens"
+    with pytest.raises(ValueError, match="ttl"):
+        table.renew("a", 0)
+    clock.t += 5
+    table.expire_due()
+    assert freed == [("b", ReleaseCause.EXPIRED), ("a", ReleaseCause.EXPIRED)]
+    assert table.pins == 2 == len(table) + sum(table.releases.values()) and table.renewals == 2
+
+
+@pytest.fixture(scope="module")
+def prefill_worker(tiny_llama_dir):
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvtransfer.settings import TransferSettings
+    from prefill_worker.worker import PrefillWorker
+
+    cfg = EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(block_size=16, num_blocks=32),
+                       scheduler=SchedulerConfig(max_model_len=256))
+    return PrefillWorker("prefill-t", cfg, TransferSettings(backend="tcp", lease_ttl=0.3, timeout=1.0))
+
+
+def test_unread_lease_expires_and_frees_blocks_renewed_one_survives(prefill_worker):
+    w = prefill_worker
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def go():
+        gone = await w.prefill("gone", list(range(3, 43)), params)
+        kept = await w.prefill("kept", list(range(50, 90)), params)
+        assert gone.handle and kept.handle and (await w.check_integrity())["leases"] == 2
+        for _ in range(30):                   # >= 1.5 s, 5 x the 0.3 s TTL: "gone" must expire
+            assert w.renew("kept", 1.0)       # "kept" is renewed all along
+            await asyncio.sleep(0.05)
+        mid = w.lease_counters()
+        assert await w.release("kept")
+        for _ in range(200):
+            state = await w.check_integrity()
+            if state["kv_blocks_used"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return mid, w.lease_counters(), state
+
+    mid, after, state = asyncio.run(go())
+    assert (mid.active, mid.expired) == (1, 1), mid
+    assert (after.active, after.expired, after.released, after.pinned) == (0, 1, 1, 2), after
+    assert after.renewed == 30 and state["kv_blocks_used"] == 0 and state["held"] == 0
+
+
+def _job(rid: str, salt: str | None, tokens: int = 10) -> GenerateJob:
+    return GenerateJob(rid, tuple(range(tokens - 1)), SamplingParams(max_tokens=1), cache_salt=salt)
+
+
+def test_one_tenant_cannot_starve_another():
+    clock = Clock()
+    adm = AdmissionController(max_requests=8, max_tokens=10_000, clock=clock)
+    flood = [adm.admit(_job(f"a{i}", "alpha/x")) for i in range(8)]   # alone: it may use everything
+    with pytest.raises(BackendError) as e:
+        adm.admit(_job("b0", "beta"))
+    assert e.value.code == "RESOURCE_EXHAUSTED" and e.value.retry_after_s > 0 and "busy" in e.value.message
+    adm.release(flood.pop())                        # a slot frees up; alpha asks first ...
+    with pytest.raises(BackendError) as e:
+        adm.admit(_job("a8", "alpha/y"))
+    assert "fair share is 4" in e.value.message and e.value.retry_after_s > 0
+    adm.admit(_job("b0", "beta"))                    # ... but it is beta's
+    for i in range(3):                               # alpha drains to its share; beta fills its own
+        adm.release(flood.pop())
+        adm.admit(_job(f"b{i + 1}", "beta"))
+    assert adm.tenant_usage("alpha")[0] == 4 and adm.tenant_usage("beta")[0] == 4
+    clock.t += 60                                    # nobody waits any more: no share is enforced
+    adm.release(flood.pop())
+    assert adm.admit(_job("a9", "alpha/z")) and adm.in_flight == 8
+
+
+def test_fair_share_applies_to_tokens_and_idle_capacity_is_not_reserved():
+    clock = Clock()
+    adm = AdmissionController(max_requests=100, max_tokens=100, clock=clock)
+    a = [adm.admit(_job(f"a{i}", "alpha", 20)) for i in range(5)]     # 100 tokens
+    with pytest.raises(BackendError):
+        adm.admit(_job("b0", "beta", 20))
+    adm.release(a.pop())
+    with pytest.raises(BackendError, match="fair share"):
+        adm.admit(_job("a5", "alpha", 20))
+    adm.admit(_job("b0", "beta", 20))
+    clock.t += 60
+    solo = AdmissionController(max_requests=4, max_tokens=100, clock=clock)
+    assert [solo.admit(_job(f"s{i}", "gamma")) for i in range(4)]   # a lone tenant gets all of it
+
+
+def test_tenant_is_the_salt_prefix():
+    assert tenant_of(None) == tenant_of("") == ""
+    assert tenant_of("alice") == "alice" and tenant_of("alice/session-7") == "alice"
