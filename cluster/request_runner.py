@@ -133,6 +133,8 @@ class RequestRunner:
                 if chunk.token_ids and not first_token_seen:
                     first_token_seen = True
                     self.metrics.ttft.observe(chunk.time_to_first_token_s)
+                    if item.queue_seconds is not None:
+                        self.metrics.queue_time.observe(item.queue_seconds)
                 if item.finish_reason:
                     seq.finished = True
                     left -= 1

@@ -64,6 +64,7 @@ class LLMEngine:
         from engine.loader.load import resolve_model_path
 
         self.config = config
+        self._clock = clock
         self.model_path = resolve_model_path(config.model or None)
         if runner is None:
             config_with_path = config if config.model else _with_model(config, str(self.model_path))
@@ -166,6 +167,11 @@ class LLMEngine:
         if sched.is_empty:
             self.runner.apply_kv_moves(sched.moves())     # e.g. swap-outs of a step that ran nothing
             return []
+        now = self._clock()
+        for s in sched.seqs:
+            seq = self._seqs.get(s.request.request_id)
+            if seq is not None and seq.first_scheduled is None:
+                seq.first_scheduled = now
         t0 = time.perf_counter()
         logits = self.runner.execute(sched)
         if any(s.num_new_tokens > 1 for s in sched.seqs):
@@ -218,7 +224,8 @@ class LLMEngine:
                          new_text=res.text, finish_reason=res.finish_reason, stop_reason=res.stop_reason,
                          logprobs=(logprob,) if logprob is not None else (),
                          num_prompt_tokens=req.num_prompt_tokens,
-                         num_cached_tokens=req.num_cached_tokens or 0)
+                         num_cached_tokens=req.num_cached_tokens or 0,
+                         queue_seconds=_queue_seconds(seq))
 
     # ---------------------------------------------------------- prefill role
     def held_block_ids(self, request_id: str) -> list[int]:
@@ -291,3 +298,10 @@ class LLMEngine:
 def _with_model(config: EngineConfig, model: str) -> EngineConfig:
     from dataclasses import replace
     return replace(config, model=model)
+
+
+def _queue_seconds(seq: Sequence) -> float | None:
+    """Arrival to first scheduling, reported once: with the sequence's first token."""
+    if seq.stop.num_output_tokens != 1 or seq.first_scheduled is None or seq.pending_first_token is not None:
+        return None
+    return max(0.0, seq.first_scheduled - seq.request.arrival_time)

@@ -56,3 +56,4 @@ class StepDelta:
     logprobs: tuple[TokenLogprob, ...] = ()
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_seconds: float | None = None  # on a sequence's first token: arrival -> first scheduled

@@ -21,6 +21,7 @@ class Sequence:
     detok: IncrementalDetokenizer
     stop: StopChecker
     pending_first_token: int | None = None   # decode role: token the prefill node sampled
+    first_scheduled: float | None = None     # engine clock when first scheduled (queue time)
 
 
 @dataclass

@@ -33,8 +33,11 @@ class TransferStatus(enum.Enum):
 class PeerInfo:
     """Everything a reader needs to reach a source; small and picklable.
 
-    ``metadata`` is backend-specific (NIXL agent metadata, a UCX worker
-    address); ``host``/``port`` are set by backends that listen on a socket.
+    ``metadata`` is backend-specific (a UCX worker address); ``host``/``port``
+    are set by backends that listen on a socket (tcp: the data socket; nixl:
+    the metadata side channel). ``incarnation`` is a random id per engine
+    start: a restarted peer keeps its name but gets a new incarnation, so
+    readers drop what they cached about the old one.
     """
     backend: str
     agent_name: str
@@ -42,6 +45,7 @@ class PeerInfo:
     host: str = ""
     port: int = 0
     metadata: bytes = field(default=b"", repr=False)
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,15 @@
 """NIXL (UCX backend) transfer engine: DRAM and VRAM pools from the same code.
 
-Metadata exchange is direct: ``peer_info().metadata`` carries this agent's
-NIXL metadata (``getLocalMD``, ~0.5 KB plus one entry per registered region)
-and the reader loads it with ``loadRemoteMD``. No NIXL listener thread is
-started: NIXL 1.5's listener binds 0.0.0.0, and workers already have a
-channel (Ray) to pass a PeerInfo through. UCX's own tcp transport listens on
-the interfaces of ``UCX_NET_DEVICES`` (``lo`` by default for a loopback host).
+Metadata exchange goes through our side channel (``side_channel.py``): each
+engine serves its NIXL agent metadata (``getLocalMD``: UCX worker address and
+the registered regions' addresses and remote keys) on
+``NixlConfig.side_channel_host:side_channel_port`` (default: ``host`` and
+port 0 = any free port; wildcard addresses are refused). ``peer_info()``
+carries that host/port and an incarnation id; a reader fetches the metadata
+on connect, caches it by (agent name, incarnation) and refetches after the
+peer restarted. NIXL's own listener is not used: it binds 0.0.0.0 and takes
+no address. No etcd. UCX's own tcp transport listens on the interfaces of
+``UCX_NET_DEVICES`` (``lo`` by default for a loopback host).
 
 The three traps of NIXL 1.5.1 (see docs/kvtransfer.md) are handled here:
 1. ``nixl_agent`` hard-codes a zero-delay progress thread that busy-spins a
@@ -22,12 +26,13 @@ import collections
 import logging
 import os
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
-from kvtransfer import ucx_env
+from kvtransfer import side_channel, ucx_env
 from kvtransfer.descriptors import Descriptor, build_descriptors
 from kvtransfer.engine import (Notification, PeerInfo, TransferEngine, TransferHandle,
                                TransferStatus)
@@ -43,11 +48,17 @@ class NixlConfig:
     faster here, see docs/kvtransfer.md), the reader progresses its own
     transfer while it polls, and a Python thread progresses the passive side
     every ``passive_poll_interval_s``.
-    ``host`` only picks UCX_NET_DEVICES=lo for loopback (nothing binds to it)."""
+    ``host``: this node's address; the metadata side channel binds to
+    ``side_channel_host`` (None = ``host``) : ``side_channel_port`` (0 = any
+    free port) and never to a wildcard address; a loopback ``host`` also
+    picks UCX_NET_DEVICES=lo. ``side_channel_timeout_s`` bounds a metadata fetch."""
     progress_thread: bool = False
     progress_delay_us: int = 100
     passive_poll_interval_s: float = 0.0005
     host: str = "127.0.0.1"
+    side_channel_host: Optional[str] = None
+    side_channel_port: int = 0
+    side_channel_timeout_s: float = 5.0
     num_workers: int = 1
     error_handling: Optional[str] = None  # None: "peer", or "none" for shared-memory-only UCX_TLS
 
@@ -57,10 +68,21 @@ class NixlConfig:
                              "(0 busy-spins a whole core); ~100 is a good value")
         if self.passive_poll_interval_s <= 0:
             raise ValueError("passive_poll_interval_s must be > 0, e.g. 0.0005")
+        side_channel.check_bind_host(self.host)
+        side_channel.check_bind_host(self.bind_host)
+        if not 0 <= self.side_channel_port < 65536:
+            raise ValueError(f"side_channel_port must be in [0, 65536) (0 = any free port), "
+                             f"got {self.side_channel_port}")
+        if self.side_channel_timeout_s <= 0:
+            raise ValueError("side_channel_timeout_s must be > 0, e.g. 5.0")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.error_handling not in (None, "peer", "none"):
             raise ValueError("error_handling must be None (auto), 'peer' or 'none'")
+
+    @property
+    def bind_host(self) -> str:
+        return self.host if self.side_channel_host is None else self.side_channel_host
 
 
 def nixl_available() -> bool:
@@ -80,10 +102,10 @@ def _status(bind, code) -> TransferStatus:
 
 
 class NixlHandle(TransferHandle):
-    def __init__(self, engine: "NixlEngine", req: Optional[int], descriptors: int, nbytes: int,
+    def __init__(self, engine: "NixlEngine", peer: str, req: Optional[int], descriptors: int, nbytes: int,
                  status: TransferStatus, error: Optional[str] = None) -> None:
         super().__init__(descriptors, nbytes)
-        self._engine, self._req, self._status, self.error = engine, req, status, error
+        self._engine, self._peer, self._req, self._status, self.error = engine, peer, req, status, error
         if status is not TransferStatus.PENDING:
             self._release()
 
@@ -103,6 +125,8 @@ class NixlHandle(TransferHandle):
         self._release()
 
     def _release(self) -> None:
+        if self._status is not TransferStatus.DONE:   # peer may be gone or restarted
+            self._engine.mark_stale(self._peer)
         if self._req is not None:
             self._engine.release_request(self._req)
             self._req = None
@@ -130,11 +154,15 @@ class NixlEngine(TransferEngine):
         self.lock = threading.Lock()
         self._mem = {"DRAM": bind.DRAM_SEG, "VRAM": bind.VRAM_SEG}
         self._reg = None
-        self._peers: set[str] = set()
+        self.incarnation = uuid.uuid4().hex
+        self._peers: dict[str, str] = {}   # agent name -> incarnation whose metadata is loaded
+        self._stale: set[str] = set()      # peers whose transfer failed: refetch on next connect
         self._stuck: list[int] = []
         self._notifs: collections.deque[Notification] = collections.deque()
         self._stop = threading.Event()
         self._poller: Optional[threading.Thread] = None
+        self._side = side_channel.MetadataServer(config.bind_host, config.side_channel_port, name,
+                                                 self.incarnation, self._local_metadata)
         if not config.progress_thread:
             self._poller = threading.Thread(target=self._passive_progress, daemon=True,
                                             name=f"nixl-progress-{name}")
@@ -151,10 +179,20 @@ class NixlEngine(TransferEngine):
         self._reg, self._layout = reg, layout
 
     def peer_info(self) -> PeerInfo:
-        layout = self.layout
+        """Name, layout and side channel address; the NIXL metadata itself is
+        fetched by the reader over the side channel."""
+        return PeerInfo(self.backend_name, self.name, self.layout, host=self._side.host,
+                        port=self._side.port, incarnation=self.incarnation)
+
+    @property
+    def side_channel_address(self) -> tuple[str, int]:
+        return self._side.address
+
+    def _local_metadata(self) -> bytes:
         with self.lock:
-            md = self.agent.getLocalMD()
-        return PeerInfo(self.backend_name, self.name, layout, metadata=md)
+            if self.agent is None:
+                return b""
+            return self.agent.getLocalMD()
 
     def get_notifications(self) -> list[Notification]:
         self._drain_notifs()
@@ -180,14 +218,35 @@ class NixlEngine(TransferEngine):
     # -- reader side -------------------------------------------------------
     def connect(self, peer: PeerInfo) -> None:
         self._check_peer(peer)
-        if peer.agent_name in self._peers:
+        name = peer.agent_name
+        if self._peers.get(name) == peer.incarnation and name not in self._stale:
             return
+        reply = side_channel.fetch_metadata(peer.host, peer.port, name, self.config.side_channel_timeout_s)
+        if reply.incarnation != peer.incarnation:
+            raise ConnectionError(f"NIXL peer {name!r} at {peer.host}:{peer.port} restarted "
+                                  f"(incarnation {reply.incarnation}, PeerInfo has {peer.incarnation}): "
+                                  "get a fresh PeerInfo")
+        with self.lock:
+            if name in self._peers:   # an older incarnation, or a failed connection
+                self._forget(name)
+            try:
+                self.agent.loadRemoteMD(reply.metadata)
+            except Exception as exc:  # UCX connects eagerly: a dead peer fails here
+                raise ConnectionError(f"cannot reach NIXL peer {name!r}: {exc!r}") from exc
+            self._peers[name] = peer.incarnation
+            self._stale.discard(name)
+
+    def _forget(self, name: str) -> None:
+        """Drop a peer's loaded metadata (caller holds the lock)."""
         try:
-            with self.lock:
-                self.agent.loadRemoteMD(peer.metadata)
-        except Exception as exc:  # UCX connects eagerly: a dead peer fails here
-            raise ConnectionError(f"cannot reach NIXL peer {peer.agent_name!r}: {exc!r}") from exc
-        self._peers.add(peer.agent_name)
+            self.agent.invalidateRemoteMD(name)
+        except Exception:
+            log.debug("invalidateRemoteMD(%s) failed", name, exc_info=True)
+        self._peers.pop(name, None)
+
+    def mark_stale(self, name: str) -> None:
+        """A transfer from ``name`` failed: refetch its metadata before the next read."""
+        self._stale.add(name)
 
     def read(self, peer: PeerInfo, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
              notify: bytes = b"") -> TransferHandle:
@@ -199,12 +258,12 @@ class NixlEngine(TransferEngine):
                 if not descs:
                     if notify:
                         self.agent.genNotif(peer.agent_name, notify)
-                    return NixlHandle(self, None, 0, 0, TransferStatus.DONE)
+                    return NixlHandle(self, peer.agent_name, None, 0, 0, TransferStatus.DONE)
                 req = self._post(peer, descs, notify)
                 code = self.agent.postXferReq(req, notify)
         except Exception as exc:
-            return NixlHandle(self, None, len(descs), nbytes, TransferStatus.FAILED, repr(exc))
-        return NixlHandle(self, req, len(descs), nbytes, _status(self.bind, code))
+            return NixlHandle(self, peer.agent_name, None, len(descs), nbytes, TransferStatus.FAILED, repr(exc))
+        return NixlHandle(self, peer.agent_name, req, len(descs), nbytes, _status(self.bind, code))
 
     def _post(self, peer: PeerInfo, descs: list[Descriptor], notify: bytes) -> int:
         arr = np.array([(d.src_addr, d.dst_addr, d.nbytes) for d in descs], dtype=np.uint64)
@@ -226,6 +285,7 @@ class NixlEngine(TransferEngine):
         if getattr(self, "agent", None) is None:
             return
         self._stop.set()
+        self._side.close()
         if self._poller is not None:
             self._poller.join(timeout=2)
         with self.lock:
@@ -234,11 +294,8 @@ class NixlEngine(TransferEngine):
                     self.agent.releaseXferReq(req)
                 except Exception:
                     pass
-            for peer in self._peers:
-                try:
-                    self.agent.invalidateRemoteMD(peer)
-                except Exception:
-                    pass
+            for peer in list(self._peers):
+                self._forget(peer)
             if self._reg is not None:
                 self.agent.deregisterMem(self._reg, [])
             self.agent = None

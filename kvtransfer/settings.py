@@ -12,6 +12,7 @@ from kvtransfer.engine import TransferEngine
 class TransferSettings:
     backend: str = "auto"          # "auto" = the fastest installed
     host: str = "127.0.0.1"        # this node's address: side channels bind here only
+    side_channel_port: int = 0     # nixl metadata side channel / tcp data socket; 0 = any free port
     lease_ttl: float = 30.0
     timeout: float = 10.0
 
@@ -22,16 +23,16 @@ class TransferSettings:
 
     def create(self, name: str) -> TransferEngine:
         backend = self.resolved_backend()
-        return create_engine(backend, name, _backend_config(backend, self.host))
+        return create_engine(backend, name, _backend_config(backend, self.host, self.side_channel_port))
 
 
-def _backend_config(backend: str, host: str) -> Any:
+def _backend_config(backend: str, host: str, port: int) -> Any:
     if backend == "nixl":
         from kvtransfer.nixl_backend import NixlConfig
-        return NixlConfig(host=host)
+        return NixlConfig(host=host, side_channel_port=port)
     if backend == "tcp":
         from kvtransfer.tcp_backend import TcpConfig
-        return TcpConfig(host=host)
+        return TcpConfig(host=host, port=port)
     if backend == "ucxx":
         from kvtransfer.ucxx_backend import UcxxConfig
         return UcxxConfig(host=host)

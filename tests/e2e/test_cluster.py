@@ -113,13 +113,17 @@ def test_health_model_info_and_metrics(cluster):
     assert health == "SERVING"
     assert mi.block_size == BS and dict(mi.pools) == {"prefill": 1, "decode": 1}
     before = cluster.sample("pdserve_time_to_first_token_seconds_count")
+    queued = cluster.sample("pdserve_queue_time_seconds_count")
     asyncio.run(_complete(cluster.target, [11, 12, 13]))
     assert cluster.sample("pdserve_time_to_first_token_seconds_count") == before + 1
+    assert cluster.sample("pdserve_queue_time_seconds_count") == queued + 1
     names = {f.name for f in text_string_to_metric_families(cluster.scrape())}
     for name in ("pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
                  "pdserve_e2e_request_latency_seconds", "pdserve_kv_transfer_seconds",
                  "pdserve_kv_transfer_bytes", "pdserve_requests_running", "pdserve_kv_blocks_used",
-                 "pdserve_routing_decisions", "pdserve_requests", "pdserve_prefix_cache_hit_tokens"):
+                 "pdserve_routing_decisions", "pdserve_requests", "pdserve_prefix_cache_hit_tokens",
+                 "pdserve_queue_time_seconds", "pdserve_lease_expiries", "pdserve_transfer_failures",
+                 "pdserve_requests_waiting", "pdserve_kv_usage_ratio", "pdserve_prefix_cache_queried_tokens"):
         assert name in names, name
 
 
