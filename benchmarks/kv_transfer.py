@@ -4,13 +4,23 @@ Cases: the KV of a 512- and a 4096-token SmolLM2-135M prompt (30 layers x 2 x
 3 KV heads x 16 tokens x 64 dims x fp32 = 737280 bytes per block) read through
 a realistic fragmented block table, and 256 MiB in 1 MiB blocks (shuffled:
 one descriptor per block). Two processes: a source child per backend, the
-reader here.
+reader here. Next to each backend's figure, measured right after it on the
+same bytes: torch memcpy (``memcpy_gbps``, uses every intra-op thread), a
+single-threaded memmove (``memcpy_1thread_gbps``) and one raw
+``process_vm_readv`` syscall over the same descriptors from the source
+process (``vm_readv_gbps``: the kernel copy UCX's cma transport performs, i.e.
+the ceiling for a one-thread cross-process read on this host).
 
-    .venv/bin/python benchmarks/kv_transfer.py [--iters 5] [--backends nixl,tcp]
+    .venv/bin/python benchmarks/kv_transfer.py [--iters 5] [--backends nixl,tcp] [--thp]
+
+``--thp`` allocates every pool (both processes) and memcpy buffer on
+transparent huge pages (torch's ``THP_MEM_ALLOC_ENABLE=1``): the kernel's
+cross-process copy then pins 2 MiB pages instead of 4 KiB ones.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -70,7 +80,7 @@ def make_pools(backend: str, variant: str, role: str):
 
 def source_main(variant: str, conn) -> None:
     pools = make_pools(variant, variant, "src")
-    conn.send({p: (e.peer_info(), t[:, :64].clone()) for p, (e, t) in pools.items()})
+    conn.send(({p: (e.peer_info(), t[:, :64].clone()) for p, (e, t) in pools.items()}, os.getpid()))
     while not conn.poll(0.005):
         for eng, _ in pools.values():
             eng.get_notifications()   # what a prefill worker's loop does
@@ -93,19 +103,52 @@ def memcpy_case(case: str, iters: int) -> dict:
     return {"gbps": round(nbytes / t / 1e9, 2), "latency_ms": round(t * 1e3, 3), "bytes": nbytes}
 
 
+def memmove_1thread_gbps(nbytes: int, iters: int) -> float:
+    import torch
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    times = []
+    for _ in range(iters + 1):
+        t0 = time.perf_counter()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+        times.append(time.perf_counter() - t0)
+    return round(nbytes / statistics.median(times[1:]) / 1e9, 2)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def vm_readv_gbps(pid: int, descs, iters: int) -> float:
+    """One process_vm_readv over ``descs`` (Linux; what UCX cma does per segment)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    nbytes, times = sum(d.nbytes for d in descs), []
+    for start in range(iters + 1):
+        t0 = time.perf_counter()
+        for i in range(0, len(descs), 1024):   # IOV_MAX
+            part = descs[i:i + 1024]
+            local = (_Iovec * len(part))(*[_Iovec(d.dst_addr, d.nbytes) for d in part])
+            remote = (_Iovec * len(part))(*[_Iovec(d.src_addr, d.nbytes) for d in part])
+            if libc.process_vm_readv(pid, local, len(part), remote, len(part), 0) != sum(d.nbytes for d in part):
+                return float("nan")   # no ptrace permission: not comparable
+        times.append(time.perf_counter() - t0)
+    return round(nbytes / statistics.median(times[1:]) / 1e9, 2)
+
+
 def bench_memcpy(iters: int) -> dict:
     return {case: memcpy_case(case, iters) for case in CASES}
 
 
 def bench_backend(variant: str, iters: int) -> dict:
     import torch
+    from kvtransfer.descriptors import build_descriptors
     from kvtransfer.engine import TransferStatus
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=source_main, args=(variant, child), daemon=True)
     proc.start()
     readers = make_pools(variant, variant, "dst")
-    peers = conn.recv()
+    peers, source_pid = conn.recv()
     out = {}
     try:
         for case in CASES:
@@ -127,8 +170,11 @@ def bench_backend(variant: str, iters: int) -> dict:
             gbps = handle.nbytes / t / 1e9
             # the host is shared: compare with a memcpy measured right now, not at start-up
             local = memcpy_case(case, iters)["gbps"]
+            one_thread = memmove_1thread_gbps(handle.nbytes, iters)
+            kernel = vm_readv_gbps(source_pid, build_descriptors(info.layout, eng.layout, src_ids, dst_ids), iters)
             out[case] = {"gbps": round(gbps, 2), "ratio_to_memcpy": round(gbps / local, 3),
-                         "memcpy_gbps": local,
+                         "memcpy_gbps": local, "memcpy_1thread_gbps": one_thread, "vm_readv_gbps": kernel,
+                         "ratio_to_vm_readv": round(gbps / kernel, 3),
                          "latency_ms": round(t * 1e3, 3), "best_gbps": round(handle.nbytes / min(times[1:]) / 1e9, 2),
                          "descriptors": handle.descriptors,
                          "bytes_per_descriptor": handle.nbytes // max(handle.descriptors, 1)}
@@ -141,12 +187,16 @@ def bench_backend(variant: str, iters: int) -> dict:
 
 
 def main() -> None:
-    from kvtransfer.registry import available_backends
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--backends", default="", help="comma list; default every installed one "
                         "(+ nixl_pthread_on: NIXL's progress thread with a 100 us delay)")
+    parser.add_argument("--thp", action="store_true", help="allocate pools on transparent huge pages "
+                        "(THP_MEM_ALLOC_ENABLE=1, inherited by the source processes)")
     args = parser.parse_args()
+    if args.thp:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"   # read by torch's CPU allocator at first use
+    from kvtransfer.registry import available_backends
     variants = args.backends.split(",") if args.backends else available_backends()
     if not args.backends and "nixl" in variants:
         variants.insert(1, "nixl_pthread_on")
@@ -155,6 +205,7 @@ def main() -> None:
         result[variant] = bench_backend(variant, args.iters)
     result["env"] = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
     result["cpus"] = os.cpu_count()
+    result["thp"] = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
     print(json.dumps(result))
 
 

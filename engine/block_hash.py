@@ -44,10 +44,20 @@ def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | No
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    out: list[int] = []
-    prev = root_hash(cache_salt) if parent is None else parent
     n_full = len(token_ids) // block_size
-    for b in range(start, n_full):
-        prev = hash_block_tokens(prev, token_ids[b * block_size:(b + 1) * block_size])
-        out.append(prev)
-    return out
+    if start >= n_full:
+        return []
+    # Same bytes as hash_block_tokens (parent as 8 little-endian bytes, then the
+    # block's tokens as native uint32), packed once: the parent's digest *is*
+    # its 8 little-endian bytes, so the chain never leaves bytes.
+    data = array("I", token_ids[start * block_size:n_full * block_size]).tobytes()
+    step = block_size * 4
+    prev = (root_hash(cache_salt) if parent is None else parent).to_bytes(8, "little")
+    blake = hashlib.blake2b
+    digests: list[bytes] = []
+    append = digests.append
+    for off in range(0, len(data), step):
+        prev = blake(prev + data[off:off + step], digest_size=8).digest()
+        append(prev)
+    from_bytes = int.from_bytes
+    return [from_bytes(d, "little") for d in digests]

@@ -38,6 +38,10 @@ _MAX_METADATA = 64 << 20
 STATUS_OK, STATUS_WRONG_AGENT = 0, 1
 
 
+class SideChannelError(ConnectionError):
+    """The peer's side channel could not be reached or answered wrongly."""
+
+
 @dataclass(frozen=True)
 class SideChannelReply:
     agent_name: str
@@ -140,17 +144,17 @@ def fetch_metadata(host: str, port: int, agent_name: str, timeout: float = 5.0) 
             sock.sendall(_REQUEST + agent_name.encode() + b"\n")
             magic, status, inc_len, md_len = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
             if magic != _MAGIC:
-                raise ConnectionError(f"{host}:{port} is not a pdserve metadata side channel")
+                raise SideChannelError(f"{host}:{port} is not a pdserve metadata side channel")
             if status == STATUS_WRONG_AGENT:
-                raise ConnectionError(f"{host}:{port} does not serve agent {agent_name!r} (stale PeerInfo?)")
+                raise SideChannelError(f"{host}:{port} does not serve agent {agent_name!r} (stale PeerInfo?)")
             if status != STATUS_OK or md_len > _MAX_METADATA:
-                raise ConnectionError(f"bad side channel reply from {host}:{port} (status {status})")
+                raise SideChannelError(f"bad side channel reply from {host}:{port} (status {status})")
             incarnation = _recv_exact(sock, inc_len).decode()
             return SideChannelReply(agent_name, incarnation, _recv_exact(sock, md_len))
-    except ConnectionError:
+    except SideChannelError:
         raise
     except OSError as exc:  # refused, timed out, reset
-        raise ConnectionError(f"cannot fetch metadata of {agent_name!r} from {host}:{port}: {exc!r}") from exc
+        raise SideChannelError(f"cannot fetch metadata of {agent_name!r} from {host}:{port}: {exc!r}") from exc
 
 
 def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
@@ -158,7 +162,7 @@ def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
     while len(buf) < nbytes:
         chunk = sock.recv(min(nbytes - len(buf), 1 << 20))
         if not chunk:
-            raise ConnectionError("side channel closed mid-reply")
+            raise SideChannelError("side channel closed mid-reply")
         buf += chunk
     return bytes(buf)
 

@@ -75,6 +75,8 @@ def source_main(spec: PeerSpec, conn) -> None:
             t0 = time.process_time()
             time.sleep(args[0])
             conn.send(time.process_time() - t0)
+        elif cmd == "listening":
+            conn.send(listening_addresses(os.getpid()))
         elif cmd == "stop":
             engine.close()
             conn.send(True)
@@ -99,3 +101,27 @@ def reader_main(spec: PeerSpec, peer, src_ids, dst_ids, timeout: float, conn) ->
 
 def peer_seed_of(peer) -> int:
     return int(peer.agent_name.rsplit("-", 1)[1])
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """IPs of the TCP sockets process ``pid`` listens on (from /proc; Linux)."""
+    import ipaddress
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for proto in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{proto}") as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:   # LISTEN
+                    raw = bytes.fromhex(fields[1].split(":")[0])
+                    # /proc prints each 32-bit word in host (little-endian) order
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    out.append(str(ipaddress.ip_address(words)))
+    return out

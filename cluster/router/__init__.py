@@ -1,11 +1,13 @@
 """Prefix-aware routing: which prefill and decode node serve a request.
 
 - index.py   `PrefixIndex`: block hash -> workers holding it, fed by KV events
+- inflight.py `InFlightPrefixes`: prefixes sent to a node, not yet reported by it
 - cost.py    pure cost functions and softmax-with-temperature selection
 - policy.py  `RoutingPolicy` + `prefix_aware` / `round_robin` / `least_loaded`
 - router.py  `Router`: index + load view + policy, the object the backend holds
 """
 from cluster.router.cost import CostWeights
+from cluster.router.inflight import InFlightMatch, InFlightPrefixes
 from cluster.router.index import ApplyResult, MatchInfo, PrefixIndex
 from cluster.router.policy import (POLICIES, ClusterView, CostInputs, DecisionKind, NoWorkerAvailable,
                                    PolicyConfig, RoutingDecision, RoutingPolicy, RoutingRequest,
@@ -13,7 +15,8 @@ from cluster.router.policy import (POLICIES, ClusterView, CostInputs, DecisionKi
 from cluster.router.router import Router, RouterConfig, load_from_stats
 
 __all__ = [
-    "ApplyResult", "ClusterView", "CostInputs", "CostWeights", "DecisionKind", "MatchInfo",
+    "ApplyResult", "ClusterView", "CostInputs", "CostWeights", "DecisionKind", "InFlightMatch",
+    "InFlightPrefixes", "MatchInfo",
     "NoWorkerAvailable", "POLICIES", "PolicyConfig", "PrefixIndex", "Router", "RouterConfig",
     "RoutingDecision", "RoutingPolicy", "RoutingRequest", "WorkerLoad", "WorkerView",
     "load_from_stats", "make_policy",

@@ -31,34 +31,45 @@ class CostWeights:
     transfer_block: float = 1.0    # per block a decode node must pull from the prefill node
     host_hit: float = 0.8          # a host-tier hit is worth this share of a device hit
     disk_hit: float = 0.5          # a disk-tier hit is worth this share of a device hit
+    in_flight_hit: float = 0.9     # a block sent to the node, not yet reported, is worth this share
 
     def __post_init__(self) -> None:
         for name in ("uncached_token", "queued_token", "running", "kv_usage", "transfer_block"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostWeights.{name} must be >= 0 (0 disables that term), "
                                  f"got {getattr(self, name)}")
-        for name in ("host_hit", "disk_hit"):
+        for name in ("host_hit", "disk_hit", "in_flight_hit"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"CostWeights.{name} is a share of a device hit: give a value "
                                  f"in [0, 1], got {getattr(self, name)}")
 
 
 def effective_cached_blocks(device_blocks: int, host_blocks: int, disk_blocks: int,
-                            weights: CostWeights) -> float:
-    """Cached prefix blocks, a host or disk hit weighing less than a device hit."""
-    return device_blocks + weights.host_hit * host_blocks + weights.disk_hit * disk_blocks
+                            weights: CostWeights, in_flight_blocks: int = 0) -> float:
+    """Cached prefix blocks, a host, disk or in-flight hit weighing less than a device hit."""
+    return (device_blocks + weights.host_hit * host_blocks + weights.disk_hit * disk_blocks
+            + weights.in_flight_hit * in_flight_blocks)
 
 
 def prefill_cost(uncached_blocks: float, queued_prefill_tokens: int, block_size: int,
-                 weights: CostWeights) -> float:
-    """Cost of prefilling on a node: new work plus the queue ahead of it."""
-    if uncached_blocks < 0 or queued_prefill_tokens < 0:
-        raise ValueError(f"uncached_blocks ({uncached_blocks}) and queued_prefill_tokens "
-                         f"({queued_prefill_tokens}) must be >= 0")
+                 weights: CostWeights, in_flight_blocks: int = 0) -> float:
+    """Cost of prefilling on a node: new work plus the queue ahead of it.
+
+    ``in_flight_blocks`` of this prompt were sent to the node and are not yet
+    reported: the queue ahead is (up to) computing them, a wait that replaces
+    computing them here, so that much of the queue is not counted. A burst of
+    requests sharing a prefix thus stays on the node computing it until the
+    rest of its queue outweighs the prefix.
+    """
+    if uncached_blocks < 0 or queued_prefill_tokens < 0 or in_flight_blocks < 0:
+        raise ValueError(f"uncached_blocks ({uncached_blocks}), queued_prefill_tokens "
+                         f"({queued_prefill_tokens}) and in_flight_blocks ({in_flight_blocks}) "
+                         "must be >= 0")
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    queued = queued_prefill_tokens - in_flight_blocks * block_size if in_flight_blocks else queued_prefill_tokens
     return (weights.uncached_token * uncached_blocks * block_size
-            + weights.queued_token * queued_prefill_tokens)
+            + weights.queued_token * max(0, queued))
 
 
 def decode_cost(running: int, kv_usage: float, weights: CostWeights) -> float:

@@ -42,10 +42,11 @@ class MatchInfo:
     device_blocks: int
     host_blocks: int = 0
     disk_blocks: int = 0
+    in_flight_blocks: int = 0    # beyond the indexed ones: sent there, not yet reported (inflight.py)
 
     @property
     def blocks(self) -> int:
-        return self.device_blocks + self.host_blocks + self.disk_blocks
+        return self.device_blocks + self.host_blocks + self.disk_blocks + self.in_flight_blocks
 
 
 @dataclass(frozen=True, slots=True)

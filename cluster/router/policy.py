@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar, Iterable, Mapping, Sequence
 
 from cluster.router import cost as C
+from cluster.router.inflight import InFlightMatch
 from cluster.router.index import MatchInfo, PrefixIndex
 
 if TYPE_CHECKING:
@@ -141,6 +142,15 @@ class PolicyConfig:
 Pick = tuple[WorkerView, float]            # chosen worker and its cost
 
 
+def with_in_flight(matches: dict[str, MatchInfo], in_flight: InFlightMatch) -> None:
+    """Extend the in-flight node's indexed match to the blocks sent to it (in place)."""
+    m = matches.get(in_flight.worker_id, NO_MATCH)
+    extra = in_flight.blocks - m.blocks
+    if extra > 0:
+        matches[in_flight.worker_id] = MatchInfo(m.device_blocks, m.host_blocks, m.disk_blocks,
+                                                 m.in_flight_blocks + extra)
+
+
 class RoutingPolicy(abc.ABC):
     name: ClassVar[str]
 
@@ -148,11 +158,16 @@ class RoutingPolicy(abc.ABC):
         self.config = config
         self.rng = rng
 
-    def route(self, req: RoutingRequest, view: ClusterView, index: PrefixIndex) -> RoutingDecision:
+    def route(self, req: RoutingRequest, view: ClusterView, index: PrefixIndex,
+              in_flight: InFlightMatch | None = None) -> RoutingDecision:
+        """``in_flight``: the prompt's deepest block already sent to a node and
+        not yet reported there (inflight.py); counted beyond that node's indexed prefix."""
         if not view.decode:
             raise NoWorkerAvailable("no live decode worker: wait for one to report, or start "
                                     "decode workers (--decode-workers)")
         matches = index.match(req.block_hashes)
+        if in_flight is not None:
+            with_in_flight(matches, in_flight)
         if self.config.colocated:
             d, d_cost = self.pick_colocated(req, view.decode, matches)
             return self._local(req, d, d_cost, matches, len(view.decode))
@@ -203,16 +218,19 @@ class PrefixAwarePolicy(RoutingPolicy):
                        matches: Mapping[str, MatchInfo]) -> list[float]:
         w, bs, get = self.config.weights, req.block_size, matches.get
         total = req.prompt_tokens / bs
+        cold, wq = w.uncached_token * total * bs, w.queued_token   # = C.prefill_cost(total, q, bs, w)
         costs = []
         for x in workers:
             m = get(x.worker_id)
             if m is None:
-                uncached = total
-            elif m.host_blocks or m.disk_blocks:
-                uncached = total - C.effective_cached_blocks(m.device_blocks, m.host_blocks, m.disk_blocks, w)
+                costs.append(cold + wq * x.load.queued_prefill_tokens)
+                continue
+            if m.host_blocks or m.disk_blocks or m.in_flight_blocks:
+                uncached = total - C.effective_cached_blocks(m.device_blocks, m.host_blocks, m.disk_blocks,
+                                                             w, m.in_flight_blocks)
             else:
                 uncached = total - m.device_blocks
-            costs.append(C.prefill_cost(uncached, x.load.queued_prefill_tokens, bs, w))
+            costs.append(C.prefill_cost(uncached, x.load.queued_prefill_tokens, bs, w, m.in_flight_blocks))
         return costs
 
     def pick_prefill(self, req, workers, matches) -> Pick:
@@ -220,12 +238,13 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     def pick_decode(self, req, workers, matches) -> Pick:
         w, get, n_full = self.config.weights, matches.get, len(req.block_hashes)
+        wr, wk, wt, wq = w.running, w.kv_usage, w.transfer_block, w.queued_token
         costs = []
-        for x in workers:
+        for x in workers:                  # C.decode_node_cost inlined (loads are validated)
             m, load = get(x.worker_id), x.load
             missing = n_full - m.blocks if m is not None else n_full
-            costs.append(C.decode_node_cost(load.running, load.kv_usage, missing,
-                                            load.queued_prefill_tokens, w))
+            costs.append(wr * load.running + wk * load.kv_usage + wt * missing
+                         + wq * load.queued_prefill_tokens)
         return self._select(workers, costs)
 
     def pick_colocated(self, req, workers, matches) -> Pick:

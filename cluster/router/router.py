@@ -21,10 +21,11 @@ from typing import Callable, Iterable
 
 from cluster.config import ServeConfig
 from cluster.metrics import WorkerStats
+from cluster.router.inflight import InFlightPrefixes, NoInFlightPrefixes
 from cluster.router.index import ApplyResult, PrefixIndex
 from cluster.router.policy import (POOLS, ClusterView, PolicyConfig, RoutingDecision,
                                    RoutingRequest, WorkerLoad, WorkerView, make_policy)
-from engine.kv_events import KVEvent, KVSnapshot
+from engine.kv_events import KVEvent, KVEventKind, KVSnapshot
 
 
 @dataclass(frozen=True)
@@ -32,14 +33,18 @@ class RouterConfig:
     policy: str = "prefix_aware"
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     pending_ttl_s: float = 5.0             # optimistic additions lapse without a load report
+    in_flight_ttl_s: float = 10.0          # a prefix sent to a node counts there until reported, or this long
+    track_in_flight: bool = False          # count sent-but-unreported prefixes (see NoInFlightPrefixes)
 
     def __post_init__(self) -> None:
-        if self.pending_ttl_s <= 0:
-            raise ValueError(f"pending_ttl_s must be positive seconds, got {self.pending_ttl_s}")
+        if self.pending_ttl_s <= 0 or self.in_flight_ttl_s <= 0:
+            raise ValueError(f"pending_ttl_s ({self.pending_ttl_s}) and in_flight_ttl_s "
+                             f"({self.in_flight_ttl_s}) must be positive seconds")
 
     @classmethod
     def from_serve_config(cls, cfg: ServeConfig) -> "RouterConfig":
-        return cls(policy=cfg.router_policy, policy_config=PolicyConfig.from_serve_config(cfg))
+        return cls(policy=cfg.router_policy, policy_config=PolicyConfig.from_serve_config(cfg),
+                   track_in_flight=cfg.router_track_in_flight)
 
 
 def load_from_stats(stats: WorkerStats, queued_prefill_tokens: int = 0) -> WorkerLoad:
@@ -79,6 +84,8 @@ class Router:
         self.config = config
         self.index = index if index is not None else PrefixIndex()
         self.policy = make_policy(config.policy, config.policy_config, rng)
+        self.in_flight = (InFlightPrefixes(config.in_flight_ttl_s) if config.track_in_flight
+                          else NoInFlightPrefixes())
         self._clock = clock
         self._slots: dict[str, _Slot] = {}
         self._order: list[str] = []            # worker ids, sorted
@@ -114,14 +121,24 @@ class Router:
     def on_worker_dead(self, worker_id: str) -> None:
         """Drop the worker's index entries and stop routing to it until it reports again."""
         self.index.remove_worker(worker_id)
+        self.in_flight.drop_worker(worker_id)
         slot = self._slots.get(worker_id)
         if slot is not None:
             self.update_load(worker_id, replace(slot.reported, alive=False))
 
     # ---- KV events ------------------------------------------------------
     def on_events(self, worker_id: str, events: Iterable[KVEvent]) -> ApplyResult:
-        """Apply a worker's events; on ``needs_resync`` fetch its snapshot for ``on_snapshot``."""
-        return self.index.apply(worker_id, events)
+        """Apply a worker's events; on ``needs_resync`` fetch its snapshot for ``on_snapshot``.
+        REMOVED / CLEARED also drop what was sent to the worker and not yet reported."""
+        if not isinstance(events, (list, tuple)):
+            events = list(events)
+        result = self.index.apply(worker_id, events)
+        for ev in events:
+            if ev.kind is KVEventKind.REMOVED:
+                self.in_flight.on_removed(worker_id, ev.block_hashes)
+            elif ev.kind is KVEventKind.CLEARED:
+                self.in_flight.drop_worker(worker_id)
+        return result
 
     def on_snapshot(self, worker_id: str, snapshot: KVSnapshot) -> None:
         self.index.resync(worker_id, snapshot)
@@ -131,8 +148,11 @@ class Router:
         now = self._clock()
         if self._next_expiry is not None and now >= self._next_expiry:
             self._expire(now)
-        decision = self.policy.route(request, self.view, self.index)
+        decision = self.policy.route(request, self.view, self.index,
+                                     self.in_flight.match(request.block_hashes, now))
         self._account(request, decision, now)
+        self.in_flight.record(decision.prefill_worker_id or decision.decode_worker_id,
+                              request.block_hashes, now)
         return decision
 
     @property

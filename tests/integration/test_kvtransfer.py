@@ -191,3 +191,51 @@ def test_nixl_shared_memory_only_tls_works():
         proc.join(5)
     finally:
         source.stop()
+
+
+# --- NIXL metadata side channel --------------------------------------------
+
+@nixl_only
+def test_nixl_metadata_is_fetched_over_the_side_channel_from_another_process():
+    from kvtransfer import side_channel
+    source = Source(spec("nixl"))
+    try:
+        info = source.info
+        assert info.metadata == b"" and info.host == "127.0.0.1" and info.port > 0 and info.incarnation
+        reply = side_channel.fetch_metadata(info.host, info.port, info.agent_name, timeout=5)
+        assert reply.incarnation == info.incarnation
+        assert info.agent_name.encode() in reply.metadata   # NIXL's agent metadata blob
+        with pytest.raises(ConnectionError, match="does not serve agent"):
+            side_channel.fetch_metadata(info.host, info.port, "someone-else", timeout=5)
+        # nothing in the source process listens on a wildcard address (no NIXL listener)
+        addrs = source.call("listening")
+        assert addrs and not [a for a in addrs if a in ("0.0.0.0", "::")], addrs
+    finally:
+        source.stop()
+
+
+@nixl_only
+def test_nixl_restarted_peer_metadata_is_refetched():
+    """Same agent name, new process (new incarnation): the cached metadata is dropped."""
+    reader = create_engine("nixl", "reader-restart")
+    pool = torch.zeros(NUM_BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
+    reader.register_pool(KVPoolLayout.from_tensor(pool))
+    first = Source(PeerSpec("nixl", "src-restarting", next(_seeds)))
+    try:
+        assert reader.read(first.info, [3, 4], [0, 1]).wait(10) is TransferStatus.DONE
+        assert torch.equal(pool[:2], make_pool(first.seed)[[3, 4]])
+        old_info = first.info
+        first.stop()
+        second = Source(PeerSpec("nixl", "src-restarting", next(_seeds)))
+        try:
+            assert second.info.incarnation != old_info.incarnation
+            stale = reader.read(old_info, [3, 4], [0, 1]).wait(5)
+            assert stale in (TransferStatus.FAILED, TransferStatus.TIMEOUT)
+            handle = reader.read(second.info, [3, 4, 9], [0, 1, 2])
+            assert handle.wait(10) is TransferStatus.DONE, handle.error
+            assert torch.equal(pool[:3], make_pool(second.seed)[[3, 4, 9]])
+        finally:
+            second.stop()
+    finally:
+        reader.close()
+        first.stop()

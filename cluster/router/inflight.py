@@ -1,0 +1,126 @@
+"""`InFlightPrefixes`: prompt prefixes the router has sent somewhere, not yet reported.
+
+A worker reports the blocks it holds (KV events) only after it has prefilled
+them; requests sharing a prefix that arrive meanwhile would see no match and
+be spread by load, recomputing the prefix elsewhere. So ``route()`` records
+the block hashes of every request it sends to node N (the prefill node, or
+the decode node when it prefills locally) as *expected soon* on N, for
+``ttl_s`` seconds.
+
+One flat map ``hash -> (worker, epoch, expiry)``, written in bulk (C speed,
+no per-block Python work on the routing path): the last node a block was
+sent to owns it. Every send records a whole chain from the prompt's first
+block, so the entries along a prompt are (nearly) prefix-closed and
+``match()`` binary-searches for the deepest one: O(log n) lookups. It answers
+one node and how many leading blocks it should hold (the chain it was sent).
+
+Indexed blocks (real STORED events) take precedence over these entries (the
+policy counts in-flight blocks only beyond a node's indexed prefix); a
+REMOVED from the owner drops an entry; CLEARED or a dead worker drops all of
+that worker's entries (an epoch bump: stale entries are ignored, then aged
+out). Expiry is lazy: two generations of ``ttl_s`` each, the older dropped
+whole, and each entry's own expiry checked on read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class InFlightMatch:
+    worker_id: str
+    blocks: int                            # leading prompt blocks expected on that worker
+
+
+class InFlightPrefixes:
+    def __init__(self, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"in-flight prefix ttl must be positive seconds, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._cur: dict[int, tuple[str, int, float]] = {}
+        self._prev: dict[int, tuple[str, int, float]] = {}
+        self._gen_start: float | None = None
+        self._epochs: dict[str, int] = {}
+
+    def record(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
+        """``block_hashes`` (a prompt's chain from its first block) were sent to ``worker_id``."""
+        if not block_hashes:
+            return
+        self._age(now)
+        self._cur.update(dict.fromkeys(block_hashes, (worker_id, self._epochs.get(worker_id, 0),
+                                                      now + self.ttl_s)))
+
+    def match(self, block_hashes: Sequence[int], now: float) -> InFlightMatch | None:
+        """The node the deepest in-flight block of this prompt was sent to, and
+        that block's depth (every send carries the whole chain up to it)."""
+        if not block_hashes or (not self._cur and not self._prev):
+            return None
+        self._age(now)
+        first = self._live(block_hashes[0], now)
+        if first is None:
+            return None
+        lo, hi, best = 0, len(block_hashes), first       # lo valid, hi invalid (or past the end)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            v = self._live(block_hashes[mid], now)
+            if v is None:
+                hi = mid
+            else:
+                lo, best = mid, v
+        return InFlightMatch(best[0], lo + 1)
+
+    def on_removed(self, worker_id: str, block_hashes: Iterable[int]) -> None:
+        """The worker evicted these blocks: it no longer holds what was sent there."""
+        for gen in (self._cur, self._prev):
+            if not gen:
+                continue
+            for h in block_hashes:
+                v = gen.get(h)
+                if v is not None and v[0] == worker_id:
+                    del gen[h]
+
+    def drop_worker(self, worker_id: str) -> None:
+        """CLEARED, or the worker died: forget everything sent to it."""
+        self._epochs[worker_id] = self._epochs.get(worker_id, 0) + 1
+
+    def __len__(self) -> int:
+        return len(self._cur.keys() | self._prev.keys())
+
+    def _live(self, h: int, now: float) -> tuple[str, int, float] | None:
+        v = self._cur.get(h) or self._prev.get(h)
+        if v is None or v[2] <= now or self._epochs.get(v[0], 0) != v[1]:
+            return None
+        return v
+
+    def _age(self, now: float) -> None:
+        if self._gen_start is None:
+            self._gen_start = now
+        elif now - self._gen_start >= self.ttl_s:
+            self._prev = self._cur if now - self._gen_start < 2 * self.ttl_s else {}
+            self._cur = {}
+            self._gen_start = now
+
+
+class NoInFlightPrefixes:
+    """The null tracker (the default): prefixes count only once a worker reports them.
+
+    Tracking sent prefixes helps only if an engine makes a request wait for a
+    prefix another running request is still computing; pdserve's scheduler does
+    not (yet), so a burst sent to the same node recomputes the prefix there and
+    piles load on it (benchmarks/routing.py measured a worse TTFT p90 with it on)."""
+
+    def record(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
+        return None
+
+    def match(self, block_hashes: Sequence[int], now: float) -> None:
+        return None
+
+    def on_removed(self, worker_id: str, block_hashes: Iterable[int]) -> None:
+        return None
+
+    def drop_worker(self, worker_id: str) -> None:
+        return None
+
+    def __len__(self) -> int:
+        return 0

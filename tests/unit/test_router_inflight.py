@@ -1,0 +1,182 @@
+"""In-flight prefixes: what route() sent to a node counts there before its KV events arrive."""
+import random
+
+import pytest
+
+from cluster.router import (CostWeights, InFlightMatch, InFlightPrefixes, MatchInfo, PolicyConfig, Router,
+                            RouterConfig, RoutingRequest, WorkerLoad)
+from cluster.router import cost as C
+from engine.block_hash import block_hashes
+from engine.kv_events import KVEvent, KVEventKind
+from cluster.router.inflight import NoInFlightPrefixes
+
+BS = 16
+SYSTEM = list(range(384))                       # 24 shared blocks
+
+
+def group_req(i, system=SYSTEM, question_len=32):
+    tokens = system + [100_000 + 977 * i + t for t in range(question_len)]
+    return RoutingRequest(f"q{i}", len(tokens), tuple(block_hashes(tokens, BS)), BS)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def router(clock=None, ttl=10.0):
+    r = Router(RouterConfig(track_in_flight=True, policy_config=PolicyConfig(local_prefill_threshold=0, local_prefill_hit_ratio=1.0),
+                            in_flight_ttl_s=ttl), rng=random.Random(0), clock=clock or Clock())
+    for wid, pool in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+        r.add_worker(wid, pool)
+    return r
+
+
+# ---- InFlightPrefixes on its own -------------------------------------------
+def test_match_finds_the_deepest_block_sent_and_its_node():
+    a, b = group_req(1).block_hashes, group_req(2).block_hashes
+    f = InFlightPrefixes(10.0)
+    assert f.match(a, 0.0) is None
+    f.record("p0", a, 0.0)
+    assert f.match(a, 1.0) == InFlightMatch("p0", 26)
+    assert f.match(b, 1.0) == InFlightMatch("p0", 24)        # the shared system prompt only
+    assert f.match(a[:5], 1.0) == InFlightMatch("p0", 5)
+    assert f.match(tuple(block_hashes(list(range(5000, 5416)), BS)), 1.0) is None
+    f.record("p1", b, 2.0)                                      # the last node sent a block owns it
+    assert f.match(b, 3.0) == InFlightMatch("p1", 26)
+    assert f.match(a, 3.0) == InFlightMatch("p0", 26)
+    assert f.match(a[:24], 3.0) == InFlightMatch("p1", 24)
+
+
+@pytest.mark.parametrize("n_sent", [1, 2, 3, 7, 8, 9, 24, 26])
+def test_binary_search_equals_a_linear_scan(n_sent):
+    a = group_req(1).block_hashes
+    f = InFlightPrefixes(10.0)
+    f.record("p0", a[:n_sent], 0.0)
+    assert f.match(a, 0.5) == InFlightMatch("p0", n_sent)
+
+
+def test_entries_expire_after_the_ttl_and_old_generations_are_dropped():
+    a = group_req(1).block_hashes
+    f = InFlightPrefixes(10.0)
+    f.record("p0", a, 0.0)
+    assert f.match(a, 9.9) == InFlightMatch("p0", 26)
+    assert f.match(a, 10.0) is None
+    f.record("p1", a[:3], 10.0)
+    assert f.match(a, 15.0) == InFlightMatch("p1", 3)
+    f.record("p1", a[:1], 35.0)                                 # two generations later: the rest is gone
+    assert len(f) == 1
+
+
+def test_removed_and_dropped_workers_lose_their_entries():
+    a, b = group_req(1).block_hashes, group_req(2).block_hashes
+    f = InFlightPrefixes(10.0)
+    f.record("p0", a, 0.0)
+    f.on_removed("p1", a)                                       # not the owner: no effect
+    assert f.match(a, 1.0) == InFlightMatch("p0", 26)
+    f.on_removed("p0", a[24:])
+    assert f.match(a, 1.0) == InFlightMatch("p0", 24)
+    f.drop_worker("p0")
+    assert f.match(a, 1.0) is None
+    f.record("p0", b, 2.0)                                      # sent again after the drop: counts
+    assert f.match(b, 2.0) == InFlightMatch("p0", 26)
+
+
+def test_ttl_must_be_positive():
+    with pytest.raises(ValueError, match="ttl"):
+        InFlightPrefixes(0)
+    with pytest.raises(ValueError, match="in_flight_ttl_s"):
+        RouterConfig(in_flight_ttl_s=-1)
+
+
+# ---- the cost of an in-flight prefix ----------------------------------------
+def test_in_flight_blocks_count_as_cached_and_offset_the_queue_computing_them():
+    w = CostWeights()
+    assert C.effective_cached_blocks(0, 0, 0, w, 24) == pytest.approx(0.9 * 24)
+    # 26-block prompt, 24 blocks in flight on a node queueing 416 tokens (the request computing them)
+    assert C.prefill_cost(26 - 0.9 * 24, 416, BS, w, 24) == pytest.approx((26 - 21.6) * 16 + 32)
+    # more in flight than queued: the queue term does not go negative
+    assert C.prefill_cost(2, 100, BS, w, 24) == pytest.approx(32)
+    # without in-flight blocks the whole queue counts, as before
+    assert C.prefill_cost(2, 416, BS, w) == pytest.approx(32 + 416)
+    with pytest.raises(ValueError):
+        C.prefill_cost(2, 0, BS, w, -1)
+    with pytest.raises(ValueError, match="in_flight_hit"):
+        CostWeights(in_flight_hit=1.5)
+
+
+# ---- the Router --------------------------------------------------------------
+def test_a_burst_of_same_prefix_requests_stays_on_one_prefill_node():
+    r = router()
+    chosen = [r.route(group_req(i)).prefill_worker_id for i in range(8)]
+    assert chosen == ["p0"] * 8
+    second = r.route(group_req(8))
+    assert second.prefill_inputs.match == MatchInfo(0, 0, 0, 24)
+    assert second.prefill_cached_tokens == 24 * BS
+    # a different group goes to the other node: p0's queue holds the first group's work
+    other = group_req(0, system=list(range(50_000, 50_384)))
+    assert r.route(other).prefill_worker_id == "p1"
+
+
+def test_the_burst_spills_once_the_queue_is_too_costly():
+    r = router()
+    assert r.route(group_req(0)).prefill_worker_id == "p0"
+    r.update_load("p0", WorkerLoad(queued_prefill_tokens=3000))     # much more queued than the prefix
+    assert r.route(group_req(1)).prefill_worker_id == "p1"
+    # each follower adds its 32 uncached tokens to p0's queue: after a long burst, p1 is cheaper
+    r = router()
+    chosen = [r.route(group_req(i)).prefill_worker_id for i in range(14)]
+    assert chosen[:10] == ["p0"] * 10 and "p1" in chosen
+
+
+def test_in_flight_entries_lapse_and_die_with_the_worker():
+    clock = Clock()
+    r = router(clock=clock, ttl=2.0)
+    assert r.route(group_req(0)).prefill_worker_id == "p0"
+    r.update_load("p0", WorkerLoad(queued_prefill_tokens=416))
+    clock.t += 2.5                                                  # nothing reported: the entry lapsed
+    assert r.route(group_req(1)).prefill_worker_id == "p1"
+    r.update_load("p1", WorkerLoad(queued_prefill_tokens=416))
+    r.on_worker_dead("p1")
+    r.update_load("p1", WorkerLoad(queued_prefill_tokens=416))      # back, but it holds nothing
+    r.update_load("p0", WorkerLoad(queued_prefill_tokens=400))
+    assert r.route(group_req(2)).prefill_worker_id == "p0"
+
+
+def test_events_supersede_in_flight_entries():
+    r = router()
+    first = group_req(0)
+    assert r.route(first).prefill_worker_id == "p0"
+    # p0 reports the prefix: indexed blocks count fully, the rest stays in flight
+    r.on_events("p0", [KVEvent(1, KVEventKind.STORED, first.block_hashes[:20])])
+    d = r.route(group_req(1))
+    assert (d.prefill_worker_id, d.prefill_inputs.match) == ("p0", MatchInfo(20, 0, 0, 4))
+    # p0 evicts everything: nothing is expected there any more
+    r.on_events("p0", [KVEvent(2, KVEventKind.CLEARED)])
+    r.update_load("p0", WorkerLoad(queued_prefill_tokens=100))
+    assert r.route(group_req(2)).prefill_worker_id == "p1"
+
+
+def test_removed_blocks_are_no_longer_expected():
+    r = router()
+    first = group_req(0)
+    r.route(first)
+    r.on_events("p0", [KVEvent(1, KVEventKind.REMOVED, first.block_hashes[4:])])
+    assert r.in_flight.match(group_req(1).block_hashes, 100.0) == InFlightMatch("p0", 4)
+
+
+def test_round_robin_ignores_in_flight_prefixes():
+    r = Router(RouterConfig(policy="round_robin", track_in_flight=True), rng=random.Random(0), clock=Clock())
+    for wid, pool in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+        r.add_worker(wid, pool)
+    assert [r.route(group_req(i)).prefill_worker_id for i in range(4)] == ["p0", "p1", "p0", "p1"]
+
+
+def test_in_flight_tracking_is_off_by_default():
+    r = Router(RouterConfig(), rng=random.Random(0), clock=Clock())
+    assert isinstance(r.in_flight, NoInFlightPrefixes)
+    r.in_flight.record("p0", [1, 2, 3], 0.0)
+    assert r.in_flight.match([1, 2, 3], 0.0) is None and len(r.in_flight) == 0
