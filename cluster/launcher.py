@@ -70,7 +70,11 @@ def _pythonpath() -> str:
 def _options(cfg: ServeConfig, name: str, resource: str) -> dict[str, Any]:
     opts: dict[str, Any] = dict(name=name, num_cpus=cfg.cpus_per_worker, max_restarts=3, max_task_retries=0,
                                 max_concurrency=1000,
-                                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.torch_threads)}})
+                                runtime_env={"env_vars": {
+                                    "OMP_NUM_THREADS": str(cfg.torch_threads),
+                                    # large CPU tensors (the KV pool) on transparent huge pages:
+                                    # cross-process KV reads ran 2.5-3x faster (docs/kvtransfer.md)
+                                    "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}})
     if cfg.gpus_per_worker:
         opts["num_gpus"] = cfg.gpus_per_worker
     if resource:
