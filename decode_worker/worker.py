@@ -69,6 +69,7 @@ class DecodeWorker:
         self._draining = False
         self._cancelled: set[str] = set()   # aborted while their submit() was still in progress
         self._submitting: set[str] = set()
+        self._pulling: set[str] = set()     # blocks allocated and being written by a transfer
 
     async def ready(self) -> dict:
         await self.aengine.start()
@@ -127,15 +128,25 @@ class DecodeWorker:
                                                                          cache_salt, handle.first_token))
                 return SubmitResult(local_prefill=True, recomputed=True, error="no free KV blocks in time")
             await asyncio.sleep(0.005)
+        if request_id in self._cancelled:   # aborted while its blocks were being allocated
+            await self.aengine.call(lambda e: e.abort_request(request_id))
+            return SubmitResult(False, error="aborted before its KV arrived", joined=False)
         src = handle.block_ids[alloc.num_cached_blocks:len(alloc.block_ids)]
         dst = alloc.blocks_to_pull
         t0 = time.monotonic()
         status, nbytes, ndesc, err = TransferStatus.DONE, 0, 0, ""
-        if dst:
-            status, nbytes, ndesc, err = await self._read(handle, list(src), list(dst), request_id)
-        elif handle.block_ids:   # nothing to read: tell the source its lease can go
-            status = TransferStatus.DONE
+        self._pulling.add(request_id)
+        try:
+            if dst:
+                status, nbytes, ndesc, err = await self._read(handle, list(src), list(dst), request_id)
+            elif handle.block_ids:   # nothing to read: tell the source its lease can go
+                status = TransferStatus.DONE
+        finally:
+            self._pulling.discard(request_id)
         seconds = time.monotonic() - t0
+        if request_id in self._cancelled:   # freed only now: the transfer no longer writes into them
+            await self.aengine.call(lambda e: e.abort_request(request_id))
+            return SubmitResult(False, error="aborted while its KV arrived", joined=False)
         if status is TransferStatus.DONE:
             await self.aengine.call(lambda e: e.remote_kv_ready(request_id))
             return SubmitResult(False, alloc.num_cached_blocks, len(dst), nbytes, ndesc, seconds)
@@ -169,6 +180,8 @@ class DecodeWorker:
     async def abort(self, request_id: str) -> bool:
         if request_id in self._submitting:
             self._cancelled.add(request_id)
+        if request_id in self._pulling:   # a transfer still writes into its blocks: _pull frees them after
+            return True
         return await self.aengine.call(lambda e: e.abort_request(request_id))
 
     async def report(self) -> WorkerReport:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 
 from engine.config import EngineConfig
+from engine.engine_stats import EngineStats, tier_stats
 from engine.kv_events import KVEvent, KVSnapshot
 from engine.model_runner import ModelRunner
 from engine.outputs import StepDelta
@@ -32,30 +32,6 @@ log = logging.getLogger("pdserve.engine")
 
 MAX_BUFFERED_EVENTS = 1 << 16
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    running: int
-    waiting: int
-    waiting_tokens: int
-    remote_waiting: int
-    held: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    preemptions: int
-    # tiers (cumulative counts except the *_blocks_used / *_total occupancy)
-    kv_host_blocks_used: int = 0
-    kv_host_blocks_total: int = 0
-    kv_disk_blocks_used: int = 0
-    kv_disk_blocks_total: int = 0
-    kv_page_ins: int = 0               # cached blocks paged back into the device
-    kv_page_outs: int = 0              # cached blocks moved down a tier
-    kv_bytes_moved: int = 0            # between tiers, swaps included
-    swap_preemptions: int = 0
-    recompute_preemptions: int = 0
 
 
 class LLMEngine:
@@ -243,16 +219,7 @@ class LLMEngine:
                            remote_waiting=s.num_remote, held=s.num_held,
                            kv_blocks_used=kv.num_blocks - kv.num_free_blocks, kv_blocks_total=kv.num_blocks,
                            prefix_queried_tokens=pc.queried_tokens, prefix_hit_tokens=pc.hit_tokens,
-                           preemptions=self._num_preemptions, **self._tier_stats())
-
-    def _tier_stats(self) -> dict[str, int]:
-        lower, counters = self.scheduler.kv.pool.lower, self.scheduler.kv.tier_counters
-        return dict(kv_host_blocks_used=lower.host.num_used, kv_host_blocks_total=lower.host.num_slots,
-                    kv_disk_blocks_used=lower.disk.num_used, kv_disk_blocks_total=lower.disk.num_slots,
-                    kv_page_ins=counters.page_ins, kv_page_outs=counters.page_outs,
-                    kv_bytes_moved=self.runner.tiers.stats.bytes_moved,
-                    swap_preemptions=self.scheduler.num_swap_preemptions,
-                    recompute_preemptions=self.scheduler.num_recompute_preemptions)
+                           preemptions=self._num_preemptions, **tier_stats(self.scheduler, self.runner))
 
     def drain_kv_events(self) -> list[KVEvent]:
         self._events.extend(self.scheduler.kv.drain_events())

@@ -94,8 +94,10 @@ class ChaosCluster(Cluster):
                 return 0
             if time.monotonic() > end:
                 leaked = sum(s["kv_blocks_used"] for s in states.values())
-                raise AssertionError(f"not idle after {timeout}s: workers {busy}, frontend in flight {front}, "
-                                     f"leaked blocks {leaked}")
+                raise AssertionError(f"not idle after {timeout}s: workers {busy}, frontend in flight {front} "
+                                     f"(admitted {sorted(self.admission._in_flight)}, backend "
+                                     f"{sorted(self.backend._inflight)}, cleanups pending "
+                                     f"{len(self.stack.grpc.runner._cleanups)}), leaked blocks {leaked}")
             time.sleep(0.1)
 
 

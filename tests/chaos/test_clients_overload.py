@@ -102,7 +102,7 @@ def run_overload(c, hf, report, n_trials: int, capacity: int, seed: int) -> None
             assert peak[0] <= capacity, f"{peak[0]} requests admitted at once, capacity {capacity}"
             leaked = c.settle()
             report.add("5 overload 2x capacity", outs, errors=errors, leaked=leaked, refusals=refusals,
-                       refusals_small_tenant=sum(outs[r.rid].refusals for r in small), peak_in_flight=peak[0])
+                       refusals_small_tenant=sum(outs[r.rid].refusals for r in small))
     finally:
         adm.max_requests, adm._on_change = old_max, real_on_change
 
