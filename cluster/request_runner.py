@@ -146,8 +146,10 @@ class RequestRunner:
             task = asyncio.create_task(self._cleanup(pump, job, finished, release))
             self._cleanups.add(task)
             task.add_done_callback(self._cleanups.discard)
-            if finished:
-                await task
+            # a cleanup cancelled before it ran must still give the admission slot back
+            task.add_done_callback(lambda t: release() if t.cancelled() else None)
+            if finished:   # shielded: a second cancellation of the caller must not cancel the cleanup
+                await asyncio.shield(task)
 
     @staticmethod
     async def _next(queue: asyncio.Queue, job: GenerateJob):

@@ -23,27 +23,42 @@ def chaos_report() -> ChaosReport:
     return _REPORT
 
 
-@pytest.fixture(scope="session")
+_CLUSTER: dict = {}
+
+
+@pytest.fixture
 def chaos_cluster(tiny_llama_dir, tmp_path_factory):
-    import torch
+    """One cluster for all chaos tests, started on first use and shut down after the
+    last chaos test (pytest_runtest_teardown): Ray is process-global, and the e2e
+    tests that may follow in the same session start their own."""
+    if "c" not in _CLUSTER:
+        import torch
 
-    torch.set_num_threads(1)
-    import cluster.launcher as launcher
+        import cluster.launcher as launcher
 
-    real = launcher._options
+        torch.set_num_threads(1)
+        real = launcher._options
 
-    def unlimited_restarts(*args, **kwargs):   # the suite kills actors many more times than 3
-        opts = real(*args, **kwargs)
-        opts["max_restarts"] = -1
-        return opts
+        def unlimited_restarts(*args, **kwargs):   # the suite kills actors many more times than 3
+            opts = real(*args, **kwargs)
+            opts["max_restarts"] = -1
+            return opts
 
-    launcher._options = unlimited_restarts
-    try:
-        c = ChaosCluster(chaos_config(tiny_llama_dir, str(tmp_path_factory.mktemp("ray"))))
-    finally:
-        launcher._options = real
-    yield c
-    c.close()
+        launcher._options = unlimited_restarts
+        try:
+            _CLUSTER["c"] = ChaosCluster(chaos_config(tiny_llama_dir, str(tmp_path_factory.mktemp("ray"))))
+        finally:
+            launcher._options = real
+    return _CLUSTER["c"]
+
+
+def pytest_runtest_teardown(item, nextitem):
+    here = os.path.dirname(__file__)
+    if "c" in _CLUSTER and (nextitem is None or not str(nextitem.path).startswith(here)):
+        try:
+            _CLUSTER.pop("c").close()
+        except Exception as e:   # a broken cluster must not hide the test results
+            print(f"chaos cluster shutdown: {type(e).__name__}: {e}")
 
 
 @pytest.fixture(scope="session")
