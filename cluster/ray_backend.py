@@ -39,6 +39,9 @@ class _Inflight:
     emitted: list[int] = field(default_factory=list)   # tokens streamed so far (n == 1)
     migrations: int = 0
     continued: bool = False      # moved on from prompt + emitted at least once
+    wid: str = ""                # the id workers know this attempt by (see ray_recovery.attempt_id)
+    attempts: int = 0
+    job: GenerateJob | None = None   # as the client sent it: every continuation starts from it
 
 
 class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
@@ -54,6 +57,7 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
         self.router = Router(RouterConfig.from_serve_config(config), rng=random.Random(0), clock=time.monotonic)
         self.workers: dict[str, WorkerRef] = {}
         self._inflight: dict[str, _Inflight] = {}
+        self._by_wid: dict[str, _Inflight] = {}     # worker-side id of the current attempt -> state
         self._tasks: list[asyncio.Task] = []
         self._report_interval = report_interval
         self._stopping = False
@@ -104,7 +108,7 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
         rid = job.request_id
         if rid in self._inflight:
             raise BackendError("ALREADY_EXISTS", f"request id {rid!r} is in flight; use a unique id")
-        state = self._inflight[rid] = _Inflight()
+        state = self._inflight[rid] = self._by_wid[rid] = _Inflight(wid=rid, job=job)
         done = False
         try:
             decision = self._route(job, job.prompt_token_ids, job.block_hashes)
@@ -146,8 +150,9 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
                 yield item
         finally:
             self._inflight.pop(rid, None)
+            self._by_wid.pop(state.wid, None)
             if not done:
-                await self._abort_state(rid, state)
+                await self._abort_state(state.wid, state)
 
     def _route(self, job: GenerateJob, prompt, hashes):
         try:
@@ -176,7 +181,7 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
     async def abort(self, request_id: str) -> None:
         state = self._inflight.get(request_id)
         if state is not None:
-            await self._abort_state(request_id, state)
+            await self._abort_state(state.wid, state)
 
     async def _abort_state(self, rid: str, state: _Inflight) -> None:
         calls = []
@@ -208,7 +213,7 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
                     batch = await obj
                     ref.alive = True    # the stream's first (empty) batch says it is back
                     for d in batch:
-                        st = self._inflight.get(d.request_id)
+                        st = self._by_wid.get(d.request_id)
                         if st is not None and st.decode_id == ref.worker_id:   # not a migrated-away copy
                             st.queue.put_nowait(d)
             except asyncio.CancelledError:

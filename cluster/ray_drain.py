@@ -43,8 +43,8 @@ class DrainMixin:
         self.recovery.draining.add(worker_id)
         self.router.on_worker_dead(worker_id)    # unrouted now; its reports no longer revive it
         moved = await ref.actor.drain.remote()
-        for rid in moved:
-            st = self._inflight.get(rid)
+        for wid in moved:
+            st = self._by_wid.get(wid)
             if st is not None and st.decode_id == worker_id:
                 st.queue.put_nowait(Moved(worker_id))
         end = time.monotonic() + timeout

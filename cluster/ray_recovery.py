@@ -73,6 +73,17 @@ class RecoveryState:
     background: set[asyncio.Task] = field(default_factory=set)
 
 
+def attempt_id(request_id: str, attempt: int) -> str:
+    """Workers know each attempt of a request by its own id: a continuation never meets
+    what a worker still holds of an earlier attempt (a held prefill, a late read
+    notification). The space cannot occur in a client's id (validation)."""
+    return f"{client_id(request_id)} ~{attempt}"
+
+
+def client_id(request_id: str) -> str:
+    return request_id.split(" ", 1)[0]
+
+
 class RecoveryMixin:
     recovery: RecoveryState
 
@@ -80,11 +91,12 @@ class RecoveryMixin:
     def _note(self, rid: str, kind: str) -> None:
         c = self.recovery.counters
         setattr(c, kind, getattr(c, kind) + 1)
-        self.recovery.events.append((rid, kind))
+        self.recovery.events.append((client_id(rid), kind))
 
     def request_events(self, request_id: str) -> list[str]:
         """What happened to a request (recent ones): migrations, moves, recomputes..."""
-        return [k for r, k in self.recovery.events if r == request_id]
+        rid = client_id(request_id)
+        return [k for r, k in self.recovery.events if r == rid]
 
     def _background(self, awaitable, timeout: float) -> None:
         async def run():
@@ -218,7 +230,7 @@ class RecoveryMixin:
         self._note(job.request_id, "migrations")
         old = self.workers.get(state.decode_id or "")
         if old is not None:   # best effort: it may be unreachable rather than dead
-            self._background(old.actor.abort.remote(job.request_id), self.config.transfer_timeout)
+            self._background(old.actor.abort.remote(state.wid), self.config.transfer_timeout)
         log.warning("migrating %s after %d tokens", job.request_id, len(state.emitted))
         await self._continue(job, state, "route")
 
@@ -227,10 +239,15 @@ class RecoveryMixin:
         'reprefill' (another prefill node, else the decode node)."""
         if self._take_queued(state):
             return
+        job = state.job or job   # the client's job: `job` may be an earlier continuation
+        self._by_wid.pop(state.wid, None)
+        state.attempts += 1
+        state.wid = attempt_id(job.request_id, state.attempts)
+        self._by_wid[state.wid] = state
         prompt = tuple(job.prompt_token_ids) + tuple(state.emitted)
         params = replace(job.sampling, max_tokens=job.sampling.max_tokens - len(state.emitted))
         hashes = tuple(block_hashes(prompt, self.config.block_size, job.cache_salt))
-        cont = replace(job, prompt_token_ids=prompt, sampling=params, block_hashes=hashes)
+        cont = replace(job, request_id=state.wid, prompt_token_ids=prompt, sampling=params, block_hashes=hashes)
         state.continued = True
         decision = self._route(cont, prompt, hashes)
         prefill_id = None

@@ -40,8 +40,8 @@ def run_decode_kill(c, hf, report, n_trials: int, n_requests: int, seed: int) ->
             ray.kill(c.backend.workers[victim].actor, no_restart=False)
 
         outs = asyncio.run(run_load(c.target, reqs, on_chunk=on_chunk, during=fault))
-        assert killed, "the fault never fired"
         errors = check_outcomes(outs, refs, allowed=set())
+        assert killed, "the fault never fired"
         leaked = c.settle()
         after = c.counters()
         migrated = after["migrations"] - before["migrations"]

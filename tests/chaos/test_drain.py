@@ -37,17 +37,19 @@ def run_drain(c, hf, report, n_trials: int, n_requests: int, seed: int) -> int:
                 await asyncio.sleep(0.01)
             drained["report"] = await asyncio.wrap_future(c.loop.submit(c.backend.drain_worker(victim, 300)))
 
-        outs = asyncio.run(run_load(c.target, reqs, on_chunk=on_chunk, during=fault))
-        assert drained, "the fault never fired"
-        errors = check_outcomes(outs, refs, allowed=set())
-        rep = drained["report"]
-        assert rep.idle and rep.in_flight == 0, rep
-        # drained: new requests never touch it
-        queried = c.call(victim, "report").stats.prefix_queried_tokens
-        more = make_requests(rng, 6, f"dr{seed}-{t}-after", max_tokens=4)
-        check_outcomes(asyncio.run(run_load(c.target, more)), references(hf, more), allowed=set())
-        assert c.call(victim, "report").stats.prefix_queried_tokens == queried, f"{victim} got work while drained"
-        c.loop.run(c.backend.undrain_worker(victim))
+        try:
+            outs = asyncio.run(run_load(c.target, reqs, on_chunk=on_chunk, during=fault))
+            errors = check_outcomes(outs, refs, allowed=set())
+            assert drained, "the fault never fired"
+            rep = drained["report"]
+            assert rep.idle and rep.in_flight == 0, rep
+            # drained: new requests never touch it
+            queried = c.call(victim, "report").stats.prefix_queried_tokens
+            more = make_requests(rng, 6, f"dr{seed}-{t}-after", max_tokens=4)
+            check_outcomes(asyncio.run(run_load(c.target, more)), references(hf, more), allowed=set())
+            assert c.call(victim, "report").stats.prefix_queried_tokens == queried, f"{victim} got work while drained"
+        finally:   # a failed trial must not leave the worker unrouted for the tests after it
+            c.loop.run(c.backend.undrain_worker(victim))
         leaked = c.settle()
         moved = c.counters()["moved"] - before["moved"]
         events = [rid for rid, k in c.events() if k == "moved" and rid.startswith(f"dr{seed}-{t}-")]
@@ -82,8 +84,10 @@ def test_leases_renewed_while_decode_queues_none_expire(chaos_cluster, hf_model,
     leaked = c.settle()
     leases = check_leases(leases0, c.lease_counters())
     renewed = c.counters()["lease_renewals"] - before["lease_renewals"]
-    # 16 decode slots for 40 requests: decode nodes queue for seconds, longer than the 2 s lease
-    assert renewed >= 1 and leases["renewed"] == renewed, (renewed, leases)
+    # 16 decode slots for 40 requests: on a slow host decode nodes queue longer than the 2 s
+    # lease and renew it; however long they queued, no lease may expire and the counts agree.
+    # (Renewal itself is pinned deterministically in test_leases_admission.py.)
+    assert leases["renewed"] == renewed, (renewed, leases)
     assert leases["expired"] == 0, leases
     assert leases["pinned"] == leases["notified"] + leases["released"], leases
     chaos_report.add("lease renewal under queueing", outs, errors=errors, leaked=leaked,

@@ -77,8 +77,8 @@ def run_prefill_fault(c, hf, report, kind: str, n_trials: int, n_requests: int, 
             if kind == "stop" and victim:
                 os.kill(victim["pid"], signal.SIGCONT)
             c.backend.config = base
-        assert victim, "the fault never fired"
         errors = check_outcomes(outs, refs, allowed=set())
+        assert victim, "the fault never fired"
         leaked = c.settle()
         after = c.counters()
         d = {k: after[k] - before[k] for k in after}
