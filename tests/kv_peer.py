@@ -103,8 +103,8 @@ def peer_seed_of(peer) -> int:
     return int(peer.agent_name.rsplit("-", 1)[1])
 
 
-def listening_addresses(pid: int) -> list[str]:
-    """IPs of the TCP sockets process ``pid`` listens on (from /proc; Linux)."""
+def listening_sockets(pid: int) -> set[tuple[str, int]]:
+    """(ip, port) of the TCP sockets process ``pid`` listens on (IPv4 and IPv6, from /proc; Linux)."""
     import ipaddress
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -114,14 +114,20 @@ def listening_addresses(pid: int) -> list[str]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    out = []
+    out = set()
     for proto in ("tcp", "tcp6"):
         with open(f"/proc/{pid}/net/{proto}") as f:
             for line in list(f)[1:]:
                 fields = line.split()
                 if fields[3] == "0A" and fields[9] in inodes:   # LISTEN
-                    raw = bytes.fromhex(fields[1].split(":")[0])
+                    hexip, hexport = fields[1].split(":")
+                    raw = bytes.fromhex(hexip)
                     # /proc prints each 32-bit word in host (little-endian) order
                     words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                    out.append(str(ipaddress.ip_address(words)))
+                    out.add((str(ipaddress.ip_address(words)), int(hexport, 16)))
     return out
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """IPs of the TCP sockets process ``pid`` listens on."""
+    return [ip for ip, _ in listening_sockets(pid)]

