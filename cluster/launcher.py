@@ -68,7 +68,7 @@ def _pythonpath() -> str:
 
 
 def _options(cfg: ServeConfig, name: str, resource: str) -> dict[str, Any]:
-    opts: dict[str, Any] = dict(name=name, num_cpus=cfg.cpus_per_worker, max_restarts=3, max_task_retries=0,
+    opts: dict[str, Any] = dict(name=name, num_cpus=cfg.cpus_per_worker, max_restarts=-1, max_task_retries=0,
                                 max_concurrency=1000,
                                 runtime_env={"env_vars": {
                                     "OMP_NUM_THREADS": str(cfg.torch_threads),
