@@ -58,6 +58,7 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
         self.workers: dict[str, WorkerRef] = {}
         self._inflight: dict[str, _Inflight] = {}
         self._by_wid: dict[str, _Inflight] = {}     # worker-side id of the current attempt -> state
+        self._streaming: set[str] = set()            # decode workers whose output stream is up
         self._tasks: list[asyncio.Task] = []
         self._report_interval = report_interval
         self._stopping = False
@@ -212,6 +213,7 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
                 async for obj in gen:
                     batch = await obj
                     ref.alive = True    # the stream's first (empty) batch says it is back
+                    self._streaming.add(ref.worker_id)
                     for d in batch:
                         st = self._by_wid.get(d.request_id)
                         if st is not None and st.decode_id == ref.worker_id:   # not a migrated-away copy
@@ -220,6 +222,7 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
                 raise
             except Exception as e:
                 log.warning("output stream of %s broke: %s", ref.worker_id, type(e).__name__)
+                self._streaming.discard(ref.worker_id)
                 self._mark_dead(ref)
                 await asyncio.sleep(0.5)
 
@@ -253,8 +256,9 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
             return
         if ref.worker_id in self.recovery.draining:   # unrouted: its reports must not revive it
             return
-        if not ref.alive and ref.pool != "prefill":
-            return   # a decode worker is back only once its output stream is (see _consume)
+        if not ref.alive and ref.pool != "prefill" and ref.worker_id not in self._streaming:
+            return   # a decode worker is back only once its output stream is (see _consume); a late
+            # failure of a call to its previous incarnation must not keep a live one unrouted
         revived = not ref.alive or ref.worker_id not in self.router.index.worker_ids
         ref.alive = True
         result = self.router.on_events(ref.worker_id, report.events)

@@ -17,7 +17,7 @@ import abc
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 from kvtransfer.layout import KVPoolLayout
 
@@ -53,6 +53,14 @@ class Notification:
     """Delivered to the source: ``peer_name`` read blocks and sent ``message``."""
     peer_name: str
     message: bytes
+
+
+class ReadGuard(Protocol):
+    """What a source asks before and after serving a read (e.g. LeaseTable)."""
+
+    def begin_read(self, request_id: str) -> bool: ...
+
+    def end_read(self, request_id: str) -> None: ...
 
 
 class TransferHandle(abc.ABC):
@@ -122,6 +130,16 @@ class TransferEngine(abc.ABC):
              notify: bytes = b"") -> TransferHandle:
         """Copy ``peer``'s blocks ``src_block_ids`` into our ``dst_block_ids``;
         ``notify`` is delivered to the peer once the read completed."""
+
+    #: whether set_read_guard() takes effect: the source sees every read
+    #: (tcp) rather than one-sided reads it never hears of (NIXL, UCXX)
+    sees_reads: bool = False
+
+    def set_read_guard(self, guard: "ReadGuard") -> None:
+        """Source side: bracket every read that carries a notify message with
+        ``guard.begin_read(message)`` / ``guard.end_read(message)`` and refuse
+        it when ``begin_read`` says no. Ignored by backends with one-sided
+        reads (``sees_reads`` False)."""
 
     @abc.abstractmethod
     def get_notifications(self) -> list[Notification]:

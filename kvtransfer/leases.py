@@ -7,6 +7,16 @@ release, or expiry (``expire_due(now)``, run periodically by the worker).
 pinned, so ``pins == len(table) + sum(releases.values())`` always holds.
 The release callback (e.g. the engine freeing the blocks) runs once per
 lease; a second release of the same request is a harmless no-op.
+
+Reads in progress hold the blocks past the lease's end. A source that sees
+its reads (the tcp backend) brackets each with ``begin_read`` /
+``end_read``: ``begin_read`` refuses a lease that is gone (the reader fails
+and recomputes instead of copying blocks that may have been reused), and a
+lease that ends (expires, or is released) during a read is counted at once
+but its blocks are freed only when the read ends. Sources that cannot see
+one-sided reads (NIXL) use ``expiry_grace``: the blocks of an expired lease
+are freed that many seconds later, so a read posted before the expiry
+finishes (or is abandoned by its reader's transfer timeout) first.
 """
 from __future__ import annotations
 
@@ -36,10 +46,16 @@ ReleaseCallback = Callable[[Lease, ReleaseCause], None]
 class LeaseTable:
     """clock: seconds, e.g. time.monotonic (injected so tests control time)."""
 
-    def __init__(self, clock: Callable[[], float], on_release: ReleaseCallback) -> None:
+    def __init__(self, clock: Callable[[], float], on_release: ReleaseCallback,
+                 expiry_grace: float = 0.0) -> None:
+        if expiry_grace < 0:
+            raise ValueError(f"expiry_grace must be >= 0 seconds, got {expiry_grace}")
         self._clock = clock
         self._on_release = on_release
+        self._grace = expiry_grace
         self._leases: dict[str, Lease] = {}
+        self._reading: Counter[str] = Counter()                      # request id -> reads in progress
+        self._ended: dict[str, tuple[Lease, ReleaseCause, float]] = {}   # ended, blocks not yet freed
         self._lock = threading.Lock()
         self.releases: Counter[ReleaseCause] = Counter()
         self.pins = 0
@@ -77,12 +93,44 @@ class LeaseTable:
         """End the lease; False if it was already gone (double release is harmless)."""
         with self._lock:
             lease = self._leases.pop(request_id, None)
-            if lease is not None:
-                self.releases[cause] += 1
-        if lease is None:
-            return False
-        self._on_release(lease, cause)
+            if lease is None:
+                return False
+            self.releases[cause] += 1
+            free_now = self._end_locked(lease, cause, self._clock())
+        if free_now:
+            self._on_release(lease, cause)
         return True
+
+    def _end_locked(self, lease: Lease, cause: ReleaseCause, now: float) -> bool:
+        """True: free the blocks now; False: kept until the reads end / the grace passes."""
+        grace = self._grace if cause is ReleaseCause.EXPIRED else 0.0
+        if self._reading[lease.request_id] == 0 and grace == 0:
+            return True
+        self._ended[lease.request_id] = (lease, cause, now + grace)
+        return False
+
+    def begin_read(self, request_id: str) -> bool:
+        """A read of this lease's blocks starts; False if the lease is gone."""
+        with self._lock:
+            if request_id not in self._leases:
+                return False
+            self._reading[request_id] += 1
+            return True
+
+    def end_read(self, request_id: str) -> None:
+        """The read begun by ``begin_read`` ended (done or failed)."""
+        with self._lock:
+            if request_id not in self._reading:
+                return   # unmatched: nothing to end
+            self._reading[request_id] -= 1
+            if self._reading[request_id] > 0:
+                return
+            del self._reading[request_id]
+            ended = self._ended.get(request_id)
+            if ended is None or ended[2] > self._clock():
+                return
+            del self._ended[request_id]
+        self._on_release(ended[0], ended[1])
 
     def release_by_notification(self, message: bytes) -> bool:
         """Release the lease named by a read notification (request id, utf-8)."""
@@ -90,14 +138,27 @@ class LeaseTable:
 
     def expire_due(self, now: Optional[float] = None) -> list[Lease]:
         now = self._clock() if now is None else now
+        free: list[tuple[Lease, ReleaseCause]] = []
         with self._lock:   # re-checked under the lock: a renewal may have moved the expiry
             due = [l for l in self._leases.values() if l.expires_at <= now]
             for lease in due:
                 del self._leases[lease.request_id]
                 self.releases[ReleaseCause.EXPIRED] += 1
-        for lease in due:
-            self._on_release(lease, ReleaseCause.EXPIRED)
+                if self._end_locked(lease, ReleaseCause.EXPIRED, now):
+                    free.append((lease, ReleaseCause.EXPIRED))
+            for rid, (lease, cause, free_at) in list(self._ended.items()):
+                if free_at <= now and self._reading[rid] == 0:
+                    del self._ended[rid]
+                    free.append((lease, cause))
+        for lease, cause in free:
+            self._on_release(lease, cause)
         return due
+
+    @property
+    def unfreed(self) -> int:
+        """Ended leases whose blocks wait for a read to end or the grace to pass."""
+        with self._lock:
+            return len(self._ended)
 
     def get(self, request_id: str) -> Optional[Lease]:
         with self._lock:

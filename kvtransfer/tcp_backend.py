@@ -9,6 +9,11 @@ registered memory. One read = one request on a pooled connection:
     reader -> source: ack byte, after every byte landed; the source then
                       queues Notification(reader name, notify)
 
+With a read guard set (``set_read_guard``, e.g. the prefill worker's lease
+table), a read carrying a notify message is served only while the guard
+holds it (status ``GONE`` otherwise: the lease ended, the blocks may be
+reused), and the guard keeps the blocks until the bytes are out.
+
 The source checks that every requested range lies inside its pool. DRAM
 pools only (a VRAM pool would need staging: use the nixl backend).
 """
@@ -23,14 +28,14 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from kvtransfer.descriptors import Descriptor, build_descriptors
-from kvtransfer.engine import (Notification, PeerInfo, TransferEngine, TransferHandle,
+from kvtransfer.engine import (Notification, PeerInfo, ReadGuard, TransferEngine, TransferHandle,
                                TransferStatus)
 from kvtransfer.layout import KVPoolLayout
 
 _HDR = struct.Struct("!4sHII")  # magic, name len, descriptor count, notify len
 _DESC = struct.Struct("!QQ")
 _MAGIC = b"PDKV"
-_OK, _BAD, _ACK = b"\x00", b"\x01", b"\x02"
+_OK, _BAD, _ACK, _GONE = b"\x00", b"\x01", b"\x02", b"\x03"
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,9 @@ class TcpHandle(TransferHandle):
         self._done = threading.Event()
         self._status = TransferStatus.PENDING
         self._sock: Optional[socket.socket] = None
+        self._lock = threading.Lock()          # orders attach() against abandon()
+        self._abandoned = False
+        self._reader: Optional[threading.Thread] = None
 
     def finish(self, status: TransferStatus, error: Optional[str] = None) -> None:
         if self._status is TransferStatus.PENDING:
@@ -97,15 +105,36 @@ class TcpHandle(TransferHandle):
             return TransferStatus.TIMEOUT
         return self._status
 
+    def attach(self, sock: socket.socket) -> bool:
+        """The reader thread's socket, before any byte lands; False once abandoned."""
+        with self._lock:
+            if self._abandoned:
+                return False
+            self._sock = sock
+            return True
+
     def abandon(self) -> None:
+        """Stop the read for good: when this returns, no byte of it lands in the
+        destination blocks any more, so the caller may free and reuse them.
+        ``close()`` alone does not wake a thread blocked in ``recv`` on Linux;
+        ``shutdown`` does, and the reader thread is then waited for."""
         self.finish(TransferStatus.TIMEOUT, "timed out")
-        sock = self._sock
-        if sock is not None:
-            sock.close()  # unblocks the worker thread
+        with self._lock:
+            self._abandoned = True
+            sock, reader = self._sock, self._reader
+        if sock is None:
+            return   # not connected yet: attach() refuses, nothing was written
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass     # already closed by the reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join()
 
 
 class TcpEngine(TransferEngine):
     backend_name = "tcp"
+    sees_reads = True
 
     def __init__(self, name: str, config: TcpConfig = TcpConfig()) -> None:
         super().__init__(name)
@@ -115,6 +144,7 @@ class TcpEngine(TransferEngine):
         self._lock = threading.Lock()
         self._listener: Optional[socket.socket] = None
         self._closed = threading.Event()
+        self._guard: Optional[ReadGuard] = None
 
     # -- source side -------------------------------------------------------
     def register_pool(self, layout: KVPoolLayout) -> None:
@@ -132,6 +162,9 @@ class TcpEngine(TransferEngine):
             raise ValueError("no pool registered: call register_pool(...) first")
         host, port = self._listener.getsockname()[:2]
         return PeerInfo(self.backend_name, self.name, self.layout, host=host, port=port)
+
+    def set_read_guard(self, guard: ReadGuard) -> None:
+        self._guard = guard
 
     def get_notifications(self) -> list[Notification]:
         out = []
@@ -171,11 +204,21 @@ class TcpEngine(TransferEngine):
         if not all(self.layout.contains(a, n) for a, n in ranges):
             conn.sendall(_BAD)
             return True
-        conn.sendall(_OK)
-        for addr, nbytes in ranges:
-            conn.sendall(_memory(addr, nbytes))
-        if conn.recv(1, socket.MSG_WAITALL) != _ACK:
-            return False
+        guard, key = self._guard, notify.decode("utf-8", errors="replace")
+        if guard is not None and notify and not guard.begin_read(key):
+            conn.sendall(_GONE)
+            return True
+        conn.settimeout(self.config.io_timeout_s)   # a stalled reader must not hold the blocks forever
+        try:
+            conn.sendall(_OK)
+            for addr, nbytes in ranges:
+                conn.sendall(_memory(addr, nbytes))
+            if conn.recv(1, socket.MSG_WAITALL) != _ACK:
+                return False
+        finally:
+            if guard is not None and notify:
+                guard.end_read(key)
+        conn.settimeout(None)
         if notify:
             self._notifs.append(Notification(peer, notify))
         return True
@@ -200,8 +243,9 @@ class TcpEngine(TransferEngine):
         self._check_peer(peer)
         descs = build_descriptors(peer.layout, self.layout, src_block_ids, dst_block_ids)
         handle = TcpHandle(len(descs), sum(d.nbytes for d in descs))
-        threading.Thread(target=self._run_read, args=(peer, descs, notify, handle),
-                         daemon=True, name=f"tcp-read-{self.name}").start()
+        handle._reader = threading.Thread(target=self._run_read, args=(peer, descs, notify, handle),
+                                          daemon=True, name=f"tcp-read-{self.name}")
+        handle._reader.start()
         return handle
 
     def _run_read(self, peer: PeerInfo, descs: list[Descriptor], notify: bytes,
@@ -211,11 +255,17 @@ class TcpEngine(TransferEngine):
             self.connect(peer)
             with self._lock:
                 sock = self._idle[key].pop()
-            handle._sock = sock
+            if not handle.attach(sock):
+                sock.close()
+                return
             name = self.name.encode()
             sock.sendall(_HDR.pack(_MAGIC, len(name), len(descs), len(notify)) + name
                          + b"".join(_DESC.pack(d.src_addr, d.nbytes) for d in descs) + notify)
-            if _recv_exact(sock, 1) != _OK:
+            status = _recv_exact(sock, 1)
+            if status == _GONE:
+                raise ValueError("source no longer holds these blocks (lease ended or source "
+                                 "restarted): recompute")
+            if status != _OK:
                 raise ValueError("source rejected the request: block ranges outside its pool")
             for d in descs:
                 _recv_into(sock, _memory(d.dst_addr, d.nbytes))

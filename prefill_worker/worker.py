@@ -63,7 +63,11 @@ class PrefillWorker:
         self.aengine = AsyncEngine(self.engine)
         self.transfer = transfer.create(worker_id)
         self.transfer.register_pool(KVPoolLayout.from_tensor(self.engine.kv_pool.tensor))
-        self.leases = LeaseTable(time.monotonic, self._on_lease_end)
+        # a source that sees its reads refuses those of ended leases; one that does not
+        # (one-sided NIXL reads) keeps an expired lease's blocks a transfer timeout longer
+        grace = 0.0 if self.transfer.sees_reads else transfer.timeout
+        self.leases = LeaseTable(time.monotonic, self._on_lease_end, expiry_grace=grace)
+        self.transfer.set_read_guard(self.leases)
         self._maintenance: asyncio.Task | None = None
         self._pending: dict[str, asyncio.Queue] = {}   # request id -> queue, while prefilling
         self._draining = False

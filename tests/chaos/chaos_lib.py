@@ -47,6 +47,11 @@ class ChaosCluster(Cluster):
     async def on_loop_sync(self, fn):
         return fn()
 
+    def explain(self, rid: str) -> str:
+        """A request's recovery events and every prefill worker's lease counters."""
+        events = self.loop.run(self.on_loop_sync(lambda: self.backend.request_events(rid)))
+        return f"events {events}; leases {self.lease_counters()}"
+
     def pid(self, worker_id: str) -> int:
         return self.call(worker_id, "ready")["pid"]
 
@@ -101,12 +106,15 @@ class ChaosCluster(Cluster):
             time.sleep(0.1)
 
 
-def check_outcomes(outs: dict[str, Outcome], refs: dict[str, list[int]], allowed: set[str]) -> Counter:
-    """Every request ended: finished with exactly its reference tokens, or an allowed code."""
+def check_outcomes(outs: dict[str, Outcome], refs: dict[str, list[int]], allowed: set[str],
+                   explain=None) -> Counter:
+    """Every request ended: finished with exactly its reference tokens, or an allowed code.
+    explain(rid) -> str adds what the cluster knows about a request that fails."""
     errors: Counter = Counter()
     for rid, o in outs.items():
         if o.finished:
-            assert o.tokens == refs[rid], f"{rid}: tokens differ from the undisturbed run:\n{o.tokens}\n{refs[rid]}"
+            assert o.tokens == refs[rid], (f"{rid}: tokens differ from the undisturbed run:\n{o.tokens}\n{refs[rid]}"
+                                           f"\n{explain(rid) if explain else ''}")
         else:
             assert o.code, f"{rid}: no terminal state"
             assert o.code in allowed, f"{rid}: {o.code} ({o.details}) is not an allowed outcome {allowed}"

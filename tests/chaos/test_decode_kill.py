@@ -40,7 +40,7 @@ def run_decode_kill(c, hf, report, n_trials: int, n_requests: int, seed: int) ->
             ray.kill(c.backend.workers[victim].actor, no_restart=False)
 
         outs = asyncio.run(run_load(c.target, reqs, on_chunk=on_chunk, during=fault))
-        errors = check_outcomes(outs, refs, allowed=set())
+        errors = check_outcomes(outs, refs, allowed=set(), explain=c.explain)
         assert killed, "the fault never fired"
         leaked = c.settle()
         after = c.counters()

@@ -40,7 +40,7 @@ def run_drain(c, hf, report, n_trials: int, n_requests: int, seed: int) -> int:
 
         try:
             outs = asyncio.run(run_load(c.target, reqs, on_chunk=on_chunk, during=fault))
-            errors = check_outcomes(outs, refs, allowed=set())
+            errors = check_outcomes(outs, refs, allowed=set(), explain=c.explain)
             assert drained, "the fault never fired"
             rep = drained["report"]
             assert rep.idle and rep.in_flight == 0, rep
@@ -81,7 +81,7 @@ def test_leases_renewed_while_decode_queues_none_expire(chaos_cluster, hf_model,
     refs = references(hf_model, reqs)
     before, leases0 = c.counters(), c.lease_counters()
     outs = asyncio.run(run_load(c.target, reqs))
-    errors = check_outcomes(outs, refs, allowed=set())
+    errors = check_outcomes(outs, refs, allowed=set(), explain=c.explain)
     leaked = c.settle()
     leases = check_leases(leases0, c.lease_counters())
     renewed = c.counters()["lease_renewals"] - before["lease_renewals"]

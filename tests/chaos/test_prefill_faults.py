@@ -77,7 +77,7 @@ def run_prefill_fault(c, hf, report, kind: str, n_trials: int, n_requests: int, 
             if kind == "stop" and victim:
                 os.kill(victim["pid"], signal.SIGCONT)
             c.backend.config = base
-        errors = check_outcomes(outs, refs, allowed=set())
+        errors = check_outcomes(outs, refs, allowed=set(), explain=c.explain)
         assert victim, "the fault never fired"
         leaked = c.settle()
         after = c.counters()
