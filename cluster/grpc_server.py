@@ -11,6 +11,7 @@ backend stream, which aborts the request and frees its blocks.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -45,6 +46,17 @@ class GenerationServicer:
         self.keys = keys
         self.request_timeout = request_timeout
         self.serving = True
+        self.active = 0                      # Generate calls in progress
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no Generate call is in progress; False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def _cache_salt(self, request: pb.GenerateRequest, context) -> str | None:
         if self.keys is None:
@@ -64,6 +76,16 @@ class GenerationServicer:
         self.runner.metrics.requests.labels(outcome=outcome_of(exc)).inc()
 
     async def Generate(self, request, context) -> None:
+        self.active += 1
+        self._idle.clear()
+        try:
+            await self._generate(request, context)
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+
+    async def _generate(self, request, context) -> None:
         # context.write, not `yield`: a cancelled call then cancels this coroutine, so the
         # aclosing() below closes the runner (and the backend stream) at once, not at GC.
         if isinstance(request, BadRequest):
@@ -141,10 +163,16 @@ class GrpcServer:
             await self.health.set(name, status)
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stop accepting calls; in-flight calls get `grace` seconds, then are cancelled."""
+        """Drain, then stop. Readiness turns NOT_SERVING at once and the server keeps
+        answering (health: NOT_SERVING, new Generate calls: UNAVAILABLE) while the calls
+        in flight finish, for at most `grace` seconds; then it stops, cancelling what is
+        left. A load balancer polling health thus sees NOT_SERVING, not a dead socket."""
+        t0 = time.monotonic()
         await self.set_serving(False)
-        await self.server.stop(grace)
-        await self.runner.wait_cleanups(timeout=grace)
+        await self.servicer.wait_idle(grace)
+        left = None if grace is None else max(0.0, grace - (time.monotonic() - t0))
+        await self.server.stop(left)
+        await self.runner.wait_cleanups(timeout=left)
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()

@@ -26,6 +26,7 @@ import collections
 import logging
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -120,9 +121,27 @@ class NixlHandle(TransferHandle):
                 self._release()
         return self._status
 
-    def abandon(self) -> None:
+    def abandon(self, settle_s: float = 5.0) -> None:
+        """Give up; return once the posted read no longer writes. NIXL aborts a
+        request it can; one it cannot abort (still in progress) is polled, up to
+        ``settle_s``, until the backend reports it ended, then released."""
         self._status, self.error = TransferStatus.TIMEOUT, "timed out"
-        self._release()
+        req, self._req = self._req, None
+        self._engine.mark_stale(self._peer)
+        if req is None:
+            return
+        end = time.monotonic() + settle_s
+        while True:
+            try:
+                with self._engine.lock:
+                    self._engine.agent.releaseXferReq(req)
+                return
+            except Exception:
+                if time.monotonic() >= end:
+                    log.error("a timed-out NIXL read could not be stopped within %.1f s", settle_s)
+                    self._engine._stuck.append(req)
+                    return
+            time.sleep(0.001)
 
     def _release(self) -> None:
         if self._status is not TransferStatus.DONE:   # peer may be gone or restarted

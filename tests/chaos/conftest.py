@@ -34,21 +34,8 @@ def chaos_cluster(tiny_llama_dir, tmp_path_factory):
     if "c" not in _CLUSTER:
         import torch
 
-        import cluster.launcher as launcher
-
         torch.set_num_threads(1)
-        real = launcher._options
-
-        def unlimited_restarts(*args, **kwargs):   # the suite kills actors many more times than 3
-            opts = real(*args, **kwargs)
-            opts["max_restarts"] = -1
-            return opts
-
-        launcher._options = unlimited_restarts
-        try:
-            _CLUSTER["c"] = ChaosCluster(chaos_config(tiny_llama_dir, str(tmp_path_factory.mktemp("ray"))))
-        finally:
-            launcher._options = real
+        _CLUSTER["c"] = ChaosCluster(chaos_config(tiny_llama_dir, str(tmp_path_factory.mktemp("ray"))))
     return _CLUSTER["c"]
 
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.client import GenerationClient, build_request
+from cluster.client import Completion, GenerationClient, build_request
 from cluster.pb import generation_pb2 as pb
 from grpc_harness import start_frontend
 from tiny_models import hf_greedy, load_hf_model
@@ -235,6 +235,37 @@ def test_drain_turns_health_not_serving_and_rejects_new_requests(fe):
     finally:
         fe.loop.run(fe.server.set_serving(True))
     assert run(_complete(fe.target, prompt="x", max_tokens=1)).finish_reason
+
+
+def test_stop_keeps_answering_while_in_flight_calls_finish(fe, hf):
+    """stop(grace): health NOT_SERVING and new calls UNAVAILABLE from a live server
+    while the call in flight finishes with its full output; only then the server stops."""
+    srv = fe.serve_another()
+    ids = fe.backend.tokenizer().encode("The quick brown fox")
+    want = hf_greedy(hf, ids, 12)
+
+    async def go():
+        async with GenerationClient(srv.target) as c:
+            out = Completion()
+            it = c.generate(prompt_token_ids=ids, max_tokens=12, temperature=0.0, ignore_eos=True).__aiter__()
+            out.add(await it.__anext__())                     # in flight
+            with fe.stalled_engine():                          # it cannot finish yet
+                stopping = asyncio.wrap_future(fe.loop.submit(srv.stop(grace=60)))
+                await asyncio.sleep(0.1)
+                health = await c.health()
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await c.complete(prompt="new", max_tokens=2)
+                await asyncio.sleep(0.3)
+                assert not stopping.done(), "stop() returned with a call in flight"
+            async for r in it:
+                out.add(r)
+            await asyncio.wait_for(stopping, 60)
+            return health, ei.value.code(), out.tokens
+
+    health, code, got = run(go())
+    assert health == "NOT_SERVING"
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert got == want
 
 
 def _scrape(url: str) -> dict:
