@@ -15,6 +15,13 @@ format). Tables hold *whole-step* seconds of pure steps:
 
 Interpolation is bilinear on each table's grid and linear beyond its edges
 (never below zero).
+
+A measured profile may also carry a step fit (`step_fit.StepFit`: per-step
+overhead + per-sequence + per-token + attention terms, fitted to the
+measurements) and a mode: ``table`` (interpolate as above), ``fit`` (the fit
+alone, for every step shape: pure, mixed, multi-sequence) or ``fit+residual``
+(the fit plus the bilinearly interpolated table-minus-fit residual, exact at
+the grid points).
 """
 from __future__ import annotations
 
@@ -27,7 +34,10 @@ from typing import Sequence
 
 import numpy as np
 
+from cluster.sim.step_fit import StepFeatures, StepFit
 from engine.scheduler_output import SchedulerOutput
+
+FIT_MODES = ("table", "fit", "fit+residual")
 
 
 class Table2D:
@@ -35,8 +45,9 @@ class Table2D:
     extrapolation outside the grid, clamped at 0."""
 
     def __init__(self, name: str, xs: Sequence[float], ys: Sequence[float],
-                 values: Sequence[Sequence[float]]) -> None:
+                 values: Sequence[Sequence[float]], signed: bool = False) -> None:
         self.name = name
+        self.floor = -np.inf if signed else 0.0
         self.xs, self.ys = [float(x) for x in xs], [float(y) for y in ys]
         self.v = np.asarray(values, dtype=float)
         if self.v.shape != (len(self.xs), len(self.ys)):
@@ -46,7 +57,7 @@ class Table2D:
             if not pts or any(b <= a for a, b in zip(pts, pts[1:])):
                 raise ValueError(f"table {name!r}: {axis} axis must be non-empty and strictly "
                                  f"increasing, got {pts}")
-        if np.any(self.v < 0) or not np.all(np.isfinite(self.v)):
+        if (not signed and np.any(self.v < 0)) or not np.all(np.isfinite(self.v)):
             raise ValueError(f"table {name!r}: seconds must be finite and >= 0")
 
     @staticmethod
@@ -65,7 +76,7 @@ class Table2D:
         j1 = min(j + 1, len(self.ys) - 1)
         a = v[i, j] + (v[i, j1] - v[i, j]) * wy
         b = v[i1, j] + (v[i1, j1] - v[i1, j]) * wy
-        return max(0.0, float(a + (b - a) * wx))
+        return max(self.floor, float(a + (b - a) * wx))
 
     def along_y(self, x: float, ys: np.ndarray) -> np.ndarray:
         """Values at fixed x for many y (vectorised; same rule as __call__)."""
@@ -74,10 +85,10 @@ class Table2D:
         row = self.v[i] + (self.v[i1] - self.v[i]) * wx
         grid = np.asarray(self.ys)
         if len(grid) == 1:
-            return np.maximum(np.full(ys.shape, row[0]), 0.0)
+            return np.maximum(np.full(ys.shape, row[0]), self.floor)
         j = np.clip(np.searchsorted(grid, ys, side="right") - 1, 0, len(grid) - 2)
         w = (ys - grid[j]) / (grid[j + 1] - grid[j])
-        return np.maximum(row[j] + (row[j + 1] - row[j]) * w, 0.0)
+        return np.maximum(row[j] + (row[j + 1] - row[j]) * w, self.floor)
 
     def to_json(self, x_name: str, y_name: str) -> dict:
         return {x_name: self.xs, y_name: self.ys, "seconds": self.v.tolist()}
@@ -110,10 +121,10 @@ class CostModel(abc.ABC):
         """Duration of one engine step running ``sched`` (before it is applied)."""
 
     @abc.abstractmethod
-    def decode_run(self, batch: int, context0: int, steps: int) -> np.ndarray:
+    def decode_run(self, batch: int, context0: int, steps: int, max_context0: int | None = None) -> np.ndarray:
         """Durations of ``steps`` consecutive pure-decode steps of ``batch``
         sequences whose contexts add up to ``context0`` in the first step
-        (each step adds ``batch``)."""
+        (each step adds ``batch``); ``max_context0``: the longest of them."""
 
     @abc.abstractmethod
     def transfer_seconds(self, descriptors: int, nbytes: int) -> float: ...
@@ -122,12 +133,27 @@ class CostModel(abc.ABC):
 class TableCostModel(CostModel):
     def __init__(self, name: str, prefill: Table2D, decode: Table2D, step_overhead_s: float,
                  transfer: TransferCost, kv_bytes_per_token: int, kv_capacity_tokens: int,
-                 meta: dict | None = None) -> None:
+                 meta: dict | None = None, fit: StepFit | None = None, fit_mode: str = "fit") -> None:
         if step_overhead_s < 0 or kv_bytes_per_token <= 0 or kv_capacity_tokens <= 0:
             raise ValueError("step_overhead_s must be >= 0, kv_bytes_per_token and "
                              "kv_capacity_tokens > 0")
+        if fit_mode not in FIT_MODES:
+            raise ValueError(f"fit mode must be one of {FIT_MODES}, got {fit_mode!r}")
         self.name = name
         self.prefill, self.decode = prefill, decode
+        self.step_fit = fit                       # kept (and saved) whatever the mode
+        self.fit = None if fit_mode == "table" else fit
+        self.fit_mode = fit_mode if fit is not None else "table"
+        self._p_res = self._d_res = None
+        if self.fit is not None and fit_mode == "fit+residual":
+            self._p_res = Table2D("prefill residual", prefill.xs, prefill.ys,
+                                  [[v - fit.seconds(StepFeatures.prefill([(int(n), int(c))], fit.block_size))
+                                    for c, v in zip(prefill.ys, row)] for n, row in zip(prefill.xs, prefill.v)],
+                                  signed=True)
+            self._d_res = Table2D("decode residual", decode.xs, decode.ys,
+                                  [[v - fit.seconds(StepFeatures.decode(int(b), int(x), fit.block_size))
+                                    for x, v in zip(decode.ys, row)] for b, row in zip(decode.xs, decode.v)],
+                                  signed=True)
         self.step_overhead_s = step_overhead_s
         self.transfer = transfer
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -135,22 +161,26 @@ class TableCostModel(CostModel):
         self.meta = dict(meta or {})
 
     def pure_prefill(self, new_tokens: int, cached_tokens: float) -> float:
-        return self.prefill(new_tokens, cached_tokens)
+        if self.fit is None:
+            return self.prefill(new_tokens, cached_tokens)
+        t = self.fit.seconds(StepFeatures.prefill([(new_tokens, int(cached_tokens))], self.fit.block_size))
+        return max(0.0, t + self._p_res(new_tokens, cached_tokens)) if self._p_res else t
 
     def pure_decode(self, batch: int, context_tokens: int) -> float:
-        return self.decode(batch, context_tokens)
+        if self.fit is None:
+            return self.decode(batch, context_tokens)
+        t = self.fit.seconds(StepFeatures.decode(batch, context_tokens, self.fit.block_size))
+        return max(0.0, t + self._d_res(batch, context_tokens)) if self._d_res else t
 
     def step_seconds(self, sched: SchedulerOutput) -> float:
-        p_new = p_ctx = d_n = d_ctx = 0
-        for s in sched.seqs:
-            n = s.num_new_tokens
-            c = s.request.num_computed_tokens
-            if n == 1 and c >= s.request.num_prompt_tokens:
-                d_n += 1
-                d_ctx += c + 1
-            else:
-                p_new += n
-                p_ctx += n * c
+        if self.fit is not None:
+            t = self.fit.seconds(StepFeatures.of(sched, self.fit.block_size))
+            if self._p_res is not None:
+                p_new, p_ctx, d_n, d_ctx = _step_sums(sched)
+                t += (self._p_res(p_new, p_ctx / p_new) if p_new else 0.0) + \
+                    (self._d_res(d_n, d_ctx) if d_n else 0.0)
+            return max(0.0, t)
+        p_new, p_ctx, d_n, d_ctx = _step_sums(sched)
         if p_new and d_n:
             return (self.prefill(p_new, p_ctx / p_new) + self.decode(d_n, d_ctx)
                     - self.step_overhead_s)
@@ -158,9 +188,13 @@ class TableCostModel(CostModel):
             return self.prefill(p_new, p_ctx / p_new)
         return self.decode(d_n, d_ctx) if d_n else 0.0
 
-    def decode_run(self, batch: int, context0: int, steps: int) -> np.ndarray:
+    def decode_run(self, batch: int, context0: int, steps: int, max_context0: int | None = None) -> np.ndarray:
         ctx = context0 + batch * np.arange(steps, dtype=float)
-        return self.decode.along_y(batch, ctx)
+        if self.fit is None:
+            return self.decode.along_y(batch, ctx)
+        longest = (max_context0 if max_context0 is not None else context0 / batch) + np.arange(steps, dtype=float)
+        t = self.fit.decode_run(batch, longest)
+        return np.maximum(t + self._d_res.along_y(batch, ctx), 0.0) if self._d_res else t
 
     def transfer_seconds(self, descriptors: int, nbytes: int) -> float:
         return self.transfer.seconds(descriptors, nbytes)
@@ -175,7 +209,8 @@ class TableCostModel(CostModel):
                 "decode": self.decode.to_json("batch_size", "context_tokens"),
                 "transfer": {"fixed_s": self.transfer.fixed_s,
                              "per_descriptor_s": self.transfer.per_descriptor_s,
-                             "bandwidth_bytes_per_s": self.transfer.bandwidth_bytes_per_s}}
+                             "bandwidth_bytes_per_s": self.transfer.bandwidth_bytes_per_s},
+                **({"fit": {**self.step_fit.to_json(), "mode": self.fit_mode}} if self.step_fit else {})}
 
     @classmethod
     def from_json(cls, data: dict) -> "TableCostModel":
@@ -187,13 +222,38 @@ class TableCostModel(CostModel):
         p, d = data["prefill"], data["decode"]
         meta = {k: v for k, v in data.items() if k in ("source", "description", "hardware", "model",
                                                        "scheduler", "block_size")}
+        fit = StepFit.from_json(data["fit"]) if "fit" in data else None
         return cls(data["name"], Table2D("prefill", p["new_tokens"], p["cached_tokens"], p["seconds"]),
                    Table2D("decode", d["batch_size"], d["context_tokens"], d["seconds"]),
                    float(data["step_overhead_s"]), TransferCost(**data["transfer"]),
-                   int(data["kv_bytes_per_token"]), int(data["kv_capacity_tokens"]), meta)
+                   int(data["kv_bytes_per_token"]), int(data["kv_capacity_tokens"]), meta,
+                   fit, data["fit"].get("mode", "fit") if fit is not None else "fit")
+
+    def with_mode(self, fit_mode: str) -> "TableCostModel":
+        """The same profile predicting by ``fit_mode`` ("table", "fit" or "fit+residual")."""
+        if fit_mode != "table" and self.step_fit is None:
+            raise ValueError(f"profile {self.name!r} has no step fit: measure it again to use mode {fit_mode!r}")
+        return TableCostModel(self.name, self.prefill, self.decode, self.step_overhead_s, self.transfer,
+                              self.kv_bytes_per_token, self.kv_capacity_tokens, self.meta,
+                              self.step_fit, fit_mode)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def _step_sums(sched: SchedulerOutput) -> tuple[int, int, int, int]:
+    """(prefill tokens, sum of new x cached over prefill chunks, decodes, decode context)."""
+    p_new = p_ctx = d_n = d_ctx = 0
+    for s in sched.seqs:
+        n = s.num_new_tokens
+        c = s.request.num_computed_tokens
+        if n == 1 and c >= s.request.num_prompt_tokens:
+            d_n += 1
+            d_ctx += c + 1
+        else:
+            p_new += n
+            p_ctx += n * c
+    return p_new, p_ctx, d_n, d_ctx
 
 
 PROFILE_DIR = Path(__file__).parent / "profiles"

@@ -19,28 +19,61 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from cluster.sim.cost_model import Table2D, TableCostModel, TransferCost
+from cluster.sim.step_fit import StepFeatures, StepFit
 from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class Grid:
-    prefill_new: tuple[int, ...] = (16, 64, 256, 1024)
-    prefill_cached: tuple[int, ...] = (0, 1024)
-    decode_batch: tuple[int, ...] = (1, 4, 16)
-    decode_context: tuple[int, ...] = (64, 1024, 4096)
-    repeats: int = 3
+    prefill_new: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
+    prefill_cached: tuple[int, ...] = (0, 256, 1024)
+    decode_batch: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    decode_context: tuple[int, ...] = (64, 512, 2048, 4096)
+    # fitted too (not in the tables): multi-prompt prefills ((new, cached) each) and mixed steps
+    # (decodes, their total context, new, cached)
+    prefill_batches: tuple[tuple[tuple[int, int], ...], ...] = (
+        ((32, 0),) * 2, ((32, 0),) * 4, ((128, 0),) * 4, ((16, 0),) * 8, ((64, 0), (16, 256)),
+        ((16, 512),) * 3, ((128, 0), (32, 1024)))
+    mixed: tuple[tuple[int, int, int, int], ...] = ((2, 256, 32, 0), (8, 1024, 64, 128), (16, 512, 128, 0),
+                                                     (4, 2048, 16, 512))
+    repeats: int = 5
+    rounds: int = 4
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one scheduled step held: ``(new, computed, prompt)`` tokens per sequence."""
+    seqs: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def of(cls, sched) -> "StepShape":
+        return cls(tuple((s.num_new_tokens, s.request.num_computed_tokens, s.request.num_prompt_tokens)
+                         for s in sched.seqs))
+
+    def sched(self) -> SimpleNamespace:
+        """A stand-in with the fields `CostModel.step_seconds` reads."""
+        return SimpleNamespace(seqs=[SimpleNamespace(num_new_tokens=n, request=SimpleNamespace(
+            num_computed_tokens=c, num_prompt_tokens=p)) for n, c, p in self.seqs])
+
+    def features(self, block_size: int) -> StepFeatures:
+        return StepFeatures.of(self.sched(), block_size)
 
 
 class StepTimer:
-    """Times single engine steps of a real `LLMEngine` with fresh random prompts."""
+    """Times single engine steps of a real `LLMEngine` with fresh random prompts.
+
+    Every timed step also records its `StepShape` (what the scheduler put in
+    it) and seconds in ``samples``, so the timings can be fitted."""
 
     def __init__(self, engine, seed: int = 0) -> None:
         self.engine = engine
         self.rng = random.Random(seed)
         self.vocab = min(256, engine.tokenizer.vocab_size)
         self._ids = itertools.count()
+        self.samples: list[tuple[StepShape, float]] = []
 
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
@@ -50,26 +83,47 @@ class StepTimer:
             self.engine.step()
 
     def _timed_step(self) -> tuple[float, int]:
-        t0 = time.thread_time()
-        self.engine.step()
-        return time.thread_time() - t0, self.engine.last_step_tokens
+        sched = self.engine.scheduler
+        real, seen = sched.schedule, []
 
-    def prefill(self, new: int, cached: int) -> float:
-        """Seconds of one step prefilling ``new`` tokens after ``cached`` cached ones."""
+        def capture():
+            out = real()
+            seen.append(StepShape.of(out))
+            return out
+        sched.schedule = capture
+        try:
+            t0 = time.thread_time()
+            self.engine.step()
+            seconds = time.thread_time() - t0
+        finally:
+            del sched.schedule                   # back to the class's method
+        self.samples.append((seen[0], seconds))
+        return seconds, self.engine.last_step_tokens
+
+    def _cache(self, cached: int) -> list[int]:
         prefix = self._tokens(cached)
         if cached:
             self.engine.add_request(f"m{next(self._ids)}", prefix + self._tokens(1), SamplingParams(max_tokens=1))
             self._drain()
-        self.engine.add_request(f"m{next(self._ids)}", prefix + self._tokens(new), SamplingParams(max_tokens=1))
+        return prefix
+
+    def prefill(self, new: int, cached: int) -> float:
+        """Seconds of one step prefilling ``new`` tokens after ``cached`` cached ones."""
+        return self.prefill_multi([(new, cached)])
+
+    def prefill_multi(self, chunks: list[tuple[int, int]]) -> float:
+        """Seconds of one step prefilling several prompts, ``(new, cached)`` each."""
+        prefixes = [self._cache(c) for _, c in chunks]
+        for (n, _), prefix in zip(chunks, prefixes):
+            self.engine.add_request(f"m{next(self._ids)}", prefix + self._tokens(n), SamplingParams(max_tokens=1))
         seconds, tokens = self._timed_step()
         self._drain()
-        if tokens != new:
-            raise ValueError(f"prefill cell ({new}, {cached}) ran {tokens} tokens in one step: raise "
-                             "max_num_batched_tokens above the largest prefill size or use block-aligned sizes")
+        if tokens < sum(n for n, _ in chunks):   # (more: the cached prefix's partial last block)
+            raise ValueError(f"prefill step {chunks} ran {tokens} tokens in one step: raise "
+                             "max_num_batched_tokens above the largest prefill size")
         return seconds
 
-    def decode(self, batch: int, context: int, steps: int = 3) -> list[float]:
-        """Seconds of pure decode steps of ``batch`` sequences holding ``context`` tokens in all."""
+    def _start_decoders(self, batch: int, context: int, steps: int) -> None:
         per = max(1, context // batch)
         for _ in range(batch):
             self.engine.add_request(f"m{next(self._ids)}", self._tokens(per),
@@ -77,33 +131,122 @@ class StepTimer:
         while self.engine.scheduler.num_waiting or any(
                 r.num_output_tokens == 0 for r in self.engine.scheduler.running):
             self.engine.step()
+
+    def decode(self, batch: int, context: int, steps: int = 3) -> list[float]:
+        """Seconds of pure decode steps of ``batch`` sequences holding ``context`` tokens in all."""
+        self._start_decoders(batch, context, steps)
         times = [self._timed_step()[0] for _ in range(steps)]
         self._drain()
         return times
 
+    def mixed(self, batch: int, context: int, new: int, cached: int) -> float:
+        """Seconds of one step with ``batch`` decodes (``context`` tokens in all) and
+        one prefill of ``new`` tokens after ``cached`` cached ones."""
+        prefix = self._cache(cached)
+        self._start_decoders(batch, context, 3)
+        self.engine.add_request(f"m{next(self._ids)}", prefix + self._tokens(new), SamplingParams(max_tokens=1))
+        seconds, tokens = self._timed_step()
+        self._drain()
+        if tokens < batch + new:
+            raise ValueError(f"mixed step ({batch} decodes + {new} new) ran {tokens} tokens: raise "
+                             "max_num_batched_tokens")
+        return seconds
 
-def measure_engine(engine, grid: Grid = Grid(), name: str = "cpu", seed: int = 0) -> TableCostModel:
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured step shape: ``prefill`` (chunks of (new, cached)), ``decode``
+    (batch, total context) or ``mixed`` (batch, context, new, cached)."""
+    kind: str
+    args: tuple
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("prefill", "decode", "mixed"):
+            raise ValueError(f"cell kind must be prefill, decode or mixed, got {self.kind!r}")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "prefill":
+            return "prefill " + " + ".join(f"n={n} c={c}" for n, c in self.args)
+        if self.kind == "decode":
+            return f"decode b={self.args[0]} ctx={self.args[1]}"
+        b, x, n, c = self.args
+        return f"mixed b={b} ctx={x} + n={n} c={c}"
+
+    def time(self, timer: StepTimer, repeats: int) -> tuple[StepShape, float]:
+        """The fastest of ``repeats`` timings of this shape, and the step it was."""
+        start = len(timer.samples)
+        if self.kind == "prefill":
+            for _ in range(repeats):
+                timer.prefill_multi(list(self.args))
+        elif self.kind == "decode":
+            timer.decode(*self.args, steps=repeats)
+        else:
+            for _ in range(repeats):
+                timer.mixed(*self.args)
+        return min(timer.samples[start:], key=lambda st: st[1])
+
+
+def grid_cells(grid: Grid) -> tuple[list[Cell], list[Cell]]:
+    prefill = [Cell("prefill", ((n, c),)) for n in grid.prefill_new for c in grid.prefill_cached]
+    decode = [Cell("decode", (b, x)) for b in grid.decode_batch for x in grid.decode_context]
+    return prefill, decode
+
+
+def time_cells(timer: StepTimer, cells: list[Cell], repeats: int, rounds: int,
+               seed: int = 0) -> dict[Cell, tuple[StepShape, float]]:
+    """Each cell's step: one warm-up pass, then ``rounds`` passes in a shuffled
+    order timing each cell ``repeats`` times; a cell's seconds are the fastest
+    of its ``rounds x repeats`` timings. Spreading a cell's timings over the
+    run lets bursts of load from other processes on a shared machine miss
+    some of them, and the fastest is the step's cost without interference."""
+    if repeats < 1 or rounds < 1:
+        raise ValueError(f"repeats and rounds must be >= 1, got {repeats} and {rounds}")
+    rng = random.Random(seed)
+    for c in cells:
+        c.time(timer, 1)
+    got: dict[Cell, list[tuple[StepShape, float]]] = {c: [] for c in cells}
+    for _ in range(rounds):
+        order = list(cells)
+        rng.shuffle(order)
+        for c in order:
+            got[c].append(c.time(timer, repeats))
+    timer.samples.clear()
+    return {c: min(v, key=lambda st: st[1]) for c, v in got.items()}
+
+
+def measure_engine(engine, grid: Grid = Grid(), name: str = "cpu", seed: int = 0, fit_mode: str = "fit",
+                   probes: list[Cell] = ()) -> tuple[TableCostModel, dict[Cell, tuple[StepShape, float]]]:
+    """Time the grid's cells (and ``probes``, interleaved with them but not
+    fitted), fit `StepFit` to the grid's cells, and return the profile
+    (tables + fit, in ``fit_mode``) and the probes' measured steps."""
     timer = StepTimer(engine, seed)
-    timer.prefill(16, 0)                                   # warm up
-    prefill = [[min(timer.prefill(n, c) for _ in range(grid.repeats)) for c in grid.prefill_cached]
-               for n in grid.prefill_new]
-    decode = [[min(timer.decode(b, x, grid.repeats)) for x in grid.decode_context]
-              for b in grid.decode_batch]
+    p_cells, d_cells = grid_cells(grid)
+    multi = [Cell("prefill", chunks) for chunks in grid.prefill_batches] + [Cell("mixed", m) for m in grid.mixed]
+    timed = time_cells(timer, p_cells + d_cells + multi + list(probes), grid.repeats, grid.rounds, seed)
+    prefill = [[timed[Cell("prefill", ((n, c),))][1] for c in grid.prefill_cached] for n in grid.prefill_new]
+    decode = [[timed[Cell("decode", (b, x))][1] for x in grid.decode_context] for b in grid.decode_batch]
+    fitted = [timed[c] for c in p_cells + d_cells + multi]
+    bs = engine.block_size
+    fit = StepFit.fit([st.features(bs) for st, _ in fitted], [t for _, t in fitted], bs)
     mc = engine.runner.model_config
     dtype_bytes = engine.runner.dtype.itemsize
-    overhead = min(min(row) for row in decode) * 0.5
-    return TableCostModel(
+    profile = TableCostModel(
         name, Table2D("prefill", grid.prefill_new, grid.prefill_cached, prefill),
-        Table2D("decode", grid.decode_batch, grid.decode_context, decode), overhead,
+        Table2D("decode", grid.decode_batch, grid.decode_context, decode), fit.coef[0],
         TransferCost(fixed_s=2e-4, per_descriptor_s=2e-5, bandwidth_bytes_per_s=1e9),
         mc.kv_bytes_per_token(dtype_bytes), engine.runner.num_blocks * engine.block_size,
         {"source": f"measured on this machine with `python -m cluster.sim.measure` ({time.strftime('%Y-%m-%d')}); "
                    "transfer figures assumed (loopback TCP order of magnitude)",
          "hardware": "this machine's CPU, 1 torch thread", "model": mc.name,
-         "description": "real LLMEngine.step() thread CPU time (1 torch thread), minimum of repeats",
+         "description": f"real LLMEngine.step() thread CPU time (1 torch thread): per cell the fastest of "
+                        f"{grid.rounds} shuffled rounds x {grid.repeats} timings; fit: non-negative "
+                        "least squares on relative error over the cells (incl. multi-prompt prefills)",
          "scheduler": {"max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
                        "max_num_seqs": engine.config.scheduler.max_num_seqs},
-         "block_size": engine.block_size})
+         "block_size": engine.block_size},
+        fit, fit_mode)
+    return profile, {c: timed[c] for c in probes}
 
 
 def make_engine(model: str | None, block_size: int = 16, num_blocks: int = 2048, max_model_len: int | None = None,
@@ -121,7 +264,7 @@ def make_engine(model: str | None, block_size: int = 16, num_blocks: int = 2048,
 
 def measure_profile(output: str, model: str | None = None, grid: Grid = Grid()) -> TableCostModel:
     """Measure the default (SmolLM2) or given model and write the profile JSON."""
-    profile = measure_engine(make_engine(model), grid, name="cpu")
+    profile, _ = measure_engine(make_engine(model), grid, name="cpu")
     profile.save(output)
     print(f"wrote {output}")
     return profile
@@ -131,9 +274,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output", default="cpu_measured.json")
     ap.add_argument("--model", help="HF directory or .gguf (default: SmolLM2-135M)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="timings per cell and round (the fastest counts)")
+    ap.add_argument("--rounds", type=int, default=4, help="shuffled passes over the cells")
     args = ap.parse_args()
-    measure_profile(args.output, args.model, Grid(repeats=args.repeats))
+    measure_profile(args.output, args.model, Grid(repeats=args.repeats, rounds=args.rounds))
 
 
 if __name__ == "__main__":

@@ -111,8 +111,8 @@ class SimNode:
         now = self.loop.now
         k = self._collapsible_steps(sched) if self.collapse else 1
         if k > 1:
-            ctx0 = sum(s.request.num_computed_tokens + 1 for s in sched.seqs)
-            ends = now + np.cumsum(self.cost.decode_run(len(sched.seqs), ctx0, k))
+            ctx = [s.request.num_computed_tokens + 1 for s in sched.seqs]
+            ends = now + np.cumsum(self.cost.decode_run(len(ctx), sum(ctx), k, max(ctx)))
         else:
             ends = np.array([now + self.cost.step_seconds(sched)])
         self._run = _Run(sched, ends, now)

@@ -1,0 +1,99 @@
+"""Per-step cost-model error of the simulator against real CPU engine steps.
+
+Measures a profile (`cluster.sim.measure`: grid of pure prefill / decode
+cells plus multi-prompt prefills and mixed steps, thread CPU time, per cell
+the fastest of rounds x repeats timings spread over shuffled rounds), and in the same interleaved rounds
+real steps at *off-grid* probe shapes: pure prefills and decodes between the
+grid points, multi-prompt prefills and mixed prefill+decode steps. Compares
+each probe with the prediction of every mode (table, fit, fit+residual).
+
+Prints one JSON line (``--table`` also prints a markdown table to stderr):
+
+    .venv/bin/python benchmarks/sim_cost_error.py [--model tiny|PATH] [--repeats 5] [--rounds 4] [--table]
+
+``tiny`` (default) is the random tiny Llama of tests/tiny_models.py; any
+other value is a model path (HF directory or .gguf; "" = SmolLM2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cluster.sim.cost_model import FIT_MODES, TableCostModel  # noqa: E402
+from cluster.sim.measure import Cell, Grid, make_engine, measure_engine  # noqa: E402
+
+TINY_GRID = Grid(prefill_new=(8, 16, 32, 64, 128, 256, 512), prefill_cached=(0, 128, 512, 1024),
+                 decode_batch=(1, 2, 4, 8, 16, 32), decode_context=(64, 256, 1024, 1920))
+PROBES = [
+    Cell("prefill", ((24, 0),)), Cell("prefill", ((48, 384),)), Cell("prefill", ((96, 64),)),
+    Cell("prefill", ((200, 700),)), Cell("prefill", ((384, 256),)), Cell("prefill", ((12, 900),)),
+    Cell("decode", (3, 200)), Cell("decode", (6, 900)), Cell("decode", (12, 1800)), Cell("decode", (24, 600)),
+    Cell("prefill", ((40, 64),) * 3), Cell("prefill", ((100, 0), (20, 300))),
+    Cell("mixed", (4, 512, 64, 0)), Cell("mixed", (8, 1600, 100, 256)),
+]
+
+
+def errors(profile: TableCostModel, measured: dict) -> dict[str, list[dict]]:
+    """Per mode: each probe's predicted and real seconds and relative error."""
+    out = {}
+    for mode in FIT_MODES:
+        m = profile.with_mode(mode)
+        rows = []
+        for cell, (shape, real) in measured.items():
+            pred = m.step_seconds(shape.sched())
+            rows.append({"probe": cell.label, "predicted_ms": round(pred * 1e3, 4),
+                         "real_ms": round(real * 1e3, 4), "error": round(abs(pred - real) / real, 4)})
+        out[mode] = rows
+    return out
+
+
+def tiny_model_dir() -> str:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import make_tiny_model
+    return str(make_tiny_model(tempfile.mkdtemp(prefix="pdserve-tiny-"), "llama"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--table", action="store_true", help="also print a markdown table to stderr")
+    args = ap.parse_args()
+    model = tiny_model_dir() if args.model == "tiny" else args.model
+    engine = make_engine(model, num_blocks=1024, max_model_len=2048, max_num_batched_tokens=1024)
+    grid = Grid(**{**TINY_GRID.__dict__, "repeats": args.repeats, "rounds": args.rounds})
+    t0 = time.perf_counter()
+    profile, measured = measure_engine(engine, grid, seed=args.seed, probes=PROBES)
+    wall = time.perf_counter() - t0
+    errs = errors(profile, measured)
+    summary = {mode: {"median_error": statistics.median(r["error"] for r in rows),
+                      "mean_error": round(statistics.fmean(r["error"] for r in rows), 4),
+                      "max_error": max(r["error"] for r in rows)} for mode, rows in errs.items()}
+    print(json.dumps({"benchmark": "sim_cost_error", "model": args.model, "clock": "thread_time",
+                      "repeats": args.repeats, "rounds": args.rounds, "probes": len(PROBES),
+                      "summary": summary, "fit": dict(zip(profile.step_fit.to_json()["terms"],
+                                                          profile.step_fit.coef)),
+                      "measure_wall_s": round(wall, 1), "rows": errs}))
+    if args.table:
+        modes = list(errs)
+        print("| probe | real ms | " + " | ".join(f"{m} ms (err)" for m in modes) + " |", file=sys.stderr)
+        print("|---|---|" + "---|" * len(modes), file=sys.stderr)
+        for i, row in enumerate(errs[modes[0]]):
+            cells = [f"{errs[m][i]['predicted_ms']:.3f} ({errs[m][i]['error']:.1%})" for m in modes]
+            print(f"| {row['probe']} | {row['real_ms']:.3f} | " + " | ".join(cells) + " |", file=sys.stderr)
+        print("| **median error** | | " + " | ".join(f"**{summary[m]['median_error']:.1%}**" for m in modes)
+              + " |", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
