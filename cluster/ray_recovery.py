@@ -43,6 +43,8 @@ class RecoveryCounters:
     transfer_failures: int = 0   # KV pulls that failed or timed out
     recomputed: int = 0          # ... then recomputed on the decode node
     reprefilled: int = 0         # ... then prefilled again on another prefill node
+    no_kv_room: int = 0          # the decode node found no KV room within transfer_timeout:
+                                 # recomputed there, nothing pulled
     lease_renewals: int = 0
 
 
@@ -186,6 +188,8 @@ class RecoveryMixin:
         if not sub.transferred_blocks:   # nothing read (all cached, or failed): free P now
             self._release_prefill(state, rid)
         state.prefill_id = None
+        if sub.error and sub.local_prefill and sub.recomputed:
+            self._note(rid, "no_kv_room")
         if sub.error and not sub.local_prefill:
             self._note(rid, "transfer_failures")
             if sub.joined:

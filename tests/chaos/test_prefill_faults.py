@@ -64,8 +64,8 @@ def run_prefill_fault(c, hf, report, kind: str, n_trials: int, n_requests: int, 
             while not victim:
                 await asyncio.sleep(0.01)
             end = time.monotonic() + 120
-            while time.monotonic() < end and "transfer_failures" not in await c.on_loop(
-                    lambda: c.backend.request_events(victim["rid"])):
+            while time.monotonic() < end and not {"transfer_failures", "no_kv_room"} & set(
+                    await c.on_loop(lambda: c.backend.request_events(victim["rid"]))):
                 await asyncio.sleep(0.05)
             os.kill(victim["pid"], signal.SIGCONT)
 
@@ -83,15 +83,20 @@ def run_prefill_fault(c, hf, report, kind: str, n_trials: int, n_requests: int, 
         after = c.counters()
         d = {k: after[k] - before[k] for k in after}
         events = c.loop.run(c.on_loop_sync(lambda: c.backend.request_events(victim["rid"])))
-        assert "transfer_failures" in events, f"the victim's pull did not fail: {events}"
-        assert ("reprefilled" if policy == "reprefill" else "recomputed") in events, (policy, events)
-        assert d["transfer_failures"] >= 1
+        # the victim's pull failed, or (rarely, when the decode node's KV is full of
+        # requests recomputing for the same fault) it never started: no room within
+        # transfer_timeout, recomputed there, which is as exact
+        assert "transfer_failures" in events or "no_kv_room" in events, f"the victim was not affected: {events}"
+        if "transfer_failures" in events:
+            assert ("reprefilled" if policy == "reprefill" else "recomputed") in events, (policy, events)
+        assert d["transfer_failures"] + d["no_kv_room"] >= 1
         assert d["transfer_failures"] == c.sample("pdserve_transfer_failures_total") - metric0
         assert d["transfer_failures"] == d["recomputed"] + d["reprefilled"], d
         leases = check_leases(leases0, c.lease_counters())
         report.add(FAULTS[kind], outs, errors=errors, leaked=leaked, migrated=d["migrations"],
                    moved=d["moved"], recomputed=d["recomputed"], reprefilled=d["reprefilled"],
                    transfer_failures=d["transfer_failures"], prefill_calls_lost=d["prefill_lost"],
+                   no_kv_room=d["no_kv_room"],
                    leases_expired=leases["expired"], leases_released=leases["released"])
 
 
