@@ -39,6 +39,8 @@ def register(subparsers) -> None:
     c.add_argument("--local-prefill-threshold", type=int, default=64)
     c.add_argument("--local-prefill-hit-ratio", type=float, default=0.8)
     c.add_argument("--profile", default="h100", help="cost profile: a JSON path or a name in cluster/sim/profiles/")
+    c.add_argument("--cost-mode", choices=["table", "fit", "fit+residual"],
+                   help="how a measured profile predicts a step (default: the profile's own mode)")
     c.add_argument("--measure", action="store_true",
                    help="first time real CPU engine steps (tiny model) into a profile, and use it")
     c.add_argument("--measure-output", default="cpu_measured.json", help="where --measure writes the profile")
@@ -120,6 +122,8 @@ def run(args) -> int:
         measure_profile(args.measure_output)
         args.profile = args.measure_output
     cost = load_cost_model(args.profile)
+    if args.cost_mode:
+        cost = cost.with_mode(args.cost_mode)
     sched_meta = cost.meta.get("scheduler", {})
     if args.trace:
         base_reqs = load_mooncake(args.trace, args.limit, tokens_per_id=args.tokens_per_id)
