@@ -241,6 +241,29 @@ class TableCostModel(CostModel):
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
 
+class ScaledCost(CostModel):
+    """Another cost model with every engine step ``factor`` x as long (transfers
+    unchanged): e.g. a CPU profile measured in isolation, calibrated once for
+    the CPU a real worker loses to its neighbours on a shared machine."""
+
+    def __init__(self, base: CostModel, factor: float) -> None:
+        if factor <= 0:
+            raise ValueError(f"step scale factor must be > 0, got {factor}")
+        self.base, self.factor = base, factor
+        self.name = f"{getattr(base, 'name', 'cost')} x{factor:g}"
+        self.kv_bytes_per_token = base.kv_bytes_per_token
+        self.kv_capacity_tokens = base.kv_capacity_tokens
+
+    def step_seconds(self, sched: SchedulerOutput) -> float:
+        return self.factor * self.base.step_seconds(sched)
+
+    def decode_run(self, batch: int, context0: int, steps: int, max_context0: int | None = None) -> np.ndarray:
+        return self.factor * self.base.decode_run(batch, context0, steps, max_context0)
+
+    def transfer_seconds(self, descriptors: int, nbytes: int) -> float:
+        return self.base.transfer_seconds(descriptors, nbytes)
+
+
 def _step_sums(sched: SchedulerOutput) -> tuple[int, int, int, int]:
     """(prefill tokens, sum of new x cached over prefill chunks, decodes, decode context)."""
     p_new = p_ctx = d_n = d_ctx = 0

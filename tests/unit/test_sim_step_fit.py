@@ -94,3 +94,15 @@ def test_bad_fit_says_what_is_wrong():
     with pytest.raises(ValueError, match="at least"):
         StepFit.fit([StepFeatures()], [1.0], 16)
     assert len(TERMS) == len(COEF)
+
+
+def test_scaled_cost_scales_steps_not_transfers():
+    from cluster.sim.cost_model import ScaledCost
+    base = _profile("fit")
+    s = ScaledCost(base, 1.5)
+    sched = SchedulerOutput([_seq("a", 64, 0, 64), _seq("b", 10, 10, 1)])
+    assert s.step_seconds(sched) == pytest.approx(1.5 * base.step_seconds(sched))
+    assert np.allclose(s.decode_run(2, 100, 3, 60), 1.5 * base.decode_run(2, 100, 3, 60))
+    assert s.transfer_seconds(2, 10 ** 6) == base.transfer_seconds(2, 10 ** 6)
+    with pytest.raises(ValueError, match="> 0"):
+        ScaledCost(base, 0)

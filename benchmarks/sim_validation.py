@@ -1,0 +1,337 @@
+"""The simulator against real pdserve on the same scaled-down Mooncake trace.
+
+For each setup (1P+1D, 2P+2D) this starts a real local pdserve cluster (Ray
+actors, gRPC, the real router) on a small random Llama (tests/tiny_models.py,
+sized so engine steps, not Python overheads, dominate), and:
+
+1. measures the real capacity: the first ``--requests`` trace requests sent at
+   ``--capacity-overload`` x the simulator's estimate; capacity = finished
+   requests / (last finish - first send);
+2. at each load level (``--loads``, fractions of that capacity) sends the same
+   requests (each level with its own cache salt, so levels share nothing) on
+   the trace's own arrival pattern compressed to the level's rate, recording
+   every routing decision the real router makes (its `route` is wrapped in
+   this process; no pdserve code changes);
+3. simulates the same requests with the same tokens, salts, block counts,
+   batch limits, router policy and report interval, arriving at the moments
+   the real client actually sent them, with a cost profile measured on the same
+   model (`cluster.sim.measure`, thread CPU time, fit+residual mode).
+
+Definitions, identical on both sides: TTFT = send -> first token (the real
+one from the client, so it includes gRPC and Ray hops the simulator does not
+model); ITL = every gap between consecutive tokens of a request (the first
+gap after a remote prefill includes the KV hand-off); hit rate = cached prompt
+tokens / prompt tokens, where a request's cached tokens are the larger of the
+prefill and decode nodes' prefix hits (what the real usage reports);
+routing = (kind, prefill node, decode node) per request, nodes matched by
+their rank in their pool.
+
+Prints one JSON line per (setup, capacity or load level), real vs sim side by
+side. Heavy: run it under the shared lock, one setup per run:
+
+    flock /tmp/pdserve-heavy.lock .venv/bin/python benchmarks/sim_validation.py --setup 1p1d
+    flock /tmp/pdserve-heavy.lock .venv/bin/python benchmarks/sim_validation.py --setup 2p2d
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from cluster.router import PolicyConfig  # noqa: E402
+from cluster.sim.cluster_sim import ClusterSim, SimConfig  # noqa: E402
+from cluster.sim.cost_model import CostModel, ScaledCost, TableCostModel, TransferCost, load_cost_model  # noqa: E402
+from cluster.sim.measure import Grid, make_engine, measure_engine  # noqa: E402
+from cluster.sim.workload import PromptBuilder, TraceRequest, load_mooncake  # noqa: E402
+
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+SETUPS = {"1p1d": (1, 1), "2p2d": (2, 2)}
+MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536,
+             max_position_embeddings=4096)
+PROFILE_GRID = Grid(prefill_new=(16, 64, 256, 1024, 2048), prefill_cached=(0, 512, 1536),
+                    decode_batch=(1, 4, 16), decode_context=(256, 1024, 3584),
+                    prefill_batches=(((64, 0),) * 2, ((256, 0),) * 3, ((64, 0), (16, 512)), ((256, 512),) * 2),
+                    mixed=((2, 512, 64, 0), (4, 2048, 256, 512)), repeats=2, rounds=2)
+# Loopback hand-off: a few Ray/NIXL round trips + ~5 GB/s (docs/kvtransfer.md); assumed, not measured here.
+TRANSFER = TransferCost(fixed_s=2e-3, per_descriptor_s=2e-5, bandwidth_bytes_per_s=5e9)
+
+
+@dataclass(frozen=True)
+class Cfg:
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    tokens_per_id: int = 16
+    max_input: int = 3000
+    local_prefill_threshold: int = 64
+    local_prefill_hit_ratio: float = 0.8
+
+
+# ---------------------------------------------------------------- workload
+def trace_requests(path: Path, n: int, cfg: Cfg) -> list[TraceRequest]:
+    reqs = load_mooncake(path, n, tokens_per_id=cfg.tokens_per_id)
+    return [replace(r, input_length=min(r.input_length, cfg.max_input)) for r in reqs]
+
+
+def offsets_at_rate(reqs: list[TraceRequest], rate: float) -> list[float]:
+    """The trace's own arrival pattern, compressed so the mean rate is ``rate``."""
+    t0 = reqs[0].arrival_s
+    span = reqs[-1].arrival_s - t0
+    scale = (len(reqs) - 1) / (rate * span) if span > 0 else 0.0
+    return [(r.arrival_s - t0) * scale for r in reqs]
+
+
+def salted(reqs: list[TraceRequest], salt: str, offsets: list[float]) -> list[TraceRequest]:
+    return [replace(r, salt=salt, arrival_s=o) for r, o in zip(reqs, offsets)]
+
+
+# ---------------------------------------------------------------- model and profile
+def model_dir(path: Path) -> str:
+    if not (path / "config.json").exists():
+        from tiny_models import make_tiny_model
+        make_tiny_model(path, "llama", **MODEL)
+    return str(path)
+
+
+def profile_for(model: str, path: Path, cfg: Cfg) -> TableCostModel:
+    if path.exists():
+        return load_cost_model(str(path))
+    engine = make_engine(model, block_size=cfg.block_size, num_blocks=2048, max_model_len=cfg.max_model_len,
+                         max_num_batched_tokens=cfg.max_num_batched_tokens)
+    prof, _ = measure_engine(engine, PROFILE_GRID, name="validation-cpu", fit_mode="fit+residual")
+    prof.transfer = TRANSFER
+    prof.meta["source"] += "; transfer: assumed loopback figures (benchmarks/sim_validation.py)"
+    prof.save(path)
+    return load_cost_model(str(path))
+
+
+# ---------------------------------------------------------------- simulator side
+def simulate(reqs: list[TraceRequest], p: int, d: int, cost: CostModel, cfg: Cfg) -> dict:
+    sc = SimConfig(p, d, policy="prefix_aware",
+                   policy_config=PolicyConfig(0.0, cfg.local_prefill_threshold, cfg.local_prefill_hit_ratio),
+                   block_size=cfg.block_size, num_blocks=cfg.num_blocks,
+                   max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                   max_model_len=cfg.max_model_len, report_interval_s=0.1, report_lag_s=0.002)
+    builder = PromptBuilder(cfg.block_size, cfg.tokens_per_id, vocab_size=256, first_token=3)
+    sim = ClusterSim(sc, cost, reqs, builder)
+    s = sim.run()
+    index = {r.request_id: i for i, r in enumerate(reqs)}
+    recs = sorted(sim.records, key=lambda r: index[r.request_id])
+    done = [r for r in recs if r.finish_s is not None]
+    ttft = [r.ttft for r in done]
+    prompt = sum(r.prompt_tokens for r in done)
+    cached = sum(max(r.cached_tokens, r.decode_cached_tokens) for r in done)
+    first = min(r.arrival_s for r in recs)
+    return {"finished": len(done), "requests": len(recs), **_lat(ttft, None),
+            "itl_mean_s": s["itl_s"]["mean"], "itl_p90_s": s["itl_s"]["p90"],
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "throughput_rps": len(done) / (max(r.finish_s for r in done) - first) if done else 0.0,
+            "decisions": [(r.kind, _rank(r.prefill_node) if r.kind == "remote_prefill" else None,
+                           _rank(r.decode_node)) for r in recs],
+            "wall_s": s["sim"]["wall_s"]}
+
+
+def _rank(node: str) -> int:
+    return int(node[1:])
+
+
+def _lat(ttft: list[float], itl: list[float] | None) -> dict:
+    out = {"ttft_mean_s": float(np.mean(ttft)) if ttft else None,
+           "ttft_p90_s": float(np.percentile(ttft, 90)) if ttft else None}
+    if itl is not None:
+        out.update({"itl_mean_s": float(np.mean(itl)) if itl else None,
+                    "itl_p90_s": float(np.percentile(itl, 90)) if itl else None})
+    return out
+
+
+# ---------------------------------------------------------------- real side
+class RealCluster:
+    def __init__(self, model: str, p: int, d: int, cfg: Cfg, ray_dir: str) -> None:
+        from cluster.config import ServeConfig
+        self.serve = ServeConfig(model=model, block_size=cfg.block_size, num_kv_blocks=cfg.num_blocks,
+                                 max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                                 max_num_batched_tokens=cfg.max_num_batched_tokens, grpc_port=0, metrics_port=0,
+                                 http_port=0, prefill_workers=p, decode_workers=d,
+                                 cpus_per_worker=min(1.0, (os.cpu_count() or 2) / (p + d)), torch_threads=1,
+                                 router_policy="prefix_aware", router_temperature=0.0,
+                                 local_prefill_threshold=cfg.local_prefill_threshold,
+                                 local_prefill_hit_ratio=cfg.local_prefill_hit_ratio, ray_temp_dir=ray_dir,
+                                 log_level="WARNING")
+        self.stack = None
+        self.decisions: dict[str, tuple] = {}
+        self.ranks: dict[str, int] = {}
+
+    async def start(self) -> None:
+        from cluster.server_stack import start_stack
+        self.stack = await start_stack(self.serve)
+        router = self.stack.backend.router
+        for pool in ("prefill", "decode"):
+            ids = sorted(w for w, ref in self.stack.backend.workers.items() if ref.pool == pool)
+            self.ranks.update({w: i for i, w in enumerate(ids)})
+        route = router.route
+
+        def recording_route(request):       # the real decision, recorded per request id (bounded by the run)
+            dec = route(request)
+            self.decisions[request.request_id] = (
+                dec.kind.value, self.ranks.get(dec.prefill_worker_id) if dec.prefill_worker_id else None,
+                self.ranks.get(dec.decode_worker_id))
+            return dec
+        router.route = recording_route
+
+    async def run(self, reqs: list[TraceRequest], builder: PromptBuilder) -> tuple[dict, list[float]]:
+        from cluster.bench.datasets import BenchRequest
+        from cluster.bench.runner import RunnerConfig, run_load
+        bench = [BenchRequest(tuple(builder.tokens(r)), r.output_length, prompt_len=r.input_length,
+                              cache_salt=r.salt or "") for r in reqs]
+        tag = f"v{int(time.time() * 1000) % 10 ** 8}"
+        self.decisions.clear()
+        res = await run_load(self.stack.grpc.target, bench, [r.arrival_s for r in reqs],
+                             RunnerConfig(progress=False, drain_timeout_s=120.0, channels=2), tag=tag)
+        by_index = {r.index: r for r in res.results}
+        ok = [r for r in res.results if r.ok]
+        ttft = [r.ttft_s for r in ok]
+        itl = [g for r in ok for g in r.itl_s]
+        prompt = sum(r.prompt_tokens for r in ok)
+        cached = sum(r.cached_tokens for r in ok)
+        ends = [r.sent_s + r.e2e_s for r in ok]
+        first = min(r.sent_s for r in res.results)
+        out = {"finished": len(ok), "requests": len(reqs), **_lat(ttft, itl),
+               "hit_rate": cached / prompt if prompt else 0.0,
+               "throughput_rps": len(ok) / (max(ends) - first) if ok else 0.0,
+               "errors": sorted({r.error_code for r in res.results if not r.ok}),
+               "decisions": [self.decisions.get(f"bench-{tag}-{i}") for i in range(len(reqs))]}
+        sent = [by_index[i].sent_s if i in by_index else reqs[i].arrival_s for i in range(len(reqs))]
+        return out, sent
+
+    async def stop(self) -> None:
+        import ray
+        try:
+            await self.stack.drain_and_stop(1.0)
+        finally:
+            ray.shutdown()
+
+
+# ---------------------------------------------------------------- comparison
+def compare(real: dict, sim: dict) -> dict:
+    rel = {}
+    for k in ("ttft_mean_s", "ttft_p90_s", "itl_mean_s", "itl_p90_s"):
+        a, b = real.get(k), sim.get(k)
+        rel[k] = None if not a or b is None else round((b - a) / a, 4)
+    pairs = [(a, b) for a, b in zip(real["decisions"], sim["decisions"]) if a is not None]
+    same = sum(tuple(a) == tuple(b) for a, b in pairs)
+    same_kind = sum(a[0] == b[0] for a, b in pairs)
+    return {"sim_vs_real_rel": rel, "hit_rate_points": round(100 * (sim["hit_rate"] - real["hit_rate"]), 2),
+            "routing_identical": round(same / len(pairs), 4) if pairs else None,
+            "routing_same_kind": round(same_kind / len(pairs), 4) if pairs else None,
+            "within_target": {"latency_10pct": all(v is not None and abs(v) <= 0.10 for v in rel.values()),
+                              "hit_rate_2pts": abs(sim["hit_rate"] - real["hit_rate"]) <= 0.02}}
+
+
+def _brief(d: dict) -> dict:
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items() if k != "decisions"}
+
+
+def _line(setup: str, ph: dict, real: dict, sim: dict) -> str:
+    head = {k: ph[k] for k in ("phase", "load", "rate_rps", "capacity_rps", "sim_estimate_rps") if k in ph}
+    return json.dumps({"benchmark": "sim_validation", "setup": setup, **head, "real": _brief(real),
+                       "sim": _brief(sim), **compare(real, sim)})
+
+
+async def run_setup(args, cfg: Cfg, model: str, cost: CostModel) -> None:
+    """Real runs (saved with their actual send times to ``real_<setup>.json`` in the
+    work dir, so `--resimulate` can redo the simulator side alone) and the simulator."""
+    p, d = SETUPS[args.setup]
+    reqs = trace_requests(Path(args.trace), args.requests, cfg)
+    builder = PromptBuilder(cfg.block_size, cfg.tokens_per_id, vocab_size=256, first_token=3)
+    # the simulator's capacity estimate (a burst at a rate far above it) picks the overload rate
+    est = simulate(salted(reqs, "est", offsets_at_rate(reqs, 1000.0)), p, d, cost, cfg)["throughput_rps"]
+    cluster = RealCluster(model, p, d, cfg, tempfile.mkdtemp(prefix="pdserve-val-ray-"))
+    saved = {"setup": args.setup, "requests": args.requests, "phases": []}
+    out = Path(args.work_dir) / f"real_{args.setup}.json"
+    await cluster.start()
+    try:
+        warm = salted(reqs[:4], "warm", [0.5 * i for i in range(4)])
+        await cluster.run(warm, builder)
+        rate = args.capacity_overload * est
+        plan = [("capacity", None, "cap")] + [("load", x, f"l{x}") for x in args.loads]
+        capacity = None
+        for phase, load, salt in plan:
+            if phase == "load":
+                rate = load * capacity
+            real, sent = await cluster.run(salted(reqs, salt, offsets_at_rate(reqs, rate)), builder)
+            ph = {"phase": phase, "load": load, "rate_rps": round(rate, 3), "salt": salt, "sent": sent, "real": real}
+            if phase == "capacity":
+                capacity = real["throughput_rps"]
+                ph["sim_estimate_rps"] = round(est, 3)
+            ph["capacity_rps"] = round(capacity, 3)
+            saved["phases"].append(ph)
+            out.write_text(json.dumps(saved) + "\n")
+            sim = simulate(salted(reqs, salt, sent), p, d, cost, cfg)
+            print(_line(args.setup, ph, real, sim), flush=True)
+    finally:
+        await cluster.stop()
+
+
+def resimulate(args, cfg: Cfg, cost: CostModel) -> None:
+    """The simulator side again, on saved real runs (same requests and send times)."""
+    saved = json.loads(Path(args.resimulate).read_text())
+    p, d = SETUPS[saved["setup"]]
+    reqs = trace_requests(Path(args.trace), saved["requests"], cfg)
+    for ph in saved["phases"]:
+        sim = simulate(salted(reqs, ph["salt"], ph["sent"]), p, d, cost, cfg)
+        print(_line(saved["setup"], ph, ph["real"], sim), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setup", choices=sorted(SETUPS), default="1p1d")
+    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--requests", type=int, default=100, help="first N trace requests (per level)")
+    ap.add_argument("--loads", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 0.85, 1.1])
+    ap.add_argument("--capacity-overload", type=float, default=3.0)
+    ap.add_argument("--work-dir", default="/tmp/pdserve-sim-validation",
+                    help="model and measured profile are kept here between runs")
+    ap.add_argument("--profile", help="a measured profile JSON (default: measure into the work dir once)")
+    ap.add_argument("--step-scale", type=float, default=1.0,
+                    help="simulate with every engine step this many times as long (a calibration; 1 = none)")
+    ap.add_argument("--resimulate", metavar="REAL_JSON",
+                    help="no real cluster: simulate again the saved real runs of this file (real_<setup>.json)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    cfg = Cfg()
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    model = model_dir(work / "model")
+    t0 = time.perf_counter()
+    cost = base = load_cost_model(args.profile) if args.profile else profile_for(model, work / "profile.json", cfg)
+    fit_mode = cost.fit_mode
+    if args.step_scale != 1.0:
+        cost = ScaledCost(cost, args.step_scale)
+    print(json.dumps({"benchmark": "sim_validation", "phase": "profile", "fit_mode": fit_mode,
+                      "step_scale": args.step_scale,
+                      "fit": dict(zip(base.step_fit.to_json()["terms"], base.step_fit.coef)) if base.step_fit else None,
+                      "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+    if args.resimulate:
+        resimulate(args, cfg, cost)
+    else:
+        asyncio.run(run_setup(args, cfg, model, cost))
+
+
+if __name__ == "__main__":
+    main()

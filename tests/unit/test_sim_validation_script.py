@@ -1,0 +1,61 @@
+"""The pure parts of benchmarks/sim_validation.py: arrival scaling, the
+simulator side on a small trace, and the real-vs-sim comparison."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.sim.cost_model import load_cost_model
+from cluster.sim.workload import TraceRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def val():
+    spec = importlib.util.spec_from_file_location("sim_validation", ROOT / "benchmarks" / "sim_validation.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["sim_validation"] = mod          # dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop("sim_validation", None)
+
+
+def _reqs(n=12):
+    shared = (0, 1, 2)
+    return [TraceRequest(f"r{i}", 0.5 * i * (1 + i % 3), 16 * (len(shared) + 2), 4, shared + (100 + 2 * i, 101 + 2 * i))
+            for i in range(n)]
+
+
+def test_offsets_keep_the_pattern_at_the_asked_rate(val):
+    reqs = _reqs()
+    off = val.offsets_at_rate(reqs, 4.0)
+    assert off[0] == 0.0 and (len(off) - 1) / off[-1] == pytest.approx(4.0)
+    gaps = [b - a for a, b in zip(off, off[1:])]
+    raw = [b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:])]
+    assert [g / gaps[0] for g in gaps] == pytest.approx([r / raw[0] for r in raw])
+
+
+def test_simulated_side_reports_what_the_real_side_reports(val):
+    reqs = val.salted(_reqs(), "s", val.offsets_at_rate(_reqs(), 20.0))
+    cost = load_cost_model("cpu")
+    out = val.simulate(reqs, 1, 1, cost, val.Cfg(num_blocks=256))
+    assert out["finished"] == len(reqs) == len(out["decisions"])
+    assert 0 < out["hit_rate"] < 1 and out["ttft_mean_s"] > 0 and out["itl_mean_s"] > 0
+    assert all(d[0] in ("remote_prefill", "local_prefill") and d[2] == 0 for d in out["decisions"])
+
+
+def test_compare_reports_relative_errors_hit_points_and_identical_routing(val):
+    real = {"ttft_mean_s": 1.0, "ttft_p90_s": 2.0, "itl_mean_s": 0.1, "itl_p90_s": 0.2, "hit_rate": 0.30,
+            "decisions": [("remote_prefill", 0, 1), ("local_prefill", None, 0), None]}
+    sim = {"ttft_mean_s": 1.05, "ttft_p90_s": 2.5, "itl_mean_s": 0.1, "itl_p90_s": 0.2, "hit_rate": 0.31,
+           "decisions": [("remote_prefill", 0, 1), ("remote_prefill", 0, 0), ("local_prefill", None, 0)]}
+    c = val.compare(real, sim)
+    assert c["sim_vs_real_rel"]["ttft_mean_s"] == pytest.approx(0.05)
+    assert c["sim_vs_real_rel"]["ttft_p90_s"] == pytest.approx(0.25)
+    assert c["hit_rate_points"] == pytest.approx(1.0)
+    assert c["routing_identical"] == 0.5 and c["routing_same_kind"] == 0.5      # the unrecorded one is skipped
+    assert c["within_target"] == {"latency_10pct": False, "hit_rate_2pts": True}
