@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar, Iterable, Mapping, Sequence
 from cluster.router import cost as C
 from cluster.router.inflight import InFlightMatch
 from cluster.router.index import MatchInfo, PrefixIndex
+from cluster.router.load_order import LoadOrder
 
 if TYPE_CHECKING:
     from cluster.config import ServeConfig
@@ -193,6 +194,13 @@ class RoutingPolicy(abc.ABC):
         return RoutingDecision(req.request_id, self.name, DecisionKind.LOCAL_PREFILL, d.worker_id,
                                None, cached, cached, CostInputs(d.worker_id, m, d.load, d_cost, n))
 
+    def sync(self, view: ClusterView) -> None:
+        """The router rebuilt its view (liveness changed): policies keeping their own
+        order of workers rebuild it here. Default: nothing kept."""
+
+    def update(self, worker: WorkerView, view: ClusterView) -> None:
+        """One worker's load changed; ``view`` is the router's new view."""
+
     @abc.abstractmethod
     def pick_decode(self, req: RoutingRequest, workers: Sequence[WorkerView],
                     matches: Mapping[str, MatchInfo]) -> Pick: ...
@@ -211,8 +219,48 @@ class RoutingPolicy(abc.ABC):
 
 
 class PrefixAwarePolicy(RoutingPolicy):
-    """Cheapest node by cost.py: cached prefix against queue and decode load."""
+    """Cheapest node by cost.py: cached prefix against queue and decode load.
+
+    At temperature 0 with many workers, a pick costs only the workers holding
+    part of the prompt plus the cheapest one holding none (``LoadOrder``, kept
+    in step with the router's view through ``sync`` / ``update``); otherwise,
+    or for a view the router did not sync, every worker is costed. Both give
+    the same choice (a test compares them)."""
     name = "prefix_aware"
+    fast_min_workers: ClassVar[int] = 32
+
+    def __init__(self, config: PolicyConfig, rng: random.Random) -> None:
+        super().__init__(config, rng)
+        self._synced: ClusterView | None = None
+        self._orders: dict[str, LoadOrder] = {}
+
+    def _decode_base(self, load: WorkerLoad) -> float:
+        """A decode node's cost apart from the blocks it must pull (C.decode_node_cost)."""
+        w = self.config.weights
+        return w.running * load.running + w.kv_usage * load.kv_usage + w.queued_token * load.queued_prefill_tokens
+
+    def _prefill_base(self, load: WorkerLoad) -> float:
+        return self.config.weights.queued_token * load.queued_prefill_tokens
+
+    def sync(self, view: ClusterView) -> None:
+        if self.config.temperature != 0 or max(len(view.prefill), len(view.decode)) < self.fast_min_workers:
+            self._synced, self._orders = None, {}
+            return
+        self._orders = {"prefill": LoadOrder(view.prefill, self._prefill_base),
+                        "decode": LoadOrder(view.decode, self._decode_base)}
+        self._synced = view
+
+    def update(self, worker: WorkerView, view: ClusterView) -> None:
+        if self._synced is None:
+            return
+        self._orders["prefill" if worker.pool == "prefill" else "decode"].update(worker)
+        self._synced = view
+
+    def _fast(self, workers: Sequence[WorkerView], role: str) -> LoadOrder | None:
+        synced = self._synced
+        if synced is None or workers is not (synced.prefill if role == "prefill" else synced.decode):
+            return None
+        return self._orders[role]
 
     def _prefill_costs(self, req: RoutingRequest, workers: Sequence[WorkerView],
                        matches: Mapping[str, MatchInfo]) -> list[float]:
@@ -224,28 +272,62 @@ class PrefixAwarePolicy(RoutingPolicy):
             m = get(x.worker_id)
             if m is None:
                 costs.append(cold + wq * x.load.queued_prefill_tokens)
-                continue
-            if m.host_blocks or m.disk_blocks or m.in_flight_blocks:
-                uncached = total - C.effective_cached_blocks(m.device_blocks, m.host_blocks, m.disk_blocks,
-                                                             w, m.in_flight_blocks)
             else:
-                uncached = total - m.device_blocks
-            costs.append(C.prefill_cost(uncached, x.load.queued_prefill_tokens, bs, w, m.in_flight_blocks))
+                costs.append(self._matched_prefill_cost(req, m, x.load.queued_prefill_tokens))
         return costs
 
+    def _matched_prefill_cost(self, req: RoutingRequest, m: MatchInfo, queued: int) -> float:
+        w, bs = self.config.weights, req.block_size
+        total = req.prompt_tokens / bs
+        if m.host_blocks or m.disk_blocks or m.in_flight_blocks:
+            uncached = total - C.effective_cached_blocks(m.device_blocks, m.host_blocks, m.disk_blocks,
+                                                         w, m.in_flight_blocks)
+        else:
+            uncached = total - m.device_blocks
+        return C.prefill_cost(uncached, queued, bs, w, m.in_flight_blocks)
+
     def pick_prefill(self, req, workers, matches) -> Pick:
-        return self._select(workers, self._prefill_costs(req, workers, matches))
+        order = self._fast(workers, "prefill")
+        if order is None:
+            return self._select(workers, self._prefill_costs(req, workers, matches))
+        cold = self.config.weights.uncached_token * (req.prompt_tokens / req.block_size) * req.block_size
+        best = None
+        for wid, m in matches.items():
+            e = order.get(wid)
+            if e is not None:
+                c = self._matched_prefill_cost(req, m, e[1].load.queued_prefill_tokens)
+                if best is None or (c, wid) < (best[0], best[1].worker_id):
+                    best = (c, e[1])
+        e = order.first_outside(matches)
+        if e is not None:
+            c = cold + e[0]
+            if best is None or (c, e[1].worker_id) < (best[0], best[1].worker_id):
+                best = (c, e[1])
+        return best[1], best[0]
 
     def pick_decode(self, req, workers, matches) -> Pick:
-        w, get, n_full = self.config.weights, matches.get, len(req.block_hashes)
-        wr, wk, wt, wq = w.running, w.kv_usage, w.transfer_block, w.queued_token
-        costs = []
-        for x in workers:                  # C.decode_node_cost inlined (loads are validated)
-            m, load = get(x.worker_id), x.load
-            missing = n_full - m.blocks if m is not None else n_full
-            costs.append(wr * load.running + wk * load.kv_usage + wt * missing
-                         + wq * load.queued_prefill_tokens)
-        return self._select(workers, costs)
+        wt, n_full = self.config.weights.transfer_block, len(req.block_hashes)
+        order = self._fast(workers, "decode")
+        if order is None:
+            get, base = matches.get, self._decode_base
+            costs = []
+            for x in workers:
+                m = get(x.worker_id)
+                costs.append(base(x.load) + wt * (n_full - m.blocks if m is not None else n_full))
+            return self._select(workers, costs)
+        best = None
+        for wid, m in matches.items():
+            e = order.get(wid)
+            if e is not None:
+                c = e[0] + wt * (n_full - m.blocks)
+                if best is None or (c, wid) < (best[0], best[1].worker_id):
+                    best = (c, e[1])
+        e = order.first_outside(matches)
+        if e is not None:
+            c = e[0] + wt * n_full
+            if best is None or (c, e[1].worker_id) < (best[0], best[1].worker_id):
+                best = (c, e[1])
+        return best[1], best[0]
 
     def pick_colocated(self, req, workers, matches) -> Pick:
         w = self.config.weights

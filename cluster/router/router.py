@@ -164,6 +164,7 @@ class Router:
             self._pos = {v.worker_id: ("prefill", i) for i, v in enumerate(prefill)}
             self._pos.update({v.worker_id: ("decode", i) for i, v in enumerate(decode)})
             self._view = ClusterView(prefill, decode)
+            self.policy.sync(self._view)
         return self._view
 
     def _refresh(self, slot: _Slot) -> None:
@@ -182,6 +183,7 @@ class Router:
             self._view = ClusterView(tuple(views), self._view.decode)
         else:
             self._view = ClusterView(self._view.prefill, tuple(views))
+        self.policy.update(slot.view, self._view)
 
     def _account(self, req: RoutingRequest, d: RoutingDecision, now: float) -> None:
         until = now + self.config.pending_ttl_s
