@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from cluster.backend import BackendError, GenerateJob, GenerationBackend, ModelInfoData
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, QueueFull
 from engine.outputs import StepDelta
 
 
@@ -47,6 +47,8 @@ class LocalEngineBackend(GenerationBackend):
                                                         arrival_time=job.arrival_time))
             except ValueError as e:
                 raise BackendError("INVALID_ARGUMENT", str(e)) from e
+            except QueueFull as e:
+                raise BackendError("RESOURCE_EXHAUSTED", str(e), retry_after_s=1.0) from e
             remaining = job.sampling.n
             while remaining:
                 delta = await next_delta(queue, job.deadline)

@@ -45,6 +45,7 @@ class RecoveryCounters:
     reprefilled: int = 0         # ... then prefilled again on another prefill node
     no_kv_room: int = 0          # the decode node found no KV room within transfer_timeout:
                                  # recomputed there, nothing pulled
+    busy: int = 0                # a worker's queue was full (max_worker_queue): sent to another one
     lease_renewals: int = 0
 
 
@@ -137,7 +138,7 @@ class RecoveryMixin:
                 continue
             if result.moved:
                 state.prefill_id = None
-                self._note(job.request_id, "moved")
+                self._note(job.request_id, "busy" if result.busy else "moved")
                 tried.append(prefill_id)
                 prefill_id = self._other_prefill(tried)
                 continue
@@ -155,11 +156,19 @@ class RecoveryMixin:
             return None
         return min(views, key=lambda v: (v.load.queued_prefill_tokens, v.worker_id)).worker_id
 
+    def _other_decode(self, exclude: list[str]) -> str | None:
+        """The least-loaded live decode node not in `exclude`."""
+        views = [v for v in self.router.view.decode if v.worker_id not in exclude and self.workers[v.worker_id].alive]
+        if not views:
+            return None
+        return min(views, key=lambda v: (v.load.waiting, v.load.running, v.worker_id)).worker_id
+
     # ---------------------------------------------------------------- decode
     async def _submit(self, job: GenerateJob, state, decode_id: str, handle) -> None:
         """Join the request to a decode worker (pulling `handle`'s blocks, if any)."""
         rid = job.request_id
         on_failure = "report" if self.config.prefill_failure_policy == "reprefill" else "recompute"
+        full: list[str] = []              # decode workers that refused it: queue full
         while True:
             decode = self.workers[decode_id]
             state.decode_id = decode_id
@@ -175,6 +184,16 @@ class RecoveryMixin:
                 return
             if not sub.moved:
                 break
+            if sub.busy:                  # its queue is full: the least-loaded one not tried yet
+                self._note(rid, "busy")
+                full.append(decode_id)
+                decode_id = self._other_decode(full)
+                if decode_id is None:
+                    if handle is not None:
+                        self._release_prefill(state, rid)
+                    raise BackendError("RESOURCE_EXHAUSTED", "every decode worker's queue is full "
+                                       "(max_worker_queue); retry later", retry_after_s=1.0)
+                continue
             self._note(rid, "moved")      # the decode node is draining: the lease is still good
             moved_from = decode_id
             decode_id = self._route(job, job.prompt_token_ids, job.block_hashes).decode_worker_id

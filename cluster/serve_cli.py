@@ -49,6 +49,8 @@ HELP = {
     "transfer_timeout": "seconds a KV pull may take before the decode node recomputes",
     "max_queued_requests": "requests admitted at once; more get RESOURCE_EXHAUSTED",
     "max_queued_tokens": "prompt + output tokens admitted at once; more get RESOURCE_EXHAUSTED",
+    "max_worker_queue": "requests one worker queues before refusing more (sent to another worker; "
+                        "all full: RESOURCE_EXHAUSTED); 0 = no bound",
     "request_timeout": "default deadline in seconds when the client sets none",
     "max_migrations": "times a request may continue on another decode worker after its own died",
     "drain_timeout": "on SIGTERM, seconds in-flight requests get to finish",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine, WorkerReport
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, QueueFull
 from engine.sampling_params import SamplingParams
 from kvtransfer.engine import TransferStatus
 from kvtransfer.handle import KVHandle
@@ -47,6 +47,7 @@ class SubmitResult:
     error: str = ""
     joined: bool = True      # False: not in this engine (pull failed with "report", or moved)
     moved: bool = False      # the worker is draining: submit it elsewhere (the handle is still good)
+    busy: bool = False       # with `moved`: its queue was full (SchedulerConfig.max_waiting)
 
 
 class DecodeWorker:
@@ -67,6 +68,7 @@ class DecodeWorker:
         # one thread owns every transfer-engine call (backends need not be thread-safe)
         self._xfer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
         self._draining = False
+        self._awaiting_room = 0             # handed-off requests waiting here for KV room
         self._cancelled: set[str] = set()   # aborted while their submit() was still in progress
         self._submitting: set[str] = set()
         self._pulling: set[str] = set()     # blocks allocated and being written by a transfer
@@ -92,7 +94,10 @@ class DecodeWorker:
         if self._draining:
             return SubmitResult(local_prefill=handle is None, joined=False, moved=True, error="draining")
         if handle is None:
-            await self.aengine.call(lambda e: e.add_request(request_id, prompt_token_ids, params, cache_salt))
+            try:
+                await self.aengine.call(lambda e: e.add_request(request_id, prompt_token_ids, params, cache_salt))
+            except QueueFull as e:
+                return SubmitResult(local_prefill=True, joined=False, moved=True, busy=True, error=str(e))
             return SubmitResult(local_prefill=True)
         self._submitting.add(request_id)
         try:
@@ -114,20 +119,36 @@ class DecodeWorker:
     async def _pull(self, request_id, prompt_token_ids, params, cache_salt, handle: KVHandle,
                     on_pull_failure: str) -> SubmitResult:
         deadline = time.monotonic() + self.settings.timeout
-        while True:
-            if request_id in self._cancelled:
-                return SubmitResult(False, error="aborted before its KV arrived")
-            if self._draining:   # still queued for KV room: nothing joined, the lease is still good
-                return SubmitResult(local_prefill=False, joined=False, moved=True, error="draining")
-            alloc = await self.aengine.call(lambda e: e.add_remote_request(
-                request_id, prompt_token_ids, params, handle.first_token, cache_salt))
-            if alloc is not None:
-                break
-            if time.monotonic() > deadline:   # no room: queue as a local recompute instead
-                await self.aengine.call(lambda e: _add_with_first_token(e, request_id, prompt_token_ids, params,
-                                                                         cache_salt, handle.first_token))
-                return SubmitResult(local_prefill=True, recomputed=True, error="no free KV blocks in time")
-            await asyncio.sleep(0.005)
+        first = True
+
+        def add(e: LLMEngine):
+            if first:   # a new arrival counts against the queue bound; a retry is already in it
+                e.check_room(self._awaiting_room)
+            return e.add_remote_request(request_id, prompt_token_ids, params, handle.first_token, cache_salt)
+
+        try:
+            while True:
+                if request_id in self._cancelled:
+                    return SubmitResult(False, error="aborted before its KV arrived")
+                if self._draining:   # still queued for KV room: nothing joined, the lease is still good
+                    return SubmitResult(local_prefill=False, joined=False, moved=True, error="draining")
+                try:
+                    alloc = await self.aengine.call(add)
+                except QueueFull as e:   # nothing joined, the lease is still good
+                    return SubmitResult(local_prefill=False, joined=False, moved=True, busy=True, error=str(e))
+                if alloc is not None:
+                    break
+                if first:
+                    first = False
+                    self._awaiting_room += 1
+                if time.monotonic() > deadline:   # no room: queue as a local recompute instead
+                    await self.aengine.call(lambda e: _add_with_first_token(
+                        e, request_id, prompt_token_ids, params, cache_salt, handle.first_token))
+                    return SubmitResult(local_prefill=True, recomputed=True, error="no free KV blocks in time")
+                await asyncio.sleep(0.005)
+        finally:
+            if not first:
+                self._awaiting_room -= 1
         if request_id in self._cancelled:   # aborted while its blocks were being allocated
             await self.aengine.call(lambda e: e.abort_request(request_id))
             return SubmitResult(False, error="aborted before its KV arrived", joined=False)
@@ -202,4 +223,4 @@ def _add_with_first_token(engine: LLMEngine, request_id, prompt, params, salt, f
 
     if params.max_tokens > 1:
         params = replace(params, max_tokens=params.max_tokens - 1)
-    engine.add_request(request_id, list(prompt) + [first_token], params, salt)
+    engine.add_request(request_id, list(prompt) + [first_token], params, salt, bounded=False)

@@ -66,12 +66,15 @@ class SchedulerConfig:
     max_num_seqs: int = 64               # running sequences at once
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
+    max_waiting: int = 0                 # queued, not yet running: add_request refuses more (QueueFull); 0 = no bound
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 (0 = no bound), got {self.max_waiting}")
 
 
 @dataclass(frozen=True)

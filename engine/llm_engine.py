@@ -34,6 +34,11 @@ MAX_BUFFERED_EVENTS = 1 << 16
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
 
+class QueueFull(RuntimeError):
+    """The engine's waiting queue holds ``SchedulerConfig.max_waiting`` requests:
+    send the request to another engine, or retry later. Nothing was queued."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, runner: ModelRunner | None = None,
                  tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -74,12 +79,25 @@ class LLMEngine:
     # ------------------------------------------------------------------ input
     def add_request(self, request_id: str, prompt_token_ids: Iterable[int], params: SamplingParams,
                     cache_salt: str | None = None, *, prefill_only: bool = False,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request. ValueError (nothing changed) for a bad input."""
+                    arrival_time: float | None = None, bounded: bool = True) -> None:
+        """Queue a request. ValueError (nothing changed) for a bad input; QueueFull
+        (nothing changed) when ``max_waiting`` requests already wait, unless
+        ``bounded`` is False (a request this engine had already accepted)."""
+        if bounded:
+            self.check_room()
         group = self._new_group(request_id, prompt_token_ids, params, cache_salt, prefill_only,
                                 arrival_time)
         self.scheduler.add_request(group.seqs[0].request)
         self._register(group)
+
+    def check_room(self, elsewhere: int = 0) -> None:
+        """QueueFull if ``max_waiting`` requests wait here, counting ``elsewhere``
+        requests queued for this engine outside it (e.g. waiting for KV room)."""
+        cap = self.config.scheduler.max_waiting
+        n = self.scheduler.num_waiting + elsewhere
+        if cap and n >= cap:
+            raise QueueFull(f"{n} requests already wait here (max_waiting {cap}): send the request "
+                            "to another worker or retry later")
 
     def add_remote_request(self, request_id: str, prompt_token_ids: Iterable[int],
                            params: SamplingParams, first_token: int, cache_salt: str | None = None,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from engine.async_engine import AsyncEngine, WorkerReport
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, QueueFull
 from engine.outputs import StepDelta
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
@@ -33,12 +33,14 @@ log = logging.getLogger("pdserve.prefill")
 @dataclass(frozen=True)
 class PrefillResult:
     """The first token's delta, and the KV handle unless that token ended the request.
-    `moved`: the worker is draining and did not start it (`first` is None): prefill elsewhere."""
+    `moved`: the worker did not start it (`first` is None): prefill elsewhere. It is
+    draining, or (`busy`) its queue is full."""
     first: StepDelta | None
     handle: KVHandle | None
     queue_seconds: float
     prefill_seconds: float
     moved: bool = False
+    busy: bool = False   # with `moved`: its queue was full (SchedulerConfig.max_waiting)
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,11 @@ class PrefillWorker:
         queue = self.aengine.subscribe(request_id)
         self._pending[request_id] = queue
         try:
-            await self.aengine.call(lambda e: e.add_request(request_id, prompt_token_ids, params, cache_salt,
-                                                            prefill_only=True))
+            try:
+                await self.aengine.call(lambda e: e.add_request(request_id, prompt_token_ids, params,
+                                                                cache_salt, prefill_only=True))
+            except QueueFull:
+                return PrefillResult(None, None, 0.0, 0.0, moved=True, busy=True)
             first: StepDelta | None = await queue.get()
         except BaseException:
             await self.aengine.call(lambda e: e.abort_request(request_id))
