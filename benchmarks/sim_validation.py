@@ -298,6 +298,29 @@ def resimulate(args, cfg: Cfg, cost: CostModel) -> None:
         print(_line(saved["setup"], ph, ph["real"], sim), flush=True)
 
 
+def calibrate(args, cfg: Cfg, base: CostModel) -> None:
+    """Least squared log error of mean / p90 TTFT and ITL over the chosen saved phases."""
+    saved = json.loads(Path(args.calibrate).read_text())
+    p, d = SETUPS[saved["setup"]]
+    reqs = trace_requests(Path(args.trace), saved["requests"], cfg)
+    want = set(args.calibrate_phases.split(","))
+    phases = [ph for ph in saved["phases"] if ph["phase"] in want or str(ph["load"]) in want]
+    keys = ("ttft_mean_s", "ttft_p90_s", "itl_mean_s", "itl_p90_s")
+    best = None
+    for factor in np.arange(1.0, 2.51, 0.1):
+        for add_ms in np.arange(0.0, 40.1, 2.5):
+            cost = ScaledCost(base, float(factor), float(add_ms) / 1e3)
+            err = 0.0
+            for ph in phases:
+                sim = simulate(salted(reqs, ph["salt"], ph["sent"]), p, d, cost, cfg)
+                err += sum(np.log(sim[k] / ph["real"][k]) ** 2 for k in keys)
+            if best is None or err < best[0]:
+                best = (err, round(float(factor), 2), round(float(add_ms), 1))
+    print(json.dumps({"benchmark": "sim_validation", "phase": "calibration", "setup": saved["setup"],
+                      "fitted_on": sorted(want), "step_scale": best[1], "step_add_ms": best[2],
+                      "rms_log_error": round(float(np.sqrt(best[0] / (len(keys) * len(phases)))), 4)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setup", choices=sorted(SETUPS), default="1p1d")
@@ -310,6 +333,12 @@ def main() -> None:
     ap.add_argument("--profile", help="a measured profile JSON (default: measure into the work dir once)")
     ap.add_argument("--step-scale", type=float, default=1.0,
                     help="simulate with every engine step this many times as long (a calibration; 1 = none)")
+    ap.add_argument("--step-add-ms", type=float, default=0.0,
+                    help="and this much longer (per-step work outside LLMEngine.step(); 0 = none)")
+    ap.add_argument("--calibrate", metavar="REAL_JSON",
+                    help="no real cluster: grid-search --step-scale / --step-add-ms on the saved real runs of this "
+                         "file (phases --calibrate-phases) and print the best; then --resimulate with them")
+    ap.add_argument("--calibrate-phases", default="capacity,0.5")
     ap.add_argument("--resimulate", metavar="REAL_JSON",
                     help="no real cluster: simulate again the saved real runs of this file (real_<setup>.json)")
     args = ap.parse_args()
@@ -321,13 +350,15 @@ def main() -> None:
     t0 = time.perf_counter()
     cost = base = load_cost_model(args.profile) if args.profile else profile_for(model, work / "profile.json", cfg)
     fit_mode = cost.fit_mode
-    if args.step_scale != 1.0:
-        cost = ScaledCost(cost, args.step_scale)
+    if args.step_scale != 1.0 or args.step_add_ms:
+        cost = ScaledCost(cost, args.step_scale, args.step_add_ms / 1e3)
     print(json.dumps({"benchmark": "sim_validation", "phase": "profile", "fit_mode": fit_mode,
-                      "step_scale": args.step_scale,
+                      "step_scale": args.step_scale, "step_add_ms": args.step_add_ms,
                       "fit": dict(zip(base.step_fit.to_json()["terms"], base.step_fit.coef)) if base.step_fit else None,
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-    if args.resimulate:
+    if args.calibrate:
+        calibrate(args, cfg, base)
+    elif args.resimulate:
         resimulate(args, cfg, cost)
     else:
         asyncio.run(run_setup(args, cfg, model, cost))

@@ -242,23 +242,24 @@ class TableCostModel(CostModel):
 
 
 class ScaledCost(CostModel):
-    """Another cost model with every engine step ``factor`` x as long (transfers
-    unchanged): e.g. a CPU profile measured in isolation, calibrated once for
-    the CPU a real worker loses to its neighbours on a shared machine."""
+    """Another cost model with every engine step ``factor x base + add_s`` long
+    (transfers unchanged): e.g. a CPU profile measured in isolation, calibrated
+    for what a real worker loses on a shared machine (CPU taken by its
+    neighbours: ``factor``; per-step work outside ``LLMEngine.step()``: ``add_s``)."""
 
-    def __init__(self, base: CostModel, factor: float) -> None:
-        if factor <= 0:
-            raise ValueError(f"step scale factor must be > 0, got {factor}")
-        self.base, self.factor = base, factor
-        self.name = f"{getattr(base, 'name', 'cost')} x{factor:g}"
+    def __init__(self, base: CostModel, factor: float, add_s: float = 0.0) -> None:
+        if factor <= 0 or add_s < 0:
+            raise ValueError(f"step scale factor must be > 0 and add_s >= 0 seconds, got {factor} and {add_s}")
+        self.base, self.factor, self.add_s = base, factor, add_s
+        self.name = f"{getattr(base, 'name', 'cost')} x{factor:g} +{add_s * 1e3:g}ms"
         self.kv_bytes_per_token = base.kv_bytes_per_token
         self.kv_capacity_tokens = base.kv_capacity_tokens
 
     def step_seconds(self, sched: SchedulerOutput) -> float:
-        return self.factor * self.base.step_seconds(sched)
+        return self.factor * self.base.step_seconds(sched) + self.add_s
 
     def decode_run(self, batch: int, context0: int, steps: int, max_context0: int | None = None) -> np.ndarray:
-        return self.factor * self.base.decode_run(batch, context0, steps, max_context0)
+        return self.factor * self.base.decode_run(batch, context0, steps, max_context0) + self.add_s
 
     def transfer_seconds(self, descriptors: int, nbytes: int) -> float:
         return self.base.transfer_seconds(descriptors, nbytes)

@@ -99,10 +99,10 @@ def test_bad_fit_says_what_is_wrong():
 def test_scaled_cost_scales_steps_not_transfers():
     from cluster.sim.cost_model import ScaledCost
     base = _profile("fit")
-    s = ScaledCost(base, 1.5)
+    s = ScaledCost(base, 1.5, 0.002)
     sched = SchedulerOutput([_seq("a", 64, 0, 64), _seq("b", 10, 10, 1)])
-    assert s.step_seconds(sched) == pytest.approx(1.5 * base.step_seconds(sched))
-    assert np.allclose(s.decode_run(2, 100, 3, 60), 1.5 * base.decode_run(2, 100, 3, 60))
+    assert s.step_seconds(sched) == pytest.approx(1.5 * base.step_seconds(sched) + 0.002)
+    assert np.allclose(s.decode_run(2, 100, 3, 60), 1.5 * base.decode_run(2, 100, 3, 60) + 0.002)
     assert s.transfer_seconds(2, 10 ** 6) == base.transfer_seconds(2, 10 ** 6)
     with pytest.raises(ValueError, match="> 0"):
         ScaledCost(base, 0)
