@@ -248,9 +248,18 @@ def _brief(d: dict) -> dict:
 
 
 def _line(setup: str, ph: dict, real: dict, sim: dict) -> str:
+    """The JSON line (returned) and a markdown row real / sim (printed to stderr)."""
     head = {k: ph[k] for k in ("phase", "load", "rate_rps", "capacity_rps", "sim_estimate_rps") if k in ph}
+    cmp = compare(real, sim)
+    label = "capacity run" if ph["phase"] == "capacity" else f"{ph['load']:.0%} ({ph['rate_rps']:.2f} req/s)"
+    ms = lambda x: f"{x * 1e3:.1f}"   # noqa: E731
+    s2 = lambda x: f"{x:.2f}"         # noqa: E731
+    cols = [f"{f(real[k])} / {f(sim[k])}" for k, f in (("ttft_mean_s", s2), ("ttft_p90_s", s2), ("itl_mean_s", ms),
+                                                         ("itl_p90_s", ms), ("throughput_rps", s2))]
+    print(f"| {setup} | {label} | " + " | ".join(cols[:4]) + f" | {100 * real['hit_rate']:.2f} / "
+          f"{100 * sim['hit_rate']:.2f} | {100 * (cmp['routing_identical'] or 0):.0f}% | {cols[4]} |", file=sys.stderr)
     return json.dumps({"benchmark": "sim_validation", "setup": setup, **head, "real": _brief(real),
-                       "sim": _brief(sim), **compare(real, sim)})
+                       "sim": _brief(sim), **cmp})
 
 
 async def run_setup(args, cfg: Cfg, model: str, cost: CostModel) -> None:
