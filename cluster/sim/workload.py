@@ -160,18 +160,31 @@ class PromptBuilder:
         bs, tpi = self.block_size, self.tokens_per_id
         out: list[int] = []
         parent = root_hash(req.salt)
-        for k, h in enumerate(req.hash_ids):
-            start = k * tpi
-            if start + tpi > len(tokens):
-                out.extend(block_hashes(array("I", tokens[start:]), bs, parent=parent))
+        segments = self._segments
+        k = 0
+        for k, h in enumerate(req.hash_ids):          # the memoised prefix of segments
+            if (k + 1) * tpi > len(tokens):
                 break
-            key = (parent, h)
-            seg = self._segments.get(key)
+            seg = segments.get((parent, h))
             if seg is None:
-                seg = block_hashes(array("I", tokens[start:start + tpi]), bs, parent=parent)
-                if len(self._segments) > 8 * self._cache_entries:
-                    self._segments.clear()
-                self._segments[key] = seg
+                break
             out.extend(seg)
+            parent = seg[-1]
+        else:
+            k = len(req.hash_ids)
+        start = k * tpi
+        if start >= len(tokens) or k >= len(req.hash_ids):
+            return out
+        # after the first miss every parent is new: hash the rest in one call, memoise its full segments
+        rest = block_hashes(array("I", tokens[start:]), bs, parent=parent)
+        out.extend(rest)
+        if len(segments) > 8 * self._cache_entries:
+            segments.clear()
+        per = tpi // bs
+        for j, h in enumerate(req.hash_ids[k:]):
+            seg = rest[j * per:(j + 1) * per]
+            if len(seg) < per:
+                break
+            segments[(parent, h)] = seg
             parent = seg[-1]
         return out

@@ -61,3 +61,16 @@ def test_compress_and_overlay():
     assert len(three) == 30 and len({r.request_id for r in three}) == 30
     assert {r.salt for r in three} == {"copy0", "copy1", "copy2"}
     assert [r.arrival_s for r in three] == sorted(r.arrival_s for r in three)
+
+
+@pytest.mark.parametrize("bs,tpi", [(16, 16), (16, 64), (64, 512), (512, 512)])
+def test_memoised_hashes_equal_the_engine_on_random_shared_prompts(bs, tpi):
+    import random
+    rng = random.Random(bs + tpi)
+    b = PromptBuilder(bs, tpi)
+    for i in range(150):                       # shared heads (memo hits), then misses, partial tails
+        n = rng.randint(1, 6)
+        ids = tuple(rng.randrange(8) if j < 3 else rng.randrange(1000) for j in range(n))
+        r = TraceRequest(f"x{i}", 0.0, rng.randint(1, n * tpi), 1, ids, salt=rng.choice([None, "a"]))
+        t = b.tokens(r)
+        assert b.hashes(r, t) == block_hashes(t, bs, r.salt)
