@@ -129,7 +129,7 @@ def simulate(reqs: list[TraceRequest], p: int, d: int, cost: CostModel, cfg: Cfg
                    max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                    max_model_len=cfg.max_model_len, report_interval_s=0.1, report_lag_s=0.002)
     builder = PromptBuilder(cfg.block_size, cfg.tokens_per_id, vocab_size=256, first_token=3)
-    sim = ClusterSim(sc, cost, reqs, builder)
+    sim = _GapSim(sc, cost, reqs, builder)
     s = sim.run()
     index = {r.request_id: i for i, r in enumerate(reqs)}
     recs = sorted(sim.records, key=lambda r: index[r.request_id])
@@ -142,9 +142,39 @@ def simulate(reqs: list[TraceRequest], p: int, d: int, cost: CostModel, cfg: Cfg
             "itl_mean_s": s["itl_s"]["mean"], "itl_p90_s": s["itl_s"]["p90"],
             "hit_rate": cached / prompt if prompt else 0.0,
             "throughput_rps": len(done) / (max(r.finish_s for r in done) - first) if done else 0.0,
+            **_split_gaps([(sim.second[r.request_id] - r.first_token_s, r.last_token_s - sim.second[r.request_id],
+                            r.tokens_out - 2) for r in done if r.request_id in sim.second]),
             "decisions": [(r.kind, _rank(r.prefill_node) if r.kind == "remote_prefill" else None,
                            _rank(r.decode_node)) for r in recs],
             "wall_s": s["sim"]["wall_s"]}
+
+
+class _GapSim(ClusterSim):
+    """Also records when each request's second token came (to split off the first gap)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.second: dict[str, float] = {}
+
+    def on_tokens(self, node, requests, ends) -> None:
+        for r in requests:
+            rec = self.live[r.request_id].rec
+            if r.request_id not in self.second:
+                if rec.first_token_s is not None:
+                    self.second[r.request_id] = float(ends[0])
+                elif len(ends) > 1:
+                    self.second[r.request_id] = float(ends[1])
+        super().on_tokens(node, requests, ends)
+
+
+def _split_gaps(per_request: list[tuple[float, float, int]]) -> dict:
+    """Mean first gap (first -> second token: the hand-off after a remote prefill)
+    and mean of the later gaps, from (first gap, second -> last token, later gaps)."""
+    firsts = [f for f, _, _ in per_request]
+    rest_n = sum(n for _, _, n in per_request if n > 0)
+    rest_t = sum(t for _, t, n in per_request if n > 0)
+    return {"first_gap_mean_s": float(np.mean(firsts)) if firsts else None,
+            "later_itl_mean_s": rest_t / rest_n if rest_n else None}
 
 
 def _rank(node: str) -> int:
@@ -214,6 +244,7 @@ class RealCluster:
         out = {"finished": len(ok), "requests": len(reqs), **_lat(ttft, itl),
                "hit_rate": cached / prompt if prompt else 0.0,
                "throughput_rps": len(ok) / (max(ends) - first) if ok else 0.0,
+               **_split_gaps([(r.itl_s[0], sum(r.itl_s[1:]), len(r.itl_s) - 1) for r in ok if r.itl_s]),
                "errors": sorted({r.error_code for r in res.results if not r.ok}),
                "decisions": [self.decisions.get(f"bench-{tag}-{i}") for i in range(len(reqs))]}
         sent = [by_index[i].sent_s if i in by_index else reqs[i].arrival_s for i in range(len(reqs))]
@@ -316,18 +347,27 @@ def calibrate(args, cfg: Cfg, base: CostModel) -> None:
     phases = [ph for ph in saved["phases"] if ph["phase"] in want or str(ph["load"]) in want]
     keys = ("ttft_mean_s", "ttft_p90_s", "itl_mean_s", "itl_p90_s")
     best = None
-    for factor in np.arange(1.0, 2.51, 0.1):
-        for add_ms in np.arange(0.0, 40.1, 2.5):
-            cost = ScaledCost(base, float(factor), float(add_ms) / 1e3)
-            err = 0.0
-            for ph in phases:
-                sim = simulate(salted(reqs, ph["salt"], ph["sent"]), p, d, cost, cfg)
-                err += sum(np.log(sim[k] / ph["real"][k]) ** 2 for k in keys)
-            if best is None or err < best[0]:
-                best = (err, round(float(factor), 2), round(float(add_ms), 1))
+    for factor in np.arange(1.0, 2.01, 0.2):
+        for add_ms in (0.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0):
+            for fixed_ms in (2.0, 25.0, 50.0, 100.0, 200.0):
+                cost = ScaledCost(with_transfer_fixed(base, fixed_ms / 1e3), float(factor), add_ms / 1e3)
+                err = 0.0
+                for ph in phases:
+                    sim = simulate(salted(reqs, ph["salt"], ph["sent"]), p, d, cost, cfg)
+                    err += sum(np.log(sim[k] / ph["real"][k]) ** 2 for k in keys)
+                if best is None or err < best[0]:
+                    best = (err, round(float(factor), 2), add_ms, fixed_ms)
     print(json.dumps({"benchmark": "sim_validation", "phase": "calibration", "setup": saved["setup"],
                       "fitted_on": sorted(want), "step_scale": best[1], "step_add_ms": best[2],
+                      "transfer_fixed_ms": best[3],
                       "rms_log_error": round(float(np.sqrt(best[0] / (len(keys) * len(phases)))), 4)}), flush=True)
+
+
+def with_transfer_fixed(cost: TableCostModel, fixed_s: float) -> TableCostModel:
+    """The same profile with another fixed cost per KV hand-off."""
+    out = cost.with_mode(cost.fit_mode)
+    out.transfer = TransferCost(fixed_s, cost.transfer.per_descriptor_s, cost.transfer.bandwidth_bytes_per_s)
+    return out
 
 
 def main() -> None:
@@ -344,6 +384,8 @@ def main() -> None:
                     help="simulate with every engine step this many times as long (a calibration; 1 = none)")
     ap.add_argument("--step-add-ms", type=float, default=0.0,
                     help="and this much longer (per-step work outside LLMEngine.step(); 0 = none)")
+    ap.add_argument("--transfer-fixed-ms", type=float,
+                    help="fixed cost of a KV hand-off (default: the profile's; a calibration)")
     ap.add_argument("--calibrate", metavar="REAL_JSON",
                     help="no real cluster: grid-search --step-scale / --step-add-ms on the saved real runs of this "
                          "file (phases --calibrate-phases) and print the best; then --resimulate with them")
@@ -359,10 +401,13 @@ def main() -> None:
     t0 = time.perf_counter()
     cost = base = load_cost_model(args.profile) if args.profile else profile_for(model, work / "profile.json", cfg)
     fit_mode = cost.fit_mode
+    if args.transfer_fixed_ms is not None:
+        cost = base = with_transfer_fixed(base, args.transfer_fixed_ms / 1e3)
     if args.step_scale != 1.0 or args.step_add_ms:
         cost = ScaledCost(cost, args.step_scale, args.step_add_ms / 1e3)
     print(json.dumps({"benchmark": "sim_validation", "phase": "profile", "fit_mode": fit_mode,
                       "step_scale": args.step_scale, "step_add_ms": args.step_add_ms,
+                      "transfer_fixed_ms": base.transfer.fixed_s * 1e3,
                       "fit": dict(zip(base.step_fit.to_json()["terms"], base.step_fit.coef)) if base.step_fit else None,
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     if args.calibrate:
