@@ -157,6 +157,8 @@ def main() -> None:
     ap.add_argument("--policy", default="prefix_aware")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compare-full-scan", action="store_true",
+                    help="also time the same prompts with prefix_aware costing every worker")
     args = ap.parse_args()
 
     rng = random.Random(args.seed)
@@ -175,6 +177,27 @@ def main() -> None:
 
     for i in range(args.workers):
         report_load(f"w{i:03d}")
+    full_scan = {}
+    if args.compare_full_scan and args.policy == "prefix_aware":
+        # the same decisions costing every worker (the fast pick off), timed first in the same run
+        sample_rng = random.Random(args.seed + 2)
+        reqs = []
+        for i in range(min(args.decisions, 5000)):
+            prompt = make_prompt(args, world, sample_rng, i)
+            reqs.append(RoutingRequest(f"f{i}", len(prompt), tuple(block_hashes(prompt, args.block_size, None)),
+                                       args.block_size))
+        for label, min_workers in (("full_scan", 10**9), ("fast", type(router.policy).fast_min_workers)):
+            router.policy.fast_min_workers = min_workers
+            router.policy.sync(router.view)
+            cpu = []
+            for r in reqs:
+                c0 = time.thread_time_ns()
+                router.route(r)
+                cpu.append((time.thread_time_ns() - c0) / 1e3)
+            full_scan[f"{label}_cpu_p50_us"] = round(pct(cpu, 0.5), 1)
+            full_scan[f"{label}_cpu_p99_us"] = round(pct(cpu, 0.99), 1)
+        del router.policy.fast_min_workers     # back to the class default
+        router.policy.sync(router.view)
     route_us, route_cpu_us, hash_us, kinds, cached = [], [], [], Counter(), []
     load_before = os.getloadavg()[0]
     for i in range(args.decisions):
@@ -209,7 +232,7 @@ def main() -> None:
         "events": world["events"], "index_mb": round(index_bytes(router.index) / 2**20, 1),
         "build_rss_delta_mb": world["index_rss_mb"],
         "decision_kinds": dict(kinds), "mean_prefill_hit_ratio": round(sum(cached) / len(cached), 3),
-        "target_p99_us": 50, "python": platform.python_version(), "machine": platform.machine(),
+        "target_p99_us": 50, **({"same_prompts_fast_vs_full_scan": full_scan} if full_scan else {}), "python": platform.python_version(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     print(json.dumps(out))

@@ -34,6 +34,11 @@ class LoadOrder:
     def __len__(self) -> int:
         return len(self._live)
 
+    @property
+    def live(self) -> dict[str, tuple[float, "WorkerView"]]:
+        """worker id -> (key, view) of every member (read-only by convention: the hot path)."""
+        return self._live
+
     def get(self, worker_id: str) -> Optional[tuple[float, "WorkerView"]]:
         """(key, view) of a member, None if it is not one."""
         return self._live.get(worker_id)

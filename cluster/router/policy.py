@@ -11,6 +11,7 @@ turn, ``least_loaded`` by load alone. ``make_policy(name, ...)`` builds one.
 from __future__ import annotations
 
 import abc
+import math
 import random
 from dataclasses import dataclass, field
 from enum import Enum
@@ -227,7 +228,8 @@ class PrefixAwarePolicy(RoutingPolicy):
     or for a view the router did not sync, every worker is costed. Both give
     the same choice (a test compares them)."""
     name = "prefix_aware"
-    fast_min_workers: ClassVar[int] = 32
+    fast_min_workers: ClassVar[int] = 64          # per pool, below it a scan is as fast
+    fast_max_match_share: ClassVar[int] = 8       # fast pick only if matching workers < pool / 8
 
     def __init__(self, config: PolicyConfig, rng: random.Random) -> None:
         super().__init__(config, rng)
@@ -256,9 +258,15 @@ class PrefixAwarePolicy(RoutingPolicy):
         self._orders["prefill" if worker.pool == "prefill" else "decode"].update(worker)
         self._synced = view
 
-    def _fast(self, workers: Sequence[WorkerView], role: str) -> LoadOrder | None:
+    def _fast(self, workers: Sequence[WorkerView], role: str,
+              matches: Mapping[str, MatchInfo]) -> LoadOrder | None:
+        """The role's LoadOrder when the fast pick pays: the router synced this view,
+        and few workers hold part of the prompt (each of those costs more to look up
+        than a plain scan entry; measured with benchmarks/router_overhead.py)."""
         synced = self._synced
         if synced is None or workers is not (synced.prefill if role == "prefill" else synced.decode):
+            return None
+        if len(matches) * self.fast_max_match_share > len(workers):
             return None
         return self._orders[role]
 
@@ -287,27 +295,27 @@ class PrefixAwarePolicy(RoutingPolicy):
         return C.prefill_cost(uncached, queued, bs, w, m.in_flight_blocks)
 
     def pick_prefill(self, req, workers, matches) -> Pick:
-        order = self._fast(workers, "prefill")
+        order = self._fast(workers, "prefill", matches)
         if order is None:
             return self._select(workers, self._prefill_costs(req, workers, matches))
         cold = self.config.weights.uncached_token * (req.prompt_tokens / req.block_size) * req.block_size
-        best = None
+        live, best_c, best_id, best_v = order.live, math.inf, "", None
         for wid, m in matches.items():
-            e = order.get(wid)
+            e = live.get(wid)
             if e is not None:
                 c = self._matched_prefill_cost(req, m, e[1].load.queued_prefill_tokens)
-                if best is None or (c, wid) < (best[0], best[1].worker_id):
-                    best = (c, e[1])
+                if c < best_c or (c == best_c and wid < best_id):
+                    best_c, best_id, best_v = c, wid, e[1]
         e = order.first_outside(matches)
         if e is not None:
             c = cold + e[0]
-            if best is None or (c, e[1].worker_id) < (best[0], best[1].worker_id):
-                best = (c, e[1])
-        return best[1], best[0]
+            if c < best_c or (c == best_c and e[1].worker_id < best_id):
+                best_c, best_v = c, e[1]
+        return best_v, best_c
 
     def pick_decode(self, req, workers, matches) -> Pick:
         wt, n_full = self.config.weights.transfer_block, len(req.block_hashes)
-        order = self._fast(workers, "decode")
+        order = self._fast(workers, "decode", matches)
         if order is None:
             get, base = matches.get, self._decode_base
             costs = []
@@ -315,19 +323,19 @@ class PrefixAwarePolicy(RoutingPolicy):
                 m = get(x.worker_id)
                 costs.append(base(x.load) + wt * (n_full - m.blocks if m is not None else n_full))
             return self._select(workers, costs)
-        best = None
+        live, best_c, best_id, best_v = order.live, math.inf, "", None
         for wid, m in matches.items():
-            e = order.get(wid)
+            e = live.get(wid)
             if e is not None:
                 c = e[0] + wt * (n_full - m.blocks)
-                if best is None or (c, wid) < (best[0], best[1].worker_id):
-                    best = (c, e[1])
+                if c < best_c or (c == best_c and wid < best_id):
+                    best_c, best_id, best_v = c, wid, e[1]
         e = order.first_outside(matches)
         if e is not None:
             c = e[0] + wt * n_full
-            if best is None or (c, e[1].worker_id) < (best[0], best[1].worker_id):
-                best = (c, e[1])
-        return best[1], best[0]
+            if c < best_c or (c == best_c and e[1].worker_id < best_id):
+                best_c, best_v = c, e[1]
+        return best_v, best_c
 
     def pick_colocated(self, req, workers, matches) -> Pick:
         w = self.config.weights

@@ -62,7 +62,7 @@ def test_fast_pick_equals_costing_every_worker():
     """Random caches, loads drawn from a small grid (many ties), workers dying and
     coming back: the fast pick and the full scan choose the same worker at the same cost."""
     rng = random.Random(7)
-    n, bs = 96, 16
+    n, bs = 160, 16
     router = _router(n)
     policy = router.policy
     chains = [[rng.getrandbits(63) for _ in range(12)] for _ in range(30)]
@@ -91,18 +91,18 @@ def test_fast_pick_equals_costing_every_worker():
         view = router.view
         matches = router.index.match(req.block_hashes)
         for pick, workers in ((policy.pick_decode, view.decode), (policy.pick_prefill, view.prefill)):
-            fast_used += policy._fast(workers, "decode" if workers is view.decode else "prefill") is not None
+            fast_used += policy._fast(workers, "decode" if workers is view.decode else "prefill", matches) is not None
             got, got_cost = pick(req, workers, matches)
             want, want_cost = pick(req, list(workers), matches)        # not the synced view: full scan
             assert (got.worker_id, got_cost) == (want.worker_id, want_cost), step
         router.route(req)                                               # moves pending loads on
-    assert fast_used > 1000
+    assert fast_used > 600, fast_used
 
 
 def test_small_pools_and_nonzero_temperature_use_the_full_scan():
-    small = _router(20)
+    small = _router(100)
     assert small.view and small.policy._synced is None
-    warm = _router(96, temperature=0.5)
+    warm = _router(160, temperature=0.5)
     assert warm.view and warm.policy._synced is None
-    big = _router(96)
+    big = _router(160)
     assert big.view and big.policy._synced is big.view
