@@ -347,9 +347,9 @@ def calibrate(args, cfg: Cfg, base: CostModel) -> None:
     phases = [ph for ph in saved["phases"] if ph["phase"] in want or str(ph["load"]) in want]
     keys = ("ttft_mean_s", "ttft_p90_s", "itl_mean_s", "itl_p90_s")
     best = None
-    for factor in np.arange(1.0, 2.01, 0.2):
-        for add_ms in (0.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0):
-            for fixed_ms in (2.0, 25.0, 50.0, 100.0, 200.0):
+    for factor in np.arange(1.0, 4.01, 0.25):
+        for add_ms in (0.0, 5.0, 10.0, 20.0, 30.0, 40.0, 60.0, 80.0):
+            for fixed_ms in (2.0, 50.0, 150.0):
                 cost = ScaledCost(with_transfer_fixed(base, fixed_ms / 1e3), float(factor), add_ms / 1e3)
                 err = 0.0
                 for ph in phases:
