@@ -4,11 +4,16 @@ machine and fill a `TableCostModel` (the CPU profile).
 Prefill cell (new n, cached c): cache a c-token prefix with one request, then
 time the single step that prefills n fresh tokens after it (sampling
 included). Decode cell (batch b, context x): admit b requests of x / b prompt
-tokens, prefill them, then time pure decode steps. Each cell is the minimum
-of ``repeats`` timings of the step's *thread CPU time* (torch runs with one
-thread, in the caller's): on a machine shared with other processes wall time
-mostly measures the OS scheduler, CPU time measures the step. Transfer costs are not measured here (see
-benchmarks/kv_transfer.py); the profile carries assumed loopback figures.
+tokens, prefill them, then time pure decode steps. Multi-prompt prefill and
+mixed prefill+decode cells are timed too (they feed the fit, not the tables).
+Every cell is timed ``repeats`` times in each of ``rounds`` shuffled passes
+(after a warm-up pass) and the fastest timing of the step's *thread CPU
+time* counts (torch runs with one thread, in the caller's): on a machine
+shared with other processes wall time mostly measures the OS scheduler, CPU
+time measures the step, and spreading a cell's timings lets bursts of load
+miss some of them. A `StepFit` is then fitted to all cells (step_fit.py).
+Transfer costs are not measured here (see benchmarks/kv_transfer.py); the
+profile carries assumed loopback figures.
 
     .venv/bin/python -m cluster.sim.measure --output cluster/sim/profiles/cpu.json [--model PATH]
 """
@@ -39,8 +44,8 @@ class Grid:
         ((16, 512),) * 3, ((128, 0), (32, 1024)))
     mixed: tuple[tuple[int, int, int, int], ...] = ((2, 256, 32, 0), (8, 1024, 64, 128), (16, 512, 128, 0),
                                                      (4, 2048, 16, 512))
-    repeats: int = 5
-    rounds: int = 4
+    repeats: int = 3                 # benchmarks/sim_cost_error.py uses 5 x 4 (tiny model, ms steps)
+    rounds: int = 2
 
 
 @dataclass(frozen=True)
@@ -274,8 +279,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output", default="cpu_measured.json")
     ap.add_argument("--model", help="HF directory or .gguf (default: SmolLM2-135M)")
-    ap.add_argument("--repeats", type=int, default=5, help="timings per cell and round (the fastest counts)")
-    ap.add_argument("--rounds", type=int, default=4, help="shuffled passes over the cells")
+    ap.add_argument("--repeats", type=int, default=3, help="timings per cell and round (the fastest counts)")
+    ap.add_argument("--rounds", type=int, default=2, help="shuffled passes over the cells")
     args = ap.parse_args()
     measure_profile(args.output, args.model, Grid(repeats=args.repeats, rounds=args.rounds))
 
