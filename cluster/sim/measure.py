@@ -220,7 +220,7 @@ def time_cells(timer: StepTimer, cells: list[Cell], repeats: int, rounds: int,
     return {c: min(v, key=lambda st: st[1]) for c, v in got.items()}
 
 
-def measure_engine(engine, grid: Grid = Grid(), name: str = "cpu", seed: int = 0, fit_mode: str = "fit",
+def measure_engine(engine, grid: Grid = Grid(), name: str = "cpu", seed: int = 0, fit_mode: str = "fit+residual",
                    probes: list[Cell] = ()) -> tuple[TableCostModel, dict[Cell, tuple[StepShape, float]]]:
     """Time the grid's cells (and ``probes``, interleaved with them but not
     fitted), fit `StepFit` to the grid's cells, and return the profile
