@@ -39,7 +39,6 @@ import asyncio
 import json
 import logging
 import os
-import statistics
 import sys
 import tempfile
 import time
