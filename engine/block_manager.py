@@ -75,11 +75,15 @@ class KVCacheManager:
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to every full block of its tokens."""
-        have = len(request.block_hashes)
-        if have < request.num_tokens // self.block_size:
+        have, bs = len(request.block_hashes), self.block_size
+        n_full = request.num_tokens // bs
+        if have < n_full:
             parent = request.block_hashes[-1] if have else None
-            request.block_hashes.extend(block_hashes(request.all_token_ids, self.block_size,
-                                                     request.cache_salt, start=have, parent=parent))
+            # only the new blocks' tokens, without joining prompt and output (hot on every decode step)
+            prompt, out = request.prompt_token_ids, request.output_token_ids
+            lo, hi, p = have * bs, n_full * bs, len(prompt)
+            tokens = out[lo - p:hi - p] if lo >= p else prompt[lo:hi] if hi <= p else prompt[lo:] + out[:hi - p]
+            request.block_hashes.extend(block_hashes(tokens, bs, request.cache_salt, parent=parent))
 
     # ---- allocation ----------------------------------------------------------
 
@@ -100,10 +104,12 @@ class KVCacheManager:
             extra_ref = 0
         num_required = cdiv(start + num_new_tokens, self.block_size)
         written = range(start // self.block_size, min(len(prefix), num_required) if num_new_tokens else 0)
-        lower = [i for i, b in enumerate(prefix) if isinstance(b, TierEntry)]
+        if computed_blocks is not None:
+            lower = [i for i, b in enumerate(prefix) if isinstance(b, TierEntry)]
+            taken_from_free = sum(1 for b in prefix if isinstance(b, KVBlock) and b.ref_cnt == 0)
+        else:   # a table this manager owns holds device blocks only (hits were paged in at admission)
+            lower, taken_from_free = [], 0
         to_copy = [i for i in written if isinstance(prefix[i], KVBlock) and prefix[i].ref_cnt + extra_ref > 1]
-        taken_from_free = sum(1 for b in prefix if isinstance(b, KVBlock) and b.ref_cnt == 0) \
-            if computed_blocks is not None else 0
         num_new = max(0, num_required - len(prefix)) + len(to_copy) + len(lower)
         if num_new > self.pool.num_free_blocks - taken_from_free:
             return None
@@ -262,6 +268,10 @@ class KVCacheManager:
         refs: dict[int, int] = {}
         errors = []
         for rid, table in self._tables.items():
+            if not all(isinstance(b, KVBlock) for b in table):
+                errors.append(f"request {rid}'s table holds a non-device entry (allocate_slots relies on "
+                              "device blocks only)")
+                continue
             if len({b.block_id for b in table}) != len(table):
                 errors.append(f"request {rid} holds a block twice: {[b.block_id for b in table]}")
             for block in table:
