@@ -151,17 +151,15 @@ class RecoveryMixin:
 
     def _other_prefill(self, exclude: list[str]) -> str | None:
         """The least-loaded live prefill node not in `exclude` (draining ones are not live)."""
-        views = [v for v in self.router.view.prefill if v.worker_id not in exclude and self.workers[v.worker_id].alive]
-        if not views:
-            return None
-        return min(views, key=lambda v: (v.load.queued_prefill_tokens, v.worker_id)).worker_id
+        return self._least_loaded(self.router.view.prefill, exclude, lambda load: (load.queued_prefill_tokens,))
 
     def _other_decode(self, exclude: list[str]) -> str | None:
         """The least-loaded live decode node not in `exclude`."""
-        views = [v for v in self.router.view.decode if v.worker_id not in exclude and self.workers[v.worker_id].alive]
-        if not views:
-            return None
-        return min(views, key=lambda v: (v.load.waiting, v.load.running, v.worker_id)).worker_id
+        return self._least_loaded(self.router.view.decode, exclude, lambda load: (load.waiting, load.running))
+
+    def _least_loaded(self, views, exclude: list[str], key) -> str | None:
+        live = [v for v in views if v.worker_id not in exclude and self.workers[v.worker_id].alive]
+        return min(live, key=lambda v: (*key(v.load), v.worker_id)).worker_id if live else None
 
     # ---------------------------------------------------------------- decode
     async def _submit(self, job: GenerateJob, state, decode_id: str, handle) -> None:

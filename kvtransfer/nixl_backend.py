@@ -122,26 +122,12 @@ class NixlHandle(TransferHandle):
         return self._status
 
     def abandon(self, settle_s: float = 5.0) -> None:
-        """Give up; return once the posted read no longer writes. NIXL aborts a
-        request it can; one it cannot abort (still in progress) is polled, up to
-        ``settle_s``, until the backend reports it ended, then released."""
+        """Give up; return once the posted read no longer writes (see release_request)."""
         self._status, self.error = TransferStatus.TIMEOUT, "timed out"
         req, self._req = self._req, None
         self._engine.mark_stale(self._peer)
-        if req is None:
-            return
-        end = time.monotonic() + settle_s
-        while True:
-            try:
-                with self._engine.lock:
-                    self._engine.agent.releaseXferReq(req)
-                return
-            except Exception:
-                if time.monotonic() >= end:
-                    log.error("a timed-out NIXL read could not be stopped within %.1f s", settle_s)
-                    self._engine._stuck.append(req)
-                    return
-            time.sleep(0.001)
+        if req is not None:
+            self._engine.release_request(req, settle_s)
 
     def _release(self) -> None:
         if self._status is not TransferStatus.DONE:   # peer may be gone or restarted
@@ -293,12 +279,23 @@ class NixlEngine(TransferEngine):
             bind.NIXL_READ, bind.nixlXferDList(self._mem[self.layout.mem_type], local),
             bind.nixlXferDList(self._mem[peer.layout.mem_type], remote), peer.agent_name, notify, [])
 
-    def release_request(self, req: int) -> None:
-        try:
-            with self.lock:
-                self.agent.releaseXferReq(req)
-        except Exception:  # still active (peer gone): retry at close
-            self._stuck.append(req)
+    def release_request(self, req: int, settle_s: float = 0.0) -> None:
+        """Release a transfer request. NIXL aborts one in progress if it can; one it
+        cannot abort is retried for up to ``settle_s`` (until the backend reports it
+        ended, so it no longer writes), then left for close()."""
+        end = time.monotonic() + settle_s
+        while True:
+            try:
+                with self.lock:
+                    self.agent.releaseXferReq(req)
+                return
+            except Exception:  # still active (peer gone)
+                if time.monotonic() >= end:
+                    if settle_s:
+                        log.error("a NIXL read could not be stopped within %.1f s", settle_s)
+                    self._stuck.append(req)
+                    return
+            time.sleep(0.001)
 
     def close(self) -> None:
         if getattr(self, "agent", None) is None:

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, ClassVar, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Mapping, Sequence
 
 from cluster.router import cost as C
 from cluster.router.inflight import InFlightMatch
@@ -294,24 +294,34 @@ class PrefixAwarePolicy(RoutingPolicy):
             uncached = total - m.device_blocks
         return C.prefill_cost(uncached, queued, bs, w, m.in_flight_blocks)
 
+    @staticmethod
+    def _fast_pick(order: LoadOrder, matches: Mapping[str, MatchInfo],
+                   matched_cost: Callable[[MatchInfo, float, WorkerView], float],
+                   unmatched_cost: Callable[[float], float]) -> Pick:
+        """Lowest (cost, worker id) among the role's workers holding part of the prompt
+        (``matched_cost(match, key, view)``) and its cheapest other one (``unmatched_cost(key)``)."""
+        live, best_c, best_id, best_v = order.live, math.inf, "", None
+        for wid, m in matches.items():
+            e = live.get(wid)
+            if e is not None:
+                c = matched_cost(m, e[0], e[1])
+                if c < best_c or (c == best_c and wid < best_id):
+                    best_c, best_id, best_v = c, wid, e[1]
+        e = order.first_outside(matches)
+        if e is not None:
+            c = unmatched_cost(e[0])
+            if c < best_c or (c == best_c and e[1].worker_id < best_id):
+                best_c, best_v = c, e[1]
+        return best_v, best_c
+
     def pick_prefill(self, req, workers, matches) -> Pick:
         order = self._fast(workers, "prefill", matches)
         if order is None:
             return self._select(workers, self._prefill_costs(req, workers, matches))
         cold = self.config.weights.uncached_token * (req.prompt_tokens / req.block_size) * req.block_size
-        live, best_c, best_id, best_v = order.live, math.inf, "", None
-        for wid, m in matches.items():
-            e = live.get(wid)
-            if e is not None:
-                c = self._matched_prefill_cost(req, m, e[1].load.queued_prefill_tokens)
-                if c < best_c or (c == best_c and wid < best_id):
-                    best_c, best_id, best_v = c, wid, e[1]
-        e = order.first_outside(matches)
-        if e is not None:
-            c = cold + e[0]
-            if c < best_c or (c == best_c and e[1].worker_id < best_id):
-                best_c, best_v = c, e[1]
-        return best_v, best_c
+        return self._fast_pick(
+            order, matches, lambda m, key, v: self._matched_prefill_cost(req, m, v.load.queued_prefill_tokens),
+            lambda key: cold + key)
 
     def pick_decode(self, req, workers, matches) -> Pick:
         wt, n_full = self.config.weights.transfer_block, len(req.block_hashes)
@@ -323,19 +333,8 @@ class PrefixAwarePolicy(RoutingPolicy):
                 m = get(x.worker_id)
                 costs.append(base(x.load) + wt * (n_full - m.blocks if m is not None else n_full))
             return self._select(workers, costs)
-        live, best_c, best_id, best_v = order.live, math.inf, "", None
-        for wid, m in matches.items():
-            e = live.get(wid)
-            if e is not None:
-                c = e[0] + wt * (n_full - m.blocks)
-                if c < best_c or (c == best_c and wid < best_id):
-                    best_c, best_id, best_v = c, wid, e[1]
-        e = order.first_outside(matches)
-        if e is not None:
-            c = e[0] + wt * n_full
-            if c < best_c or (c == best_c and e[1].worker_id < best_id):
-                best_c, best_v = c, e[1]
-        return best_v, best_c
+        return self._fast_pick(order, matches, lambda m, key, v: key + wt * (n_full - m.blocks),
+                               lambda key: key + wt * n_full)
 
     def pick_colocated(self, req, workers, matches) -> Pick:
         w = self.config.weights
