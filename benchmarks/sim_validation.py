@@ -54,8 +54,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from cluster.router import PolicyConfig  # noqa: E402
 from cluster.sim.cluster_sim import ClusterSim, SimConfig  # noqa: E402
 from cluster.sim.cost_model import CostModel, ScaledCost, TableCostModel, TransferCost, load_cost_model  # noqa: E402
+from cluster.sim.insitu import Interference, fit_frontend, fit_interference  # noqa: E402
 from cluster.sim.measure import Grid, make_engine, measure_engine  # noqa: E402
 from cluster.sim.workload import PromptBuilder, TraceRequest, load_mooncake  # noqa: E402
+from engine.step_trace import StepRecord  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 SETUPS = {"1p1d": (1, 1), "2p2d": (2, 2)}
@@ -121,8 +123,9 @@ def profile_for(model: str, path: Path, cfg: Cfg) -> TableCostModel:
 
 
 # ---------------------------------------------------------------- simulator side
-def simulate(reqs: list[TraceRequest], p: int, d: int, cost: CostModel, cfg: Cfg) -> dict:
-    sc = SimConfig(p, d, policy="prefix_aware",
+def simulate(reqs: list[TraceRequest], p: int, d: int, cost: CostModel, cfg: Cfg,
+             interference: Interference | None = None) -> dict:
+    sc = SimConfig(p, d, policy="prefix_aware", interference=interference,
                    policy_config=PolicyConfig(0.0, cfg.local_prefill_threshold, cfg.local_prefill_hit_ratio),
                    block_size=cfg.block_size, num_blocks=cfg.num_blocks,
                    max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
@@ -190,6 +193,34 @@ def _lat(ttft: list[float], itl: list[float] | None) -> dict:
 
 
 # ---------------------------------------------------------------- real side
+class CpuSampler:
+    """This process's CPU time (every thread: gRPC frontend, router, Ray client,
+    the load client) sampled every ``interval`` seconds on a thread."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        import threading
+        self.interval = interval
+        self.samples: list[list[float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def start(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append([round(time.time(), 4), round(time.process_time(), 5)])
+            if self._stop.wait(self.interval):
+                self.samples.append([round(time.time(), 4), round(time.process_time(), 5)])
+                return
+
+
+
 class RealCluster:
     def __init__(self, model: str, p: int, d: int, cfg: Cfg, ray_dir: str) -> None:
         from cluster.config import ServeConfig
@@ -201,7 +232,7 @@ class RealCluster:
                                  router_policy="prefix_aware", router_temperature=0.0,
                                  local_prefill_threshold=cfg.local_prefill_threshold,
                                  local_prefill_hit_ratio=cfg.local_prefill_hit_ratio, ray_temp_dir=ray_dir,
-                                 log_level="WARNING")
+                                 log_level="WARNING", step_trace_size=1 << 17)
         self.stack = None
         self.decisions: dict[str, tuple] = {}
         self.ranks: dict[str, int] = {}
@@ -230,8 +261,14 @@ class RealCluster:
                               cache_salt=r.salt or "") for r in reqs]
         tag = f"v{int(time.time() * 1000) % 10 ** 8}"
         self.decisions.clear()
-        res = await run_load(self.stack.grpc.target, bench, [r.arrival_s for r in reqs],
-                             RunnerConfig(progress=False, drain_timeout_s=120.0, channels=2), tag=tag)
+        await self.step_traces()                     # drop the steps of earlier phases
+        unix0 = time.time()
+        sampler = CpuSampler().start()
+        try:
+            res = await run_load(self.stack.grpc.target, bench, [r.arrival_s for r in reqs],
+                                 RunnerConfig(progress=False, drain_timeout_s=120.0, channels=2), tag=tag)
+        finally:
+            sampler.stop()
         by_index = {r.index: r for r in res.results}
         ok = [r for r in res.results if r.ok]
         ttft = [r.ttft_s for r in ok]
@@ -247,7 +284,17 @@ class RealCluster:
                "errors": sorted({r.error_code for r in res.results if not r.ok}),
                "decisions": [self.decisions.get(f"bench-{tag}-{i}") for i in range(len(reqs))]}
         sent = [by_index[i].sent_s if i in by_index else reqs[i].arrival_s for i in range(len(reqs))]
+        out["steps"] = await self.step_traces()
+        out["token_times"] = {str(r.index): [round(r.sent_s, 5)] + [round(t, 5) for t in r.token_times_s] for r in ok}
+        out["unix0"] = unix0                         # client times are seconds after this (time.time())
+        out["frontend_cpu"] = sampler.samples        # [time.time(), this process's CPU seconds] (frontend + client)
         return out, sent
+
+    async def step_traces(self) -> dict:
+        """Every worker's engine steps since the last call, keyed p<rank> / d<rank>."""
+        refs = list(self.stack.backend.workers.values())
+        got = await asyncio.gather(*[asyncio.wrap_future(r.actor.step_trace.remote().future()) for r in refs])
+        return {f"{r.pool[0]}{self.ranks[r.worker_id]}": g["records"] for r, g in zip(refs, got)}
 
     async def stop(self) -> None:
         import ray
@@ -274,7 +321,7 @@ def compare(real: dict, sim: dict) -> dict:
 
 
 def _brief(d: dict) -> dict:
-    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items() if k != "decisions"}
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items() if k not in ("decisions", "steps", "token_times", "frontend_cpu")}
 
 
 def _line(setup: str, ph: dict, real: dict, sim: dict) -> str:
@@ -362,6 +409,50 @@ def calibrate(args, cfg: Cfg, base: CostModel) -> None:
                       "rms_log_error": round(float(np.sqrt(best[0] / (len(keys) * len(phases)))), 4)}), flush=True)
 
 
+def insitu(args, cfg: Cfg, base: TableCostModel) -> None:
+    """Fit host interference (cluster/sim/insitu.py) from the workers' step traces
+    of the chosen saved phases, and the hand-off's fixed cost from their mean
+    first token gap; then simulate every phase with both (the others held out)."""
+    saved = json.loads(Path(args.insitu).read_text())
+    p, d = SETUPS[saved["setup"]]
+    reqs = trace_requests(Path(args.trace), saved["requests"], cfg)
+    want = set(args.calibrate_phases.split(","))
+    fitted = [ph for ph in saved["phases"] if ph["phase"] in want or str(ph["load"]) in want]
+    if not fitted or any(not ph["real"].get("steps") for ph in fitted):
+        raise SystemExit(f"{args.insitu}: phases {sorted(want)} have no step traces (record them again "
+                         f"with this script: it runs the workers with step_trace_size > 0)")
+    runs = [{n: [StepRecord.from_json(r) for r in recs] for n, recs in ph["real"]["steps"].items()} for ph in fitted]
+    roles = {n: {"p": "prefill", "d": "decode"}[n[0]] for run in runs for n in run}
+    fe, work = None, []
+    if all(ph["real"].get("frontend_cpu") for ph in fitted) and not args.no_frontend:
+        for ph in fitted:
+            u0, tt = ph["real"]["unix0"], ph["real"]["token_times"].values()
+            work.append(([u0 + t[0] for t in tt], [u0 + x for t in tt for x in t[1:]]))
+        fe = fit_frontend([(ph["real"]["frontend_cpu"], *w) for ph, w in zip(fitted, work)])
+    inter = fit_interference(runs, roles, base, fe, work)
+    # the hand-off: the fixed cost whose simulated mean first gap is nearest the real one
+    best = None
+    for fixed_ms in np.arange(0.0, 301.0, 5.0):
+        cost = with_transfer_fixed(base, fixed_ms / 1e3)
+        err = 0.0
+        for ph in fitted:
+            sim = simulate(salted(reqs, ph["salt"], ph["sent"]), p, d, cost, cfg, inter)
+            err += np.log(sim["first_gap_mean_s"] / ph["real"]["first_gap_mean_s"]) ** 2
+        if best is None or err < best[0]:
+            best = (err, float(fixed_ms))
+    cost = with_transfer_fixed(base, best[1] / 1e3)
+    print(json.dumps({"benchmark": "sim_validation", "phase": "insitu-fit", "setup": saved["setup"],
+                      "fitted_on": sorted(want), "interference": inter.to_json(),
+                      "transfer_fixed_ms": best[1]}), flush=True)
+    if args.save_interference:
+        Path(args.save_interference).write_text(json.dumps({**inter.to_json(), "transfer_fixed_ms": best[1]}) + "\n")
+    for ph in saved["phases"]:
+        sim = simulate(salted(reqs, ph["salt"], ph["sent"]), p, d, cost, cfg, inter)
+        line = json.loads(_line(saved["setup"], ph, ph["real"], sim))
+        line["held_out"] = ph not in fitted
+        print(json.dumps(line), flush=True)
+
+
 def with_transfer_fixed(cost: TableCostModel, fixed_s: float) -> TableCostModel:
     """The same profile with another fixed cost per KV hand-off."""
     out = cost.with_mode(cost.fit_mode)
@@ -388,7 +479,14 @@ def main() -> None:
     ap.add_argument("--calibrate", metavar="REAL_JSON",
                     help="no real cluster: grid-search --step-scale / --step-add-ms on the saved real runs of this "
                          "file (phases --calibrate-phases) and print the best; then --resimulate with them")
-    ap.add_argument("--calibrate-phases", default="capacity,0.5")
+    ap.add_argument("--calibrate-phases", default=None,
+                    help="phases --calibrate / --insitu fit on (default: capacity,0.5 / capacity)")
+    ap.add_argument("--insitu", metavar="REAL_JSON",
+                    help="no real cluster: fit host interference from the workers' step traces saved in this "
+                         "file (phases --calibrate-phases) and the hand-off's fixed cost, then simulate every phase")
+    ap.add_argument("--no-frontend", action="store_true",
+                    help="with --insitu: do not model the frontend process as a party on the host")
+    ap.add_argument("--save-interference", metavar="JSON", help="with --insitu: write the fitted table here")
     ap.add_argument("--resimulate", metavar="REAL_JSON",
                     help="no real cluster: simulate again the saved real runs of this file (real_<setup>.json)")
     args = ap.parse_args()
@@ -409,7 +507,11 @@ def main() -> None:
                       "transfer_fixed_ms": base.transfer.fixed_s * 1e3,
                       "fit": dict(zip(base.step_fit.to_json()["terms"], base.step_fit.coef)) if base.step_fit else None,
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-    if args.calibrate:
+    if args.calibrate_phases is None:
+        args.calibrate_phases = "capacity" if args.insitu else "capacity,0.5"
+    if args.insitu:
+        insitu(args, cfg, base)
+    elif args.calibrate:
         calibrate(args, cfg, base)
     elif args.resimulate:
         resimulate(args, cfg, cost)

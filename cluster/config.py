@@ -83,6 +83,7 @@ class ServeConfig:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1_000_000
     max_worker_queue: int = 256           # requests a worker queues (not yet running) before refusing more
+    step_trace_size: int = 0              # > 0: each worker keeps its last N engine steps' timings
     request_timeout: float = 600.0
     max_migrations: int = 2               # times a request may move after its decode worker died
     drain_timeout: float = 30.0           # SIGTERM: seconds in-flight requests get to finish
@@ -118,6 +119,8 @@ class ServeConfig:
         for name in ("grpc_port", "metrics_port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a TCP port (0-65535)")
+        if self.step_trace_size < 0:
+            raise ValueError(f"step_trace_size must be >= 0 records (0 = off), got {self.step_trace_size}")
         if self.max_worker_queue < 0:
             raise ValueError(f"max_worker_queue must be >= 0 (0 = no bound), got {self.max_worker_queue}")
         if self.lease_ttl <= 0 or self.transfer_timeout <= 0:

@@ -31,7 +31,8 @@ def engine_config(cfg: ServeConfig) -> EngineConfig:
                           disk_kv_bytes=parse_size(cfg.disk_kv_bytes), preemption_mode=cfg.preemption_mode),
         scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
-                                  max_waiting=cfg.max_worker_queue))
+                                  max_waiting=cfg.max_worker_queue),
+        step_trace_size=cfg.step_trace_size)
 
 
 def transfer_settings(cfg: ServeConfig) -> TransferSettings:

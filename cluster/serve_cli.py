@@ -51,6 +51,8 @@ HELP = {
     "max_queued_tokens": "prompt + output tokens admitted at once; more get RESOURCE_EXHAUSTED",
     "max_worker_queue": "requests one worker queues before refusing more (sent to another worker; "
                         "all full: RESOURCE_EXHAUSTED); 0 = no bound",
+    "step_trace_size": "each worker keeps its last N engine steps' timings and shapes (0 = off; "
+                       "read with the workers' step_trace method)",
     "request_timeout": "default deadline in seconds when the client sets none",
     "max_migrations": "times a request may continue on another decode worker after its own died",
     "drain_timeout": "on SIGTERM, seconds in-flight requests get to finish",

@@ -208,6 +208,10 @@ class DecodeWorker:
     async def report(self) -> WorkerReport:
         return await self.aengine.report(self.worker_id, self.pool)
 
+    def step_trace(self) -> dict:
+        """Steps timed since the last call (step_trace_size > 0): see engine/step_trace.py."""
+        return {"worker_id": self.worker_id, **self.aengine.step_trace()}
+
     async def kv_snapshot(self):
         return await self.aengine.call(lambda e: e.kv_snapshot())
 

@@ -16,6 +16,7 @@ from engine.engine_loop import EngineLoop
 from engine.kv_events import KVEvent
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import StepDelta
+from engine.step_trace import StepTrace
 
 T = TypeVar("T")
 
@@ -38,7 +39,9 @@ class AsyncEngine:
         self._batches: asyncio.Queue | None = asyncio.Queue() if batch_stream else None
         self._aloop: asyncio.AbstractEventLoop | None = None
         idle: Callable[[LLMEngine], None] | None = (lambda e: e.check_integrity()) if idle_integrity_check else None
-        self._loop = EngineLoop(engine, self._on_deltas, idle_callback=idle)
+        size = engine.config.step_trace_size
+        self._loop = EngineLoop(engine, self._on_deltas, idle_callback=idle,
+                                step_trace=StepTrace(size) if size else None)
 
     async def start(self) -> None:
         if self._aloop is None:
@@ -76,6 +79,13 @@ class AsyncEngine:
         await self.start()
         stats, events = self._loop.snapshot()
         return WorkerReport(worker_id, pool, stats, tuple(events))
+
+    def step_trace(self) -> dict:
+        """The steps recorded since the last call (EngineConfig.step_trace_size > 0), as JSON-able dicts."""
+        trace = self._loop.step_trace
+        if trace is None:
+            return {"enabled": False, "records": [], "dropped": 0}
+        return {"enabled": True, "records": [r.to_json() for r in trace.drain()], "dropped": trace.dropped}
 
     def _on_deltas(self, deltas: list[StepDelta]) -> None:   # on the engine thread
         assert self._aloop is not None

@@ -85,7 +85,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    step_trace_size: int = 0           # > 0: keep the last N steps' timings (engine/step_trace.py)
 
     def __post_init__(self) -> None:
+        if self.step_trace_size < 0:
+            raise ValueError(f"step_trace_size must be >= 0 records (0 = off), got {self.step_trace_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

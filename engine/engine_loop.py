@@ -10,11 +10,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 from typing import Any, Callable, TypeVar
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepDelta
+from engine.step_trace import StepRecord, StepTrace
 
 log = logging.getLogger("pdserve.engine_loop")
 T = TypeVar("T")
@@ -23,8 +25,12 @@ T = TypeVar("T")
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_deltas: Callable[[list[StepDelta]], None],
                  idle_callback: Callable[[LLMEngine], None] | None = None, idle_interval: float = 1.0,
-                 name: str = "engine-loop") -> None:
+                 name: str = "engine-loop", step_trace: StepTrace | None = None) -> None:
         self.engine = engine
+        self.step_trace = step_trace
+        self._last_end = 0.0
+        if step_trace is not None:
+            engine.record_step_shapes = True
         self._on_deltas = on_deltas
         self._idle_callback = idle_callback
         self._idle_interval = idle_interval
@@ -83,6 +89,30 @@ class EngineLoop:
             except BaseException as e:  # the caller gets it; the loop goes on
                 fut.set_exception(e)
 
+    def _step(self) -> bool:
+        """One engine step and its outputs; True if it computed tokens."""
+        if self.step_trace is None:
+            deltas = self.engine.step()
+            self.steps += 1
+            if deltas:
+                self._on_deltas(deltas)
+            return self.engine.last_step_tokens > 0
+        t_unix, p0, c0 = time.time(), time.perf_counter(), time.thread_time()
+        deltas = self.engine.step()
+        p1, c1 = time.perf_counter(), time.thread_time()
+        self.steps += 1
+        if deltas:
+            self._on_deltas(deltas)
+        did_work = self.engine.last_step_tokens > 0
+        if did_work:
+            p2 = time.perf_counter()
+            shape = self.engine.last_step_shape
+            if shape is not None:
+                gap = p0 - self._last_end if self._last_end else 0.0
+                self.step_trace.append(StepRecord(t_unix, p1 - p0, c1 - c0, p2 - p1, gap, shape))
+            self._last_end = p2
+        return did_work
+
     def _run(self) -> None:
         try:
             while not self._stopping:
@@ -90,11 +120,7 @@ class EngineLoop:
                 self._run_commands()
                 did_work = False
                 if self.engine.has_unfinished():
-                    deltas = self.engine.step()
-                    did_work = self.engine.last_step_tokens > 0
-                    self.steps += 1
-                    if deltas:
-                        self._on_deltas(deltas)
+                    did_work = self._step()
                 if did_work or had_commands:
                     self._publish()
                 if not did_work and not self._commands:

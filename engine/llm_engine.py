@@ -25,6 +25,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RemoteAllocation, Scheduler
 from engine.sequence import SeqGroup, Sequence, make_sequence
+from engine.step_trace import StepShape
 from engine.tiers.cost import PreemptionPolicy, ThroughputMeter
 from engine.tokenizer import Tokenizer
 
@@ -67,6 +68,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}       # scheduler request id -> sequence
         self._num_preemptions = 0
         self.last_step_tokens = 0                   # tokens computed by the last step()
+        self.record_step_shapes = False             # set by a step trace: keep each step's shape
+        self.last_step_shape: StepShape | None = None
         # KV events for the router, bounded: a consumer that falls behind sees an
         # event-id gap and resyncs from kv_snapshot()
         self._events: deque[KVEvent] = deque(maxlen=MAX_BUFFERED_EVENTS)
@@ -158,6 +161,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self._num_preemptions += len(sched.preempted_ids)
         self.last_step_tokens = sched.num_tokens
+        if self.record_step_shapes:
+            self.last_step_shape = None if sched.is_empty else StepShape.of(sched)
         if sched.is_empty:
             self.runner.apply_kv_moves(sched.moves())     # e.g. swap-outs of a step that ran nothing
             return []

@@ -157,6 +157,10 @@ class PrefillWorker:
         return replace(report, leases_active=len(self.leases),
                        lease_expiries=self.leases.releases[ReleaseCause.EXPIRED])
 
+    def step_trace(self) -> dict:
+        """Steps timed since the last call (step_trace_size > 0): see engine/step_trace.py."""
+        return {"worker_id": self.worker_id, **self.aengine.step_trace()}
+
     async def kv_snapshot(self):
         return await self.aengine.call(lambda e: e.kv_snapshot())
 

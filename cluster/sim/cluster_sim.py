@@ -24,6 +24,7 @@ import numpy as np
 from cluster.router import DecisionKind, PolicyConfig, Router, RouterConfig, RoutingRequest, WorkerLoad
 from cluster.sim.cost_model import CostModel
 from cluster.sim.events import EventLoop
+from cluster.sim.insitu import Interference, step_kind
 from cluster.sim.metrics import LogHistogram, NodeUsage, RequestRecord, Slo, summarize
 from cluster.sim.node import SimNode
 from cluster.sim.workload import PromptBuilder, TraceRequest
@@ -31,6 +32,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_trace import StepShape
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ class SimConfig:
     collapse: bool = True
     seed: int = 0
     slo: Slo = field(default_factory=Slo)
+    # every node on one shared host whose contention slows steps (measured in situ:
+    # cluster/sim/insitu.py); None: each node has its hardware to itself
+    interference: Interference | None = None
 
     def __post_init__(self) -> None:
         if self.decode_nodes < 1 or self.prefill_nodes < 0:
@@ -101,15 +106,26 @@ class ClusterSim:
             sched = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
                               CacheConfig(block_size=config.block_size, num_blocks=nb), nb,
                               config.max_model_len, clock=self.loop.clock)
-            self.nodes[nid] = SimNode(nid, role, sched, cost, self.loop, self, collapse=config.collapse)
+            self.nodes[nid] = SimNode(nid, role, sched, cost, self.loop, self, collapse=config.collapse,
+                                      slowdown=self._slowdown if config.interference is not None else None)
             self.router.add_worker(nid, role)
         self.nic_free = {nid: 0.0 for nid in self.nodes}
+        self._frontend_until = 0.0       # the frontend's FIFO work ends (with interference.frontend)
         self.records: list[RequestRecord] = []
         self.live: dict[str, _Live] = {}
         self.itl = LogHistogram()
         self._next = 0
         self.wall_s = 0.0
         self.fallbacks = 0
+
+    def _frontend_work(self, t: float, arrivals: int, tokens: int) -> None:
+        fe = self.config.interference.frontend if self.config.interference is not None else None
+        if fe is not None:
+            self._frontend_until = max(t, self._frontend_until) + arrivals * fe.arrival_s + tokens * fe.token_s
+
+    def _slowdown(self, node: SimNode, sched) -> float:
+        busy = sum(n.busy for n in self.nodes.values()) - node.busy + (self._frontend_until > self.loop.now)
+        return self.config.interference.factor(node.role, step_kind(StepShape.of(sched)), busy)
 
     # ---- driving -------------------------------------------------------------
     def run(self) -> dict:
@@ -143,6 +159,7 @@ class ClusterSim:
         self._next += 1
         if self._next < len(self.workload):
             self.loop.at(max(self.workload[self._next].arrival_s, self.loop.now), self._arrive)
+        self._frontend_work(self.loop.now, 1, 0)
         tokens = self.builder.tokens(tr)
         hashes = self.builder.hashes(tr, tokens)
         rid = tr.request_id
@@ -166,6 +183,7 @@ class ClusterSim:
 
     # ---- node callbacks ------------------------------------------------------
     def on_tokens(self, node: SimNode, requests: list[Request], ends: np.ndarray) -> None:
+        self._frontend_work(float(ends[-1]), 0, len(requests) * len(ends))
         first_gaps = []
         for r in requests:
             rec = self.live[r.request_id].rec

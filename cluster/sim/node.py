@@ -28,6 +28,7 @@ from engine.scheduler_output import SchedulerOutput
 
 Action = Callable[["SimNode"], None]
 Retry = Callable[["SimNode"], bool]
+Slowdown = Callable[["SimNode", SchedulerOutput], float]
 
 
 class NodeListener(Protocol):
@@ -47,12 +48,17 @@ class _Run:
 class SimNode:
     def __init__(self, node_id: str, role: str, scheduler: Scheduler, cost: CostModel, loop: EventLoop,
                  listener: NodeListener, *, collapse: bool = True, max_run_steps: int = 4096,
-                 output_token: int = 1) -> None:
+                 output_token: int = 1, slowdown: Slowdown | None = None) -> None:
         if max_run_steps < 1:
             raise ValueError(f"max_run_steps must be >= 1, got {max_run_steps}")
         self.node_id, self.role = node_id, role
         self.scheduler, self.cost, self.loop, self.listener = scheduler, cost, loop, listener
         self.collapse, self.max_run_steps, self.output_token = collapse, max_run_steps, output_token
+        # a step's cost x slowdown(node, step): a shared host (cluster/sim/insitu.py). Its value can
+        # change with every other node's step, so steps are then never collapsed into runs.
+        self.slowdown = slowdown
+        if slowdown is not None:
+            self.collapse = False
         self.inbox: list[Action] = []
         self.retries: list[Retry] = []
         self._run: _Run | None = None
@@ -114,7 +120,8 @@ class SimNode:
             ctx = [s.request.num_computed_tokens + 1 for s in sched.seqs]
             ends = now + np.cumsum(self.cost.decode_run(len(ctx), sum(ctx), k, max(ctx)))
         else:
-            ends = np.array([now + self.cost.step_seconds(sched)])
+            t = self.cost.step_seconds(sched)
+            ends = np.array([now + (t * self.slowdown(self, sched) if self.slowdown is not None else t)])
         self._run = _Run(sched, ends, now)
         self._gen += 1
         self.events += 1
