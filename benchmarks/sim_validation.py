@@ -195,7 +195,8 @@ def _lat(ttft: list[float], itl: list[float] | None) -> dict:
 # ---------------------------------------------------------------- real side
 class CpuSampler:
     """This process's CPU time (every thread: gRPC frontend, router, Ray client,
-    the load client) sampled every ``interval`` seconds on a thread."""
+    the load client) and the whole host's busy CPU time, sampled every
+    ``interval`` seconds on a thread."""
 
     def __init__(self, interval: float = 0.02) -> None:
         import threading
@@ -212,11 +213,21 @@ class CpuSampler:
         self._stop.set()
         self._thread.join()
 
+    @staticmethod
+    def _host_busy() -> float:
+        """CPU seconds the whole host has been busy (every core, every process)."""
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+    def _sample(self) -> None:
+        self.samples.append([round(time.time(), 4), round(time.process_time(), 5), round(self._host_busy(), 2)])
+
     def _run(self) -> None:
         while True:
-            self.samples.append([round(time.time(), 4), round(time.process_time(), 5)])
+            self._sample()
             if self._stop.wait(self.interval):
-                self.samples.append([round(time.time(), 4), round(time.process_time(), 5)])
+                self._sample()
                 return
 
 
@@ -287,7 +298,10 @@ class RealCluster:
         out["steps"] = await self.step_traces()
         out["token_times"] = {str(r.index): [round(r.sent_s, 5)] + [round(t, 5) for t in r.token_times_s] for r in ok}
         out["unix0"] = unix0                         # client times are seconds after this (time.time())
-        out["frontend_cpu"] = sampler.samples        # [time.time(), this process's CPU seconds] (frontend + client)
+        # [time.time(), this process's CPU seconds (frontend + client), the host's busy CPU seconds]
+        out["frontend_cpu"] = sampler.samples
+        span = sampler.samples[-1][0] - sampler.samples[0][0]
+        out["host_busy_cores"] = (sampler.samples[-1][2] - sampler.samples[0][2]) / span if span > 0 else None
         return out, sent
 
     async def step_traces(self) -> dict:
@@ -320,8 +334,11 @@ def compare(real: dict, sim: dict) -> dict:
                               "hit_rate_2pts": abs(sim["hit_rate"] - real["hit_rate"]) <= 0.02}}
 
 
+_BULKY = ("decisions", "steps", "token_times", "frontend_cpu")
+
+
 def _brief(d: dict) -> dict:
-    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items() if k not in ("decisions", "steps", "token_times", "frontend_cpu")}
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items() if k not in _BULKY}
 
 
 def _line(setup: str, ph: dict, real: dict, sim: dict) -> str:
@@ -429,7 +446,7 @@ def insitu(args, cfg: Cfg, base: TableCostModel) -> None:
             u0, tt = ph["real"]["unix0"], ph["real"]["token_times"].values()
             work.append(([u0 + t[0] for t in tt], [u0 + x for t in tt for x in t[1:]]))
         fe = fit_frontend([(ph["real"]["frontend_cpu"], *w) for ph, w in zip(fitted, work)])
-    inter = fit_interference(runs, roles, base, fe, work)
+    inter = fit_interference(runs, roles, base, fe, work, by_load=args.host_model == "shared")
     # the hand-off: the fixed cost whose simulated mean first gap is nearest the real one
     best = None
     for fixed_ms in np.arange(0.0, 301.0, 5.0):
@@ -484,6 +501,9 @@ def main() -> None:
     ap.add_argument("--insitu", metavar="REAL_JSON",
                     help="no real cluster: fit host interference from the workers' step traces saved in this "
                          "file (phases --calibrate-phases) and the hand-off's fixed cost, then simulate every phase")
+    ap.add_argument("--host-model", choices=("shared", "constant"), default="shared",
+                    help="with --insitu: step slowdown by how many other parties are busy (shared), or one "
+                         "mean slowdown per role and step kind (constant)")
     ap.add_argument("--no-frontend", action="store_true",
                     help="with --insitu: do not model the frontend process as a party on the host")
     ap.add_argument("--save-interference", metavar="JSON", help="with --insitu: write the fitted table here")

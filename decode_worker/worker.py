@@ -75,7 +75,7 @@ class DecodeWorker:
 
     async def ready(self) -> dict:
         await self.aengine.start()
-        return {"worker_id": self.worker_id, "pid": os.getpid(), "pool": self.pool,
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "niceness": os.nice(0), "pool": self.pool,
                 "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.engine.block_size}
 
     async def output_stream(self):

@@ -213,9 +213,12 @@ class LLMEngine:
         res = seq.stop.process(token, seq.detok)
         group = self._groups[seq.group_id]
         finished = res.finished or group.prefill_only
+        held: tuple[int, ...] = ()
         if finished:
             status = _FINISH_STATUS.get(res.finish_reason, RequestStatus.FINISHED_LENGTH)
             self.scheduler.finish_request(req.request_id, status)
+            if group.prefill_only:    # handed out with the token: no second trip to the engine thread
+                held = tuple(self.held_block_ids(req.request_id))
             self._seqs.pop(req.request_id, None)
             if not any(s.request.request_id in self._seqs for s in group.seqs):
                 self._groups.pop(seq.group_id, None)
@@ -224,7 +227,7 @@ class LLMEngine:
                          logprobs=(logprob,) if logprob is not None else (),
                          num_prompt_tokens=req.num_prompt_tokens,
                          num_cached_tokens=req.num_cached_tokens or 0,
-                         queue_seconds=_queue_seconds(seq))
+                         queue_seconds=_queue_seconds(seq), held_block_ids=held)
 
     # ---------------------------------------------------------- prefill role
     def held_block_ids(self, request_id: str) -> list[int]:

@@ -57,3 +57,4 @@ class StepDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     queue_seconds: float | None = None  # on a sequence's first token: arrival -> first scheduled
+    held_block_ids: tuple[int, ...] = ()  # a prefill_only request's finish: the blocks it holds for a reader

@@ -79,7 +79,8 @@ class PrefillWorker:
         await self.aengine.start()
         if self._maintenance is None:
             self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
-        return {"worker_id": self.worker_id, "pid": os.getpid(), "backend": self.transfer.backend_name,
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "niceness": os.nice(0),
+                "backend": self.transfer.backend_name,
                 "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.engine.block_size}
 
     def peer_info(self):
@@ -110,10 +111,12 @@ class PrefillWorker:
         if first is None:   # drain() took it back before it started (or release() ended it)
             return PrefillResult(None, None, 0.0, 0.0, moved=True)
         t1 = time.monotonic()
-        block_ids = await self.aengine.call(lambda e: e.held_block_ids(request_id))
+        # the blocks come with the token (StepDelta.held_block_ids): asking the engine thread
+        # would wait for the step it is running, adding a whole prefill step to the TTFT
+        block_ids = list(first.held_block_ids)
         handle = None
         if first.finish_reason:       # the first token ended it: nobody will read the KV
-            await self.aengine.call(lambda e: e.release_held(request_id))
+            self.aengine.post(lambda e: e.release_held(request_id))    # not on the TTFT path
         else:
             self.leases.pin(request_id, block_ids, self.settings.lease_ttl)
             handle = KVHandle(request_id, self.transfer.peer_info(), tuple(block_ids), len(prompt_token_ids),

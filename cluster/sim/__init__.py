@@ -12,6 +12,9 @@ virtual clock, with per-node cost models instead of model executors.
 - node.py         `SimNode`: a real `Scheduler` with a null executor
 - cluster_sim.py  `ClusterSim`: arrivals -> real `Router` -> prefill -> transfer -> decode
 - metrics.py      TTFT / ITL / e2e, goodput, hit rate, bytes, utilisation
+- insitu.py       `Interference`: a shared host's step slowdown by how many other parties are
+                  busy, and the frontend's cost, fitted from workers' step traces
+                  (engine/step_trace.py); `SimNode.retime` applies it
 - measure.py      `--measure`: time real engine steps (interleaved rounds, thread CPU time) into
                   a CPU cost table and its fit
 - cli.py          `pdserve simulate`

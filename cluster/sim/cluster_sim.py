@@ -106,11 +106,14 @@ class ClusterSim:
             sched = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
                               CacheConfig(block_size=config.block_size, num_blocks=nb), nb,
                               config.max_model_len, clock=self.loop.clock)
+            shared = config.interference is not None
             self.nodes[nid] = SimNode(nid, role, sched, cost, self.loop, self, collapse=config.collapse,
-                                      slowdown=self._slowdown if config.interference is not None else None)
+                                      slowdown=self._slowdown if shared else None,
+                                      on_busy_change=self._host_changed if shared else None)
             self.router.add_worker(nid, role)
         self.nic_free = {nid: 0.0 for nid in self.nodes}
         self._frontend_until = 0.0       # the frontend's FIFO work ends (with interference.frontend)
+        self._frontend_gen = 0
         self.records: list[RequestRecord] = []
         self.live: dict[str, _Live] = {}
         self.itl = LogHistogram()
@@ -120,8 +123,25 @@ class ClusterSim:
 
     def _frontend_work(self, t: float, arrivals: int, tokens: int) -> None:
         fe = self.config.interference.frontend if self.config.interference is not None else None
-        if fe is not None:
-            self._frontend_until = max(t, self._frontend_until) + arrivals * fe.arrival_s + tokens * fe.token_s
+        if fe is None:
+            return
+        was_busy = self._frontend_until > self.loop.now
+        self._frontend_until = max(t, self._frontend_until) + arrivals * fe.arrival_s + tokens * fe.token_s
+        self._frontend_gen += 1
+        self.loop.at(self._frontend_until, self._frontend_idle, self._frontend_gen)
+        if not was_busy and self._frontend_until > self.loop.now:
+            self._host_changed(None)
+
+    def _frontend_idle(self, gen: int) -> None:
+        if gen == self._frontend_gen:
+            self._host_changed(None)
+
+    def _host_changed(self, changed: SimNode | None) -> None:
+        """A party on the shared host started or stopped being busy: every other
+        step in flight goes on at its new speed."""
+        for node in self.nodes.values():
+            if node is not changed and node.busy:
+                node.retime()
 
     def _slowdown(self, node: SimNode, sched) -> float:
         busy = sum(n.busy for n in self.nodes.values()) - node.busy + (self._frontend_until > self.loop.now)

@@ -9,21 +9,24 @@ worker is using (CPU time > the isolated cost). On this 2-core validation
 host a decode step measured at 14 ms alone took 30 ms while a prefill ran
 beside it, and 16 ms when nothing else ran.
 
-`Interference` is that effect as a table: for a node of a given role running
-a step of a given kind (prefill, decode or mixed) while ``k`` other nodes of
-the same host are busy, its step takes ``factor`` x the profile's cost. It
-is fitted from the workers' own step traces (`engine/step_trace.py`, read
-with each worker's ``step_trace`` method) of one real run: each recorded
-step's wall time (its outputs handed on included) over the profile's
-prediction for the same step shape, grouped by how many other workers were
-mid-step when it began. The simulator applies it with the same definition
-(`ClusterSim` counts the other busy nodes when a node starts a step), so a
-run at another load, with other contention, is a prediction, not a replay.
+`Interference` is that effect as processor sharing: while ``k`` other
+parties on the host are busy (worker nodes mid-step, and the frontend while
+it has work queued), a step of a given kind (prefill, decode or mixed) on a
+node of a given role runs at ``1 / factor[k]`` of its isolated speed. The
+factors are fitted from the workers' own step traces (`engine/step_trace.py`,
+read with each worker's ``step_trace`` method) of real runs: each step's
+isolated cost (the profile's prediction for its shape) must equal the sum,
+over the time it spent at each ``k``, of that time / ``factor[k]``. The
+simulator applies the same rule (`SimNode.retime`: every step in flight is
+re-timed when another party on the host starts or stops), so a run at
+another load, with other contention, is a prediction, not a replay. The
+frontend's work per arrival and per streamed token (`FrontendCost`) is fitted
+from its process CPU time.
 """
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Mapping, Sequence
 
@@ -34,7 +37,7 @@ from cluster.sim.step_fit import nnls
 from engine.step_trace import StepRecord, StepShape
 
 KINDS = ("prefill", "decode", "mixed")
-MIN_SAMPLES = 5          # fewer steps in a (role, kind, k) cell: borrow the nearest k with enough
+MIN_SAMPLES = 5          # fewer step-equivalents at some k: that k shares the nearest k's factor
 
 
 def step_kind(shape: StepShape) -> str:
@@ -46,17 +49,18 @@ def step_kind(shape: StepShape) -> str:
 def shape_sched(shape: StepShape) -> SimpleNamespace:
     """A stand-in for the `SchedulerOutput` of a step of this shape (the fields
     `CostModel.step_seconds` reads)."""
-    seqs = [SimpleNamespace(num_new_tokens=n, request=SimpleNamespace(num_computed_tokens=c, num_prompt_tokens=c + n))
-            for n, c in shape.chunks]
-    seqs += [SimpleNamespace(num_new_tokens=1, request=SimpleNamespace(num_computed_tokens=x - 1, num_prompt_tokens=x - 1))
-             for x in shape.decode_ctx]
-    return SimpleNamespace(seqs=seqs)
+    def seq(new: int, computed: int, prompt: int) -> SimpleNamespace:
+        return SimpleNamespace(num_new_tokens=new,
+                               request=SimpleNamespace(num_computed_tokens=computed, num_prompt_tokens=prompt))
+    return SimpleNamespace(seqs=[seq(n, c, c + n) for n, c in shape.chunks] +
+                           [seq(1, x - 1, x - 1) for x in shape.decode_ctx])
 
 
 @dataclass(frozen=True)
 class Interference:
-    """``factors[role][kind][k]``: a step's duration over its isolated cost when
-    ``k`` other nodes on the host are busy (k beyond the table: its last entry)."""
+    """``factors[role][kind][k]``: while ``k`` other parties on the host are
+    busy, a step of this kind on a node of this role runs at ``1 / factor`` of
+    its isolated speed (k beyond the table: its last entry)."""
     factors: Mapping[str, Mapping[str, Sequence[float]]]
     samples: Mapping[str, Mapping[str, Sequence[int]]] = field(default_factory=dict)
     frontend: FrontendCost | None = None      # the frontend's work, counted as a party when busy
@@ -156,37 +160,61 @@ def frontend_spans(cost: FrontendCost, arrivals: Sequence[float], tokens: Sequen
     return [(a, b) for a, b in spans]
 
 
-def others_busy(traces: Mapping[str, Sequence[StepRecord]],
-                extra: Mapping[str, Sequence[tuple[float, float]]] | None = None) -> dict[str, list[int]]:
-    """For every recorded step, how many other parties (nodes, and the busy
-    spans in ``extra``, e.g. the frontend's) were busy when it began."""
+def occupancy(traces: Mapping[str, Sequence[StepRecord]],
+              extra: Mapping[str, Sequence[tuple[float, float]]] | None = None) -> dict[str, list[np.ndarray]]:
+    """For every recorded step, the fraction of its duration during which ``k``
+    other parties (nodes, and the busy spans in ``extra``, e.g. the
+    frontend's) were busy, for k = 0 .. number of other parties."""
     spans = {n: sorted((r.start_unix, r.start_unix + r.wall_s + r.emit_s) for r in recs)
              for n, recs in traces.items()}
     spans.update({n: sorted(v) for n, v in (extra or {}).items()})
     starts = {n: [a for a, _ in s] for n, s in spans.items()}
-    out: dict[str, list[int]] = {}
+    parties = len(spans)
+    out: dict[str, list[np.ndarray]] = {}
     for n, recs in traces.items():
-        ks = []
+        rows = []
         for r in recs:
-            t, k = r.start_unix, 0
-            for o in spans:
+            a, b = r.start_unix, r.start_unix + r.wall_s + r.emit_s
+            edges = [(a, 0)]
+            for o, sp in spans.items():
                 if o == n:
                     continue
-                i = bisect.bisect_right(starts[o], t) - 1
-                k += i >= 0 and spans[o][i][1] > t
-            ks.append(k)
-        out[n] = ks
+                i = max(bisect.bisect_right(starts[o], a) - 1, 0)
+                while i < len(sp) and sp[i][0] < b:
+                    x, y = max(sp[i][0], a), min(sp[i][1], b)
+                    if y > x:
+                        edges += [(x, 1), (y, -1)]
+                    i += 1
+            edges.sort()
+            frac = np.zeros(parties)
+            k, t = 0, a
+            for x, d in edges:
+                frac[k] += x - t
+                k, t = k + d, x
+            frac[k] += b - t
+            rows.append(frac / (b - a) if b > a else np.eye(parties)[0])
+        out[n] = rows
     return out
 
 
 def fit_interference(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: Mapping[str, str],
                      cost: CostModel, frontend: FrontendCost | None = None,
-                     frontend_work: Sequence[tuple[Sequence[float], Sequence[float]]] = ()) -> Interference:
+                     frontend_work: Sequence[tuple[Sequence[float], Sequence[float]]] = (),
+                     by_load: bool = True) -> Interference:
     """Fit the table from the step traces of real runs (each: node id -> its
     records; ``roles``: node id -> role) against ``cost``, the profile the
     simulator will use. With ``frontend`` (and, per run, its (arrival times,
     token times) in ``frontend_work``), the frontend's busy spans count as one
-    more party, as they will in the simulator."""
+    more party, as they will in the simulator.
+
+    The model: while ``k`` others are busy a step runs at ``1 / factor[k]``
+    of its isolated speed, so its wall time is about its isolated cost x the
+    time-weighted mean of ``factor[k]`` over the step. The factors are fitted
+    per role and step kind by non-negative least squares weighted by 1 /
+    isolated cost (with one column this is total wall time / total isolated
+    cost, so rare steps that waited long for a core count by their time, not
+    by their ratio). ``by_load=False`` fits one factor per role and step
+    kind whatever the others do (the mean in-situ slowdown of the runs)."""
     if not runs or not any(recs for traces in runs for recs in traces.values()):
         raise ValueError("interference: no step records; run the workers with step_trace_size > 0")
     missing = sorted({n for traces in runs for n in traces} - set(roles))
@@ -194,43 +222,36 @@ def fit_interference(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: 
         raise ValueError(f"interference: no role for nodes {missing}; give every traced node its role")
     if frontend is not None and len(frontend_work) != len(runs):
         raise ValueError("interference: give the frontend's (arrivals, tokens) for every run")
-    sums: dict[tuple[str, str, int], list[float]] = {}
+    rows: dict[tuple[str, str], list[tuple[np.ndarray, float]]] = {}
+    width = 0
     for i, traces in enumerate(runs):
         extra = {"frontend": frontend_spans(frontend, *frontend_work[i])} if frontend is not None else None
-        _accumulate(traces, roles, cost, sums, extra)
-    return replace(_table(sums), frontend=frontend)
-
-
-def _accumulate(traces: Mapping[str, Sequence[StepRecord]], roles: Mapping[str, str], cost: CostModel,
-                sums: dict[tuple[str, str, int], list[float]], extra) -> None:
-    ks = others_busy(traces, extra)
-    for n, recs in traces.items():
-        for r, k in zip(recs, ks[n]):
-            pred = cost.step_seconds(shape_sched(r.shape))
-            if pred <= 0:
-                continue
-            acc = sums.setdefault((roles[n], step_kind(r.shape), k), [0.0, 0.0, 0])
-            acc[0] += r.wall_s + r.emit_s
-            acc[1] += pred
-            acc[2] += 1
-
-
-def _table(sums: dict[tuple[str, str, int], list[float]]) -> Interference:
+        occ = occupancy(traces, extra) if by_load else {n: [np.ones(1)] * len(recs) for n, recs in traces.items()}
+        for n, recs in traces.items():
+            for r, frac in zip(recs, occ[n]):
+                pred = cost.step_seconds(shape_sched(r.shape))
+                if pred > 0:
+                    rows.setdefault((roles[n], step_kind(r.shape)), []).append((frac, pred, r.wall_s + r.emit_s))
+                    width = max(width, len(frac))
     factors: dict[str, dict[str, tuple[float, ...]]] = {}
     samples: dict[str, dict[str, tuple[int, ...]]] = {}
-    for role in sorted({key[0] for key in sums}):
-        for kind in KINDS:
-            cells = {k: v for (r, kd, k), v in sums.items() if r == role and kd == kind}
-            if not cells:
-                continue
-            top = max(cells)
-            good = sorted(k for k, v in cells.items() if v[2] >= MIN_SAMPLES) or sorted(cells)
-            row, counts = [], []
-            for k in range(top + 1):
-                src = k if k in cells and cells[k][2] >= MIN_SAMPLES else min(good, key=lambda g: (abs(g - k), g))
-                real, pred, _ = cells[src]
-                row.append(real / pred)
-                counts.append(cells[k][2] if k in cells else 0)
-            factors.setdefault(role, {})[kind] = tuple(row)
-            samples.setdefault(role, {})[kind] = tuple(counts)
-    return Interference(factors, samples)
+    for (role, kind), got in sorted(rows.items()):
+        a = np.zeros((len(got), width))
+        b = np.zeros(len(got))
+        for j, (frac, pred, wall) in enumerate(got):
+            a[j, :len(frac)] = frac * np.sqrt(pred)          # wall ~ pred x sum_k frac_k factor_k, weight 1 / pred
+            b[j] = wall / np.sqrt(pred)
+        # step-equivalents seen at each k (each step spreads 1 over the k it ran at)
+        weight = sum(np.pad(frac, (0, width - len(frac))) for frac, _, _ in got)
+        top = max((k for k in range(width) if weight[k] > 0), default=0)
+        good = [k for k in range(top + 1) if weight[k] >= MIN_SAMPLES] or [int(np.argmax(weight))]
+        near = [min(good, key=lambda g: (abs(g - k), g)) for k in range(top + 1)]
+        merged = np.zeros((len(got), len(good)))
+        for k in range(top + 1):
+            merged[:, good.index(near[k])] += a[:, k]
+        f = nnls(merged, b)
+        pos = f[f > 0]
+        f = np.where(f > 0, f, pos.min() if len(pos) else 1.0)
+        factors.setdefault(role, {})[kind] = tuple(float(f[good.index(near[k])]) for k in range(top + 1))
+        samples.setdefault(role, {})[kind] = tuple(int(round(weight[k])) for k in range(top + 1))
+    return Interference(factors, samples, frontend)

@@ -29,6 +29,7 @@ from engine.scheduler_output import SchedulerOutput
 Action = Callable[["SimNode"], None]
 Retry = Callable[["SimNode"], bool]
 Slowdown = Callable[["SimNode", SchedulerOutput], float]
+BusyChange = Callable[["SimNode"], None]
 
 
 class NodeListener(Protocol):
@@ -48,15 +49,19 @@ class _Run:
 class SimNode:
     def __init__(self, node_id: str, role: str, scheduler: Scheduler, cost: CostModel, loop: EventLoop,
                  listener: NodeListener, *, collapse: bool = True, max_run_steps: int = 4096,
-                 output_token: int = 1, slowdown: Slowdown | None = None) -> None:
+                 output_token: int = 1, slowdown: Slowdown | None = None,
+                 on_busy_change: BusyChange | None = None) -> None:
         if max_run_steps < 1:
             raise ValueError(f"max_run_steps must be >= 1, got {max_run_steps}")
         self.node_id, self.role = node_id, role
         self.scheduler, self.cost, self.loop, self.listener = scheduler, cost, loop, listener
         self.collapse, self.max_run_steps, self.output_token = collapse, max_run_steps, output_token
-        # a step's cost x slowdown(node, step): a shared host (cluster/sim/insitu.py). Its value can
-        # change with every other node's step, so steps are then never collapsed into runs.
-        self.slowdown = slowdown
+        # a shared host (cluster/sim/insitu.py): a step progresses at 1 / slowdown(node, step) of
+        # its isolated speed, re-evaluated (`retime`) whenever another party on the host starts or
+        # stops being busy; steps are then never collapsed into runs
+        self.slowdown, self.on_busy_change = slowdown, on_busy_change
+        self._left = self._since = self._factor = 0.0      # isolated seconds left, as of, at factor
+        self._was_busy = False
         if slowdown is not None:
             self.collapse = False
         self.inbox: list[Action] = []
@@ -121,11 +126,32 @@ class SimNode:
             ends = now + np.cumsum(self.cost.decode_run(len(ctx), sum(ctx), k, max(ctx)))
         else:
             t = self.cost.step_seconds(sched)
-            ends = np.array([now + (t * self.slowdown(self, sched) if self.slowdown is not None else t)])
+            if self.slowdown is not None:
+                self._left, self._since, self._factor = t, now, self.slowdown(self, sched)
+                t *= self._factor
+            ends = np.array([now + t])
         self._run = _Run(sched, ends, now)
         self._gen += 1
         self.events += 1
         self.loop.at(float(ends[-1]), self._end, self._gen)
+        self._busy_changed()
+
+    def retime(self) -> None:
+        """The host's load changed: the step in flight goes on at the new speed."""
+        run = self._run
+        if run is None or self.slowdown is None:
+            return
+        now = self.loop.now
+        self._left = max(0.0, self._left - (now - self._since) / self._factor)
+        self._since, self._factor = now, self.slowdown(self, run.sched)
+        run.ends[0] = now + self._left * self._factor
+        self._gen += 1
+        self.loop.at(float(run.ends[0]), self._end, self._gen)
+
+    def _busy_changed(self) -> None:
+        if self.on_busy_change is not None and self.busy != self._was_busy:
+            self._was_busy = self.busy
+            self.on_busy_change(self)
 
     def _collapsible_steps(self, sched: SchedulerOutput) -> int:
         s = self.scheduler
@@ -175,6 +201,7 @@ class SimNode:
         if self.retries:
             self.retries = [r for r in self.retries if not r(self)]
         self._start()
+        self._busy_changed()
 
     def _advance(self, r: Request, m: int) -> None:
         """``m`` more decode steps of ``r``: what update_from_output does per step."""

@@ -104,6 +104,13 @@ def test_bad_input_is_invalid_argument_and_cluster_stays_up(cluster, hf):
     assert asyncio.run(_complete(cluster.target, [7, 8, 9])).tokens == hf_greedy(hf, [7, 8, 9], 10)
 
 
+def test_workers_run_at_the_frontends_priority(cluster):
+    """Ray nices worker processes to 15 by default; pdserve's own Ray cluster keeps
+    the engine actors at the frontend's priority (ServeConfig.worker_niceness)."""
+    for wid in cluster.backend.workers:
+        assert cluster.call(wid, "ready")["niceness"] == 0
+
+
 def test_health_model_info_and_metrics(cluster):
     async def info():
         async with GenerationClient(cluster.target) as c:

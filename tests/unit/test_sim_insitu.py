@@ -10,7 +10,7 @@ import pytest
 from cluster.sim.cluster_sim import ClusterSim, SimConfig
 from cluster.sim.cost_model import Table2D, TableCostModel, TransferCost
 from cluster.sim.insitu import (FrontendCost, Interference, fit_frontend, fit_interference, frontend_spans,
-                                others_busy, shape_sched, step_kind)
+                                occupancy, shape_sched, step_kind)
 from cluster.sim.workload import PromptBuilder, synthetic_shared_prefix
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
@@ -60,8 +60,9 @@ def test_fit_recovers_the_slowdown_by_other_busy_nodes():
         a.append(_rec(t, wall))
         t += wall
     b = [StepRecord(1001.0, 1.0, 1.0, 0.0, 0.0, StepShape(((1024, 0),), ()))]
-    ks = others_busy({"a": a, "b": b})
-    assert ks["b"] == [1] and set(ks["a"]) == {0, 1}
+    occ = occupancy({"a": a, "b": b})
+    assert occ["b"][0].tolist() == [0.0, 1.0]                             # a was busy throughout b's step
+    assert sum(f[1] * r.wall_s for f, r in zip(occ["a"], a)) == pytest.approx(1.0, abs=0.01)
     inter = fit_interference([{"a": a, "b": b}], {"a": "decode", "b": "prefill"}, cost)
     row = inter.factors["decode"]["decode"]
     assert row[0] == pytest.approx(1.2, rel=0.02) and row[1] == pytest.approx(2.5, rel=0.02)

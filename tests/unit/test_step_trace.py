@@ -72,3 +72,4 @@ def test_bad_sizes_are_refused(tiny_llama_dir):
         _engine(tiny_llama_dir, -1)
     with pytest.raises(ValueError, match=">= 1 record"):
         StepTrace(0)
+

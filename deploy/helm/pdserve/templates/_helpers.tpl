@@ -131,6 +131,9 @@ Fails on a model storage that needs a path but has none.
 {{- define "pdserve.env" -}}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
+# Ray nices its worker processes (our engine actors) to 15 unless told otherwise
+- name: RAY_worker_niceness
+  value: {{ .Values.config.worker_niceness | default 0 | quote }}
 {{- range $name, $value := .Values.transferEnv }}
 - name: {{ $name }}
   value: {{ $value | toString | quote }}

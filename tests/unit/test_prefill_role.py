@@ -1,0 +1,27 @@
+"""The engine's prefill role: a prefill_only request finishes at its first token
+and holds its blocks for a reader."""
+from __future__ import annotations
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+def _engine(model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=16, num_blocks=64),
+                                  scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                                            max_model_len=256)))
+
+
+def test_a_prefill_only_finish_carries_its_held_blocks(tiny_llama_dir):
+    """The prefill role hands the held block ids out with the first token, so the
+    prefill worker need not wait for the engine's next step boundary to ask."""
+    e = _engine(tiny_llama_dir)
+    e.add_request("p", list(range(5, 45)), SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True)
+    deltas = []
+    while e.has_unfinished():
+        deltas += e.step()
+    [d] = deltas
+    assert d.finish_reason and len(d.held_block_ids) == 3            # 40 tokens in blocks of 16
+    assert list(d.held_block_ids) == e.held_block_ids("p")
+    assert e.release_held("p") and e.stats().kv_blocks_used == 0
