@@ -391,9 +391,18 @@ async def run_setup(args, cfg: Cfg, model: str, cost: CostModel) -> None:
         await cluster.stop()
 
 
+def load_saved(path: str) -> dict:
+    """A saved real run (``real_<setup>.json``, or gzipped ``.json.gz`` as kept in docs/sim/validation)."""
+    raw = Path(path).read_bytes()
+    if path.endswith(".gz"):
+        import gzip
+        raw = gzip.decompress(raw)
+    return json.loads(raw)
+
+
 def resimulate(args, cfg: Cfg, cost: CostModel) -> None:
     """The simulator side again, on saved real runs (same requests and send times)."""
-    saved = json.loads(Path(args.resimulate).read_text())
+    saved = load_saved(args.resimulate)
     p, d = SETUPS[saved["setup"]]
     reqs = trace_requests(Path(args.trace), saved["requests"], cfg)
     for ph in saved["phases"]:
@@ -403,7 +412,7 @@ def resimulate(args, cfg: Cfg, cost: CostModel) -> None:
 
 def calibrate(args, cfg: Cfg, base: CostModel) -> None:
     """Least squared log error of mean / p90 TTFT and ITL over the chosen saved phases."""
-    saved = json.loads(Path(args.calibrate).read_text())
+    saved = load_saved(args.calibrate)
     p, d = SETUPS[saved["setup"]]
     reqs = trace_requests(Path(args.trace), saved["requests"], cfg)
     want = set(args.calibrate_phases.split(","))
@@ -430,7 +439,7 @@ def insitu(args, cfg: Cfg, base: TableCostModel) -> None:
     """Fit host interference (cluster/sim/insitu.py) from the workers' step traces
     of the chosen saved phases, and the hand-off's fixed cost from their mean
     first token gap; then simulate every phase with both (the others held out)."""
-    saved = json.loads(Path(args.insitu).read_text())
+    saved = load_saved(args.insitu)
     p, d = SETUPS[saved["setup"]]
     reqs = trace_requests(Path(args.trace), saved["requests"], cfg)
     want = set(args.calibrate_phases.split(","))

@@ -59,3 +59,26 @@ def test_compare_reports_relative_errors_hit_points_and_identical_routing(val):
     assert c["hit_rate_points"] == pytest.approx(1.0)
     assert c["routing_identical"] == 0.5 and c["routing_same_kind"] == 0.5      # the unrecorded one is skipped
     assert c["within_target"] == {"latency_10pct": False, "hit_rate_2pts": True}
+
+
+def test_saved_runs_load_plain_or_gzipped_and_the_shipped_ones_have_traces(val, tmp_path):
+    import gzip
+    import json
+    data = {"setup": "1p1d", "requests": 3, "phases": []}
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    (tmp_path / "a.json.gz").write_bytes(gzip.compress(json.dumps(data).encode()))
+    assert val.load_saved(str(tmp_path / "a.json")) == val.load_saved(str(tmp_path / "a.json.gz")) == data
+    shipped = val.load_saved(str(ROOT / "docs" / "sim" / "validation" / "real_1p1d.json.gz"))
+    phases = {ph["phase"] if ph["load"] is None else ph["load"] for ph in shipped["phases"]}
+    assert phases == {"capacity", 0.5, 0.85, 1.1}
+    for ph in shipped["phases"]:
+        assert ph["real"]["steps"]["p0"] and ph["real"]["steps"]["d0"] and ph["real"]["frontend_cpu"]
+
+
+def test_cpu_sampler_records_process_and_host_time(val):
+    import time
+    s = val.CpuSampler(interval=0.01).start()
+    time.sleep(0.05)
+    s.stop()
+    assert len(s.samples) >= 3
+    assert all(b[0] >= a[0] and b[1] >= a[1] and b[2] >= a[2] for a, b in zip(s.samples, s.samples[1:]))
