@@ -76,6 +76,19 @@ def references(model, reqs: list[Req]) -> dict[str, list[int]]:
 OnChunk = Callable[[Req, int], Awaitable[bool] | bool | None]   # (request, tokens so far) -> stop early?
 
 
+class TokenCount:
+    """An on_chunk that counts the tokens streamed so far over every request (a
+    chunk may carry several tokens when the frontend falls behind)."""
+
+    def __init__(self) -> None:
+        self._per_request: dict[str, int] = {}
+        self.total = 0
+
+    def __call__(self, req: Req, n: int) -> None:
+        self.total += n - self._per_request.get(req.rid, 0)
+        self._per_request[req.rid] = n
+
+
 async def stream_one(client: GenerationClient, req: Req, *, timeout: float, on_chunk: OnChunk | None = None,
                      retries: int = 0, out: Outcome | None = None) -> Outcome:
     """One request to a terminal state. RESOURCE_EXHAUSTED is retried after its

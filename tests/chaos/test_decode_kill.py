@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from chaos_lib import check_leases, check_outcomes, trials
-from chaos_load import make_requests, references, run_load
+from chaos_load import TokenCount, make_requests, references, run_load
 
 pytestmark = pytest.mark.ray
 
@@ -25,13 +25,10 @@ def run_decode_kill(c, hf, report, n_trials: int, n_requests: int, seed: int) ->
         before, leases0 = c.counters(), c.lease_counters()
         metric0 = c.sample("pdserve_request_migrations_total")
         threshold = rng.uniform(0.05, 0.6) * sum(r.max_tokens for r in reqs)
-        streamed, killed = [0], {}
-
-        def on_chunk(req, n):
-            streamed[0] += 1
+        streamed, killed = TokenCount(), {}
 
         async def fault():
-            while streamed[0] < threshold:
+            while streamed.total < threshold:
                 await asyncio.sleep(0.01)
             by_worker = await c.on_loop(lambda: Counter(
                 st.decode_id for st in c.backend._inflight.values() if st.decode_id))
@@ -39,7 +36,7 @@ def run_decode_kill(c, hf, report, n_trials: int, n_requests: int, seed: int) ->
             killed.update(victim=victim, in_flight=by_worker[victim])
             ray.kill(c.backend.workers[victim].actor, no_restart=False)
 
-        outs = asyncio.run(run_load(c.target, reqs, on_chunk=on_chunk, during=fault))
+        outs = asyncio.run(run_load(c.target, reqs, on_chunk=streamed, during=fault))
         errors = check_outcomes(outs, refs, allowed=set(), explain=c.explain)
         assert killed, "the fault never fired"
         leaked = c.settle()

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from chaos_lib import check_leases, check_outcomes, trials
-from chaos_load import make_requests, references, run_load
+from chaos_load import TokenCount, make_requests, references, run_load
 from kv_peer import listening_sockets
 
 pytestmark = pytest.mark.ray
@@ -28,18 +28,15 @@ def run_drain(c, hf, report, n_trials: int, n_requests: int, seed: int) -> int:
         refs = references(hf, reqs)
         before = c.counters()
         threshold = rng.uniform(0.0, 0.3) * sum(r.max_tokens for r in reqs)
-        streamed, drained = [0], {}
-
-        def on_chunk(req, n):
-            streamed[0] += 1
+        streamed, drained = TokenCount(), {}
 
         async def fault():
-            while streamed[0] < threshold:
+            while streamed.total < threshold:
                 await asyncio.sleep(0.01)
             drained["report"] = await asyncio.wrap_future(c.loop.submit(c.backend.drain_worker(victim, 300)))
 
         try:
-            outs = asyncio.run(run_load(c.target, reqs, on_chunk=on_chunk, during=fault))
+            outs = asyncio.run(run_load(c.target, reqs, on_chunk=streamed, during=fault))
             errors = check_outcomes(outs, refs, allowed=set(), explain=c.explain)
             assert drained, "the fault never fired"
             rep = drained["report"]

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from chaos_lib import check_outcomes, trials
-from chaos_load import make_requests, references, run_load
+from chaos_load import TokenCount, make_requests, references, run_load
 from cluster.client import GenerationClient
 
 pytestmark = pytest.mark.ray
@@ -76,18 +76,15 @@ def run_sigterm(model_dir, hf, report, tmp_path_factory, n_trials: int, n_reques
             reqs = make_requests(rng, n_requests, f"st{seed}-{t}", max_tokens=48)
             refs = references(hf, reqs)
             threshold = rng.uniform(0.05, 0.5) * sum(r.max_tokens for r in reqs)
-            streamed, seen = [0], {}
-
-            def on_chunk(req, n):
-                streamed[0] += 1
+            streamed, seen = TokenCount(), {}
 
             async def fault():
-                while streamed[0] < threshold:
+                while streamed.total < threshold:
                     await asyncio.sleep(0.01)
                 proc.send_signal(signal.SIGTERM)
                 seen["health"], seen["new_request"] = await _after_sigterm(target)
 
-            outs = asyncio.run(run_load(target, reqs, on_chunk=on_chunk, during=fault))
+            outs = asyncio.run(run_load(target, reqs, on_chunk=streamed, during=fault))
             assert seen, "the fault never fired"
             rc = proc.wait(timeout=DRAIN_TIMEOUT + 120)
         finally:

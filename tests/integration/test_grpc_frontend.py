@@ -247,9 +247,14 @@ def test_stop_keeps_answering_while_in_flight_calls_finish(fe, hf):
     async def go():
         async with GenerationClient(srv.target) as c:
             out = Completion()
-            it = c.generate(prompt_token_ids=ids, max_tokens=12, temperature=0.0, ignore_eos=True).__aiter__()
-            out.add(await it.__anext__())                     # in flight
-            with fe.stalled_engine():                          # it cannot finish yet
+            with fe.stalled_engine():                          # the call below cannot finish yet
+                it = c.generate(prompt_token_ids=ids, max_tokens=12, temperature=0.0, ignore_eos=True).__aiter__()
+                first = asyncio.ensure_future(it.__anext__())   # in flight, waiting for its first token
+                for _ in range(600):
+                    if srv.servicer.active:
+                        break
+                    await asyncio.sleep(0.01)
+                assert srv.servicer.active == 1
                 stopping = asyncio.wrap_future(fe.loop.submit(srv.stop(grace=60)))
                 await asyncio.sleep(0.1)
                 health = await c.health()
@@ -257,6 +262,7 @@ def test_stop_keeps_answering_while_in_flight_calls_finish(fe, hf):
                     await c.complete(prompt="new", max_tokens=2)
                 await asyncio.sleep(0.3)
                 assert not stopping.done(), "stop() returned with a call in flight"
+            out.add(await first)
             async for r in it:
                 out.add(r)
             await asyncio.wait_for(stopping, 60)
