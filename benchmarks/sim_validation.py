@@ -243,7 +243,10 @@ class RealCluster:
                                  router_policy="prefix_aware", router_temperature=0.0,
                                  local_prefill_threshold=cfg.local_prefill_threshold,
                                  local_prefill_hit_ratio=cfg.local_prefill_hit_ratio, ray_temp_dir=ray_dir,
-                                 log_level="WARNING", step_trace_size=1 << 17)
+                                 log_level="WARNING", step_trace_size=1 << 17,
+                                 # workers and frontend share the cores as equals: the simulator's
+                                 # host model is processor sharing (Ray's default would nice workers to 15)
+                                 worker_niceness=0)
         self.stack = None
         self.decisions: dict[str, tuple] = {}
         self.ranks: dict[str, int] = {}

@@ -63,7 +63,7 @@ class ServeConfig:
     decode_workers: int = 1
     colocated: bool = False               # workers do both phases, no handoff
     cpus_per_worker: float = 1.0
-    worker_niceness: int = 0              # nice of worker actors in a Ray cluster pdserve starts (Ray's own: 15)
+    worker_niceness: int = 15             # nice of worker actors in a Ray cluster pdserve starts (Ray's default)
     gpus_per_worker: float = 0.0
     torch_threads: int = 1
     # Ray custom resources each pool's actors request ("" = no pinning); the
@@ -121,7 +121,8 @@ class ServeConfig:
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a TCP port (0-65535)")
         if not 0 <= self.worker_niceness <= 19:
-            raise ValueError(f"worker_niceness must be 0-19 (0 = the frontend's priority), got {self.worker_niceness}")
+            raise ValueError(f"worker_niceness must be 0-19 (0 = the frontend's priority, 15 = Ray's default), "
+                             f"got {self.worker_niceness}")
         if self.step_trace_size < 0:
             raise ValueError(f"step_trace_size must be >= 0 records (0 = off), got {self.step_trace_size}")
         if self.max_worker_queue < 0:

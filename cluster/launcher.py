@@ -61,8 +61,7 @@ def init_ray(cfg: ServeConfig) -> None:
     resources = {r: 1000 for r in (cfg.prefill_resource, cfg.decode_resource) if r}
     ray.init(num_cpus=max(os.cpu_count() or 1, int(workers * cfg.cpus_per_worker + 0.999)),
              resources=resources, _node_ip_address="127.0.0.1",
-             # Ray nices worker processes to 15 by default: engine steps would then wait behind the
-             # frontend and any other process on the host (docs/simulator.md, "in-situ host model")
+             # Ray nices worker processes (the engine actors) to 15 by default; docs/deploy.md
              _system_config={"worker_niceness": cfg.worker_niceness},
              **({"_temp_dir": cfg.ray_temp_dir} if cfg.ray_temp_dir else {}), **kwargs)
 

@@ -35,9 +35,9 @@ HELP = {
     "decode_workers": "decode actors (colocated workers with --colocated)",
     "colocated": "workers run both phases; no KV handoff (for comparison)",
     "cpus_per_worker": "Ray CPUs each worker actor reserves",
-    "worker_niceness": "nice level of the worker actors when pdserve starts Ray itself (Ray's default is 15, "
-                       "which starves engine steps whenever the frontend or anything else wants the CPU); "
-                       "an existing cluster: set RAY_worker_niceness before `ray start`",
+    "worker_niceness": "nice level of the worker actors when pdserve starts Ray itself (15, Ray's default: the "
+                       "frontend keeps streaming promptly when engines saturate the cores; 0: engines get equal "
+                       "priority); an existing cluster: set RAY_worker_niceness before `ray start`",
     "gpus_per_worker": "Ray GPUs each worker actor reserves (set with --device cuda)",
     "torch_threads": "torch threads inside each worker",
     "prefill_resource": "Ray custom resource prefill actors request ('' = none)",

@@ -131,9 +131,9 @@ Fails on a model storage that needs a path but has none.
 {{- define "pdserve.env" -}}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
-# Ray nices its worker processes (our engine actors) to 15 unless told otherwise
+# the nice level of Ray's worker processes (our engine actors)
 - name: RAY_worker_niceness
-  value: {{ .Values.config.worker_niceness | default 0 | quote }}
+  value: {{ hasKey .Values.config "worker_niceness" | ternary .Values.config.worker_niceness 15 | toString | quote }}
 {{- range $name, $value := .Values.transferEnv }}
 - name: {{ $name }}
   value: {{ $value | toString | quote }}
