@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from cluster.sim.cost_model import FIT_MODES, TableCostModel  # noqa: E402
 from cluster.sim.measure import Cell, Grid, make_engine, measure_engine  # noqa: E402
+from cluster.sim.step_fit import shape_sched  # noqa: E402
 
 TINY_GRID = Grid(prefill_new=(8, 16, 32, 64, 128, 256, 512), prefill_cached=(0, 128, 512, 1024),
                  decode_batch=(1, 2, 4, 8, 16, 32), decode_context=(64, 256, 1024, 1920))
@@ -48,7 +49,7 @@ def errors(profile: TableCostModel, measured: dict) -> dict[str, list[dict]]:
         m = profile.with_mode(mode)
         rows = []
         for cell, (shape, real) in measured.items():
-            pred = m.step_seconds(shape.sched())
+            pred = m.step_seconds(shape_sched(shape))
             rows.append({"probe": cell.label, "predicted_ms": round(pred * 1e3, 4),
                          "real_ms": round(real * 1e3, 4), "error": round(abs(pred - real) / real, 4)})
         out[mode] = rows

@@ -54,7 +54,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from cluster.router import PolicyConfig  # noqa: E402
 from cluster.sim.cluster_sim import ClusterSim, SimConfig  # noqa: E402
 from cluster.sim.cost_model import CostModel, ScaledCost, TableCostModel, TransferCost, load_cost_model  # noqa: E402
-from cluster.sim.insitu import Interference, fit_frontend, fit_interference  # noqa: E402
+from cluster.sim.insitu import Interference, fit_frontend, fit_interference, occupancy, step_kind  # noqa: E402
+from cluster.sim.step_fit import shape_sched  # noqa: E402
 from cluster.sim.measure import Grid, make_engine, measure_engine  # noqa: E402
 from cluster.sim.workload import PromptBuilder, TraceRequest, load_mooncake  # noqa: E402
 from engine.step_trace import StepRecord  # noqa: E402
@@ -482,6 +483,43 @@ def insitu(args, cfg: Cfg, base: TableCostModel) -> None:
         print(json.dumps(line), flush=True)
 
 
+def host_report(args, base: TableCostModel) -> None:
+    """Per saved phase: how busy the host was (cores: all, engine threads, the
+    frontend process, the rest), and per node role and step kind the steps'
+    wall and CPU time over the profile's isolated cost, split by whether
+    another node was mid-step for most of the step."""
+    saved = load_saved(args.host_report)
+    for ph in saved["phases"]:
+        real = ph["real"]
+        if not real.get("steps") or not real.get("frontend_cpu"):
+            raise SystemExit(f"{args.host_report}: phase {ph['phase']} has no step traces / CPU samples")
+        traces = {n: [StepRecord.from_json(r) for r in recs] for n, recs in real["steps"].items()}
+        fc = real["frontend_cpu"]
+        span = fc[-1][0] - fc[0][0]
+        engine = sum(r.cpu_s for recs in traces.values() for r in recs) / span
+        frontend = (fc[-1][1] - fc[0][1]) / span
+        host = real.get("host_busy_cores")
+        ratios: dict[str, list[float]] = {}
+        for n, fracs in occupancy(traces).items():
+            role = {"p": "prefill", "d": "decode"}[n[0]]
+            for r, frac in zip(traces[n], fracs):
+                pred = base.step_seconds(shape_sched(r.shape))
+                key = f"{role}/{step_kind(r.shape)}/{'others_busy' if frac[0] < 0.5 else 'alone'}"
+                acc = ratios.setdefault(key, [0.0, 0.0, 0.0, 0])
+                acc[0] += r.wall_s
+                acc[1] += r.cpu_s
+                acc[2] += pred
+                acc[3] += 1
+        print(json.dumps({"benchmark": "sim_validation", "phase": "host-report", "setup": saved["setup"],
+                          "load": ph["load"] if ph["phase"] == "load" else "capacity",
+                          "host_busy_cores": round(host, 2) if host is not None else None,
+                          "engine_thread_cores": round(engine, 2), "frontend_cores": round(frontend, 2),
+                          "other_cores": round(host - engine - frontend, 2) if host is not None else None,
+                          "steps": {k: {"n": v[3], "wall_over_isolated": round(v[0] / v[2], 2),
+                                        "cpu_over_isolated": round(v[1] / v[2], 2)}
+                                    for k, v in sorted(ratios.items()) if v[2] > 0}}), flush=True)
+
+
 def with_transfer_fixed(cost: TableCostModel, fixed_s: float) -> TableCostModel:
     """The same profile with another fixed cost per KV hand-off."""
     out = cost.with_mode(cost.fit_mode)
@@ -518,6 +556,8 @@ def main() -> None:
                          "mean slowdown per role and step kind (constant)")
     ap.add_argument("--no-frontend", action="store_true",
                     help="with --insitu: do not model the frontend process as a party on the host")
+    ap.add_argument("--host-report", metavar="REAL_JSON",
+                    help="no real cluster: per saved phase, host CPU use and in-situ step slowdowns")
     ap.add_argument("--save-interference", metavar="JSON", help="with --insitu: write the fitted table here")
     ap.add_argument("--resimulate", metavar="REAL_JSON",
                     help="no real cluster: simulate again the saved real runs of this file (real_<setup>.json)")
@@ -541,7 +581,9 @@ def main() -> None:
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     if args.calibrate_phases is None:
         args.calibrate_phases = "capacity" if args.insitu else "capacity,0.5"
-    if args.insitu:
+    if args.host_report:
+        host_report(args, base)
+    elif args.insitu:
         insitu(args, cfg, base)
     elif args.calibrate:
         calibrate(args, cfg, base)

@@ -91,25 +91,20 @@ class EngineLoop:
 
     def _step(self) -> bool:
         """One engine step and its outputs; True if it computed tokens."""
-        if self.step_trace is None:
-            deltas = self.engine.step()
-            self.steps += 1
-            if deltas:
-                self._on_deltas(deltas)
-            return self.engine.last_step_tokens > 0
-        t_unix, p0, c0 = time.time(), time.perf_counter(), time.thread_time()
+        trace = self.step_trace
+        if trace is not None:
+            t_unix, p0, c0 = time.time(), time.perf_counter(), time.thread_time()
         deltas = self.engine.step()
-        p1, c1 = time.perf_counter(), time.thread_time()
+        if trace is not None:
+            p1, c1 = time.perf_counter(), time.thread_time()
         self.steps += 1
         if deltas:
             self._on_deltas(deltas)
         did_work = self.engine.last_step_tokens > 0
-        if did_work:
+        if trace is not None and did_work:
             p2 = time.perf_counter()
-            shape = self.engine.last_step_shape
-            if shape is not None:
-                gap = p0 - self._last_end if self._last_end else 0.0
-                self.step_trace.append(StepRecord(t_unix, p1 - p0, c1 - c0, p2 - p1, gap, shape))
+            gap = p0 - self._last_end if self._last_end else 0.0
+            trace.append(StepRecord(t_unix, p1 - p0, c1 - c0, p2 - p1, gap, self.engine.last_step_shape))
             self._last_end = p2
         return did_work
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from cluster.sim.step_fit import StepFeatures, StepFit
 from engine.scheduler_output import SchedulerOutput
+from engine.step_trace import StepShape
 
 FIT_MODES = ("table", "fit", "fit+residual")
 
@@ -173,14 +174,14 @@ class TableCostModel(CostModel):
         return max(0.0, t + self._d_res(batch, context_tokens)) if self._d_res else t
 
     def step_seconds(self, sched: SchedulerOutput) -> float:
+        shape = StepShape.of(sched)
+        p_new, p_ctx, d_n, d_ctx = _step_sums(shape)
         if self.fit is not None:
-            t = self.fit.seconds(StepFeatures.of(sched, self.fit.block_size))
+            t = self.fit.seconds(StepFeatures.from_shape(shape, self.fit.block_size))
             if self._p_res is not None:
-                p_new, p_ctx, d_n, d_ctx = _step_sums(sched)
                 t += (self._p_res(p_new, p_ctx / p_new) if p_new else 0.0) + \
                     (self._d_res(d_n, d_ctx) if d_n else 0.0)
             return max(0.0, t)
-        p_new, p_ctx, d_n, d_ctx = _step_sums(sched)
         if p_new and d_n:
             return (self.prefill(p_new, p_ctx / p_new) + self.decode(d_n, d_ctx)
                     - self.step_overhead_s)
@@ -265,19 +266,10 @@ class ScaledCost(CostModel):
         return self.base.transfer_seconds(descriptors, nbytes)
 
 
-def _step_sums(sched: SchedulerOutput) -> tuple[int, int, int, int]:
+def _step_sums(shape: StepShape) -> tuple[int, int, int, int]:
     """(prefill tokens, sum of new x cached over prefill chunks, decodes, decode context)."""
-    p_new = p_ctx = d_n = d_ctx = 0
-    for s in sched.seqs:
-        n = s.num_new_tokens
-        c = s.request.num_computed_tokens
-        if n == 1 and c >= s.request.num_prompt_tokens:
-            d_n += 1
-            d_ctx += c + 1
-        else:
-            p_new += n
-            p_ctx += n * c
-    return p_new, p_ctx, d_n, d_ctx
+    return (sum(n for n, _ in shape.chunks), sum(n * c for n, c in shape.chunks),
+            len(shape.decode_ctx), sum(shape.decode_ctx))
 
 
 PROFILE_DIR = Path(__file__).parent / "profiles"

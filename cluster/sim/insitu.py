@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from cluster.sim.cost_model import CostModel
-from cluster.sim.step_fit import nnls
+from cluster.sim.step_fit import nnls, shape_sched
 from engine.step_trace import StepRecord, StepShape
 
 KINDS = ("prefill", "decode", "mixed")
@@ -44,16 +43,6 @@ def step_kind(shape: StepShape) -> str:
     if shape.chunks and shape.decode_ctx:
         return "mixed"
     return "prefill" if shape.chunks else "decode"
-
-
-def shape_sched(shape: StepShape) -> SimpleNamespace:
-    """A stand-in for the `SchedulerOutput` of a step of this shape (the fields
-    `CostModel.step_seconds` reads)."""
-    def seq(new: int, computed: int, prompt: int) -> SimpleNamespace:
-        return SimpleNamespace(num_new_tokens=new,
-                               request=SimpleNamespace(num_computed_tokens=computed, num_prompt_tokens=prompt))
-    return SimpleNamespace(seqs=[seq(n, c, c + n) for n, c in shape.chunks] +
-                           [seq(1, x - 1, x - 1) for x in shape.decode_ctx])
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from cluster.sim.cost_model import Table2D, TableCostModel, TransferCost
 from cluster.sim.step_fit import StepFeatures, StepFit
 from engine.sampling_params import SamplingParams
+from engine.step_trace import StepShape
 
 
 @dataclass(frozen=True)
@@ -48,25 +48,6 @@ class Grid:
     rounds: int = 2
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """What one scheduled step held: ``(new, computed, prompt)`` tokens per sequence."""
-    seqs: tuple[tuple[int, int, int], ...]
-
-    @classmethod
-    def of(cls, sched) -> "StepShape":
-        return cls(tuple((s.num_new_tokens, s.request.num_computed_tokens, s.request.num_prompt_tokens)
-                         for s in sched.seqs))
-
-    def sched(self) -> SimpleNamespace:
-        """A stand-in with the fields `CostModel.step_seconds` reads."""
-        return SimpleNamespace(seqs=[SimpleNamespace(num_new_tokens=n, request=SimpleNamespace(
-            num_computed_tokens=c, num_prompt_tokens=p)) for n, c, p in self.seqs])
-
-    def features(self, block_size: int) -> StepFeatures:
-        return StepFeatures.of(self.sched(), block_size)
-
-
 class StepTimer:
     """Times single engine steps of a real `LLMEngine` with fresh random prompts.
 
@@ -75,6 +56,7 @@ class StepTimer:
 
     def __init__(self, engine, seed: int = 0) -> None:
         self.engine = engine
+        engine.record_step_shapes = True         # each step's shape: engine.last_step_shape
         self.rng = random.Random(seed)
         self.vocab = min(256, engine.tokenizer.vocab_size)
         self._ids = itertools.count()
@@ -88,21 +70,10 @@ class StepTimer:
             self.engine.step()
 
     def _timed_step(self) -> tuple[float, int]:
-        sched = self.engine.scheduler
-        real, seen = sched.schedule, []
-
-        def capture():
-            out = real()
-            seen.append(StepShape.of(out))
-            return out
-        sched.schedule = capture
-        try:
-            t0 = time.thread_time()
-            self.engine.step()
-            seconds = time.thread_time() - t0
-        finally:
-            del sched.schedule                   # back to the class's method
-        self.samples.append((seen[0], seconds))
+        t0 = time.thread_time()
+        self.engine.step()
+        seconds = time.thread_time() - t0
+        self.samples.append((self.engine.last_step_shape, seconds))
         return seconds, self.engine.last_step_tokens
 
     def _cache(self, cached: int) -> list[int]:
@@ -233,7 +204,7 @@ def measure_engine(engine, grid: Grid = Grid(), name: str = "cpu", seed: int = 0
     decode = [[timed[Cell("decode", (b, x))][1] for x in grid.decode_context] for b in grid.decode_batch]
     fitted = [timed[c] for c in p_cells + d_cells + multi]
     bs = engine.block_size
-    fit = StepFit.fit([st.features(bs) for st, _ in fitted], [t for _, t in fitted], bs)
+    fit = StepFit.fit([StepFeatures.from_shape(st, bs) for st, _ in fitted], [t for _, t in fitted], bs)
     mc = engine.runner.model_config
     dtype_bytes = engine.runner.dtype.itemsize
     profile = TableCostModel(

@@ -29,11 +29,13 @@ per-sequence cost.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Sequence
 
 import numpy as np
 
 from engine.scheduler_output import SchedulerOutput
+from engine.step_trace import StepShape
 
 TERMS = ("step", "prefill_seq", "decode_seq", "token", "fresh_attn", "prefill_attn", "prefill_kv",
          "decode_kv", "mixed")
@@ -90,15 +92,21 @@ class StepFeatures:
     @classmethod
     def of(cls, sched: SchedulerOutput, block_size: int) -> "StepFeatures":
         """The features of a step the scheduler formed (before it runs)."""
-        chunks, dctx = [], []
-        for s in sched.seqs:
-            n = s.num_new_tokens
-            c = s.request.num_computed_tokens
-            if n == 1 and c >= s.request.num_prompt_tokens:
-                dctx.append(c + 1)
-            else:
-                chunks.append((n, c))
-        return cls.build(chunks, dctx, block_size)
+        return cls.from_shape(StepShape.of(sched), block_size)
+
+    @classmethod
+    def from_shape(cls, shape: StepShape, block_size: int) -> "StepFeatures":
+        return cls.build(shape.chunks, shape.decode_ctx, block_size)
+
+
+def shape_sched(shape: StepShape) -> SimpleNamespace:
+    """A stand-in for the `SchedulerOutput` of a step of this shape (the fields
+    `CostModel.step_seconds` reads): for timed or traced steps."""
+    def seq(new: int, computed: int, prompt: int) -> SimpleNamespace:
+        return SimpleNamespace(num_new_tokens=new,
+                               request=SimpleNamespace(num_computed_tokens=computed, num_prompt_tokens=prompt))
+    return SimpleNamespace(seqs=[seq(n, c, c + n) for n, c in shape.chunks] +
+                           [seq(1, x - 1, x - 1) for x in shape.decode_ctx])
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import statistics
 
 from cluster.sim.cost_model import FIT_MODES
 from cluster.sim.measure import Cell, Grid, make_engine, measure_engine
+from cluster.sim.step_fit import shape_sched
 
 GRID = Grid(prefill_new=(16, 64, 256), prefill_cached=(0, 256), decode_batch=(1, 4, 8),
             decode_context=(64, 512), prefill_batches=(((32, 0),) * 2, ((16, 0), (16, 256)), ((64, 0),) * 3),
@@ -27,7 +28,7 @@ def test_step_cost_tracks_real_engine_steps(tiny_llama_dir):
         model = profile.with_mode(mode)
         rel = []
         for cell, (shape, real) in measured.items():
-            pred = model.step_seconds(shape.sched())
+            pred = model.step_seconds(shape_sched(shape))
             assert pred > 0
             rel.append(abs(pred - real) / real)
             print(f"{mode} {cell.label}: predicted {pred * 1e3:.2f} ms, real {real * 1e3:.2f} ms, error {rel[-1]:.1%}")

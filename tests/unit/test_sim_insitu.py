@@ -10,7 +10,8 @@ import pytest
 from cluster.sim.cluster_sim import ClusterSim, SimConfig
 from cluster.sim.cost_model import Table2D, TableCostModel, TransferCost
 from cluster.sim.insitu import (FrontendCost, Interference, fit_frontend, fit_interference, frontend_spans,
-                                occupancy, shape_sched, step_kind)
+                                occupancy, step_kind)
+from cluster.sim.step_fit import shape_sched
 from cluster.sim.workload import PromptBuilder, synthetic_shared_prefix
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request

@@ -82,3 +82,16 @@ def test_cpu_sampler_records_process_and_host_time(val):
     s.stop()
     assert len(s.samples) >= 3
     assert all(b[0] >= a[0] and b[1] >= a[1] and b[2] >= a[2] for a, b in zip(s.samples, s.samples[1:]))
+
+
+def test_host_report_on_the_shipped_runs(val, capsys):
+    import json
+    from types import SimpleNamespace
+    base = load_cost_model(str(ROOT / "docs" / "sim" / "validation" / "profile.json"))
+    val.host_report(SimpleNamespace(host_report=str(ROOT / "docs" / "sim" / "validation" / "real_1p1d.json.gz")), base)
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["load"] for x in lines] == ["capacity", 0.5, 0.85, 1.1]
+    for x in lines:
+        assert 0 < x["engine_thread_cores"] < x["host_busy_cores"] <= 2.0 + 1e-6
+        busy, alone = x["steps"]["decode/decode/others_busy"], x["steps"]["decode/decode/alone"]
+        assert busy["wall_over_isolated"] > alone["wall_over_isolated"] >= 1.0
