@@ -59,10 +59,10 @@ def init_ray(cfg: ServeConfig) -> None:
         return
     workers = cfg.decode_workers + (0 if cfg.colocated else cfg.prefill_workers)
     resources = {r: 1000 for r in (cfg.prefill_resource, cfg.decode_resource) if r}
+    if cfg.worker_niceness != 15:   # Ray nices worker processes (the engine actors) to 15; docs/deploy.md
+        kwargs["_system_config"] = {"worker_niceness": cfg.worker_niceness}
     ray.init(num_cpus=max(os.cpu_count() or 1, int(workers * cfg.cpus_per_worker + 0.999)),
              resources=resources, _node_ip_address="127.0.0.1",
-             # Ray nices worker processes (the engine actors) to 15 by default; docs/deploy.md
-             _system_config={"worker_niceness": cfg.worker_niceness},
              **({"_temp_dir": cfg.ray_temp_dir} if cfg.ray_temp_dir else {}), **kwargs)
 
 
