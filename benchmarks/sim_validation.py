@@ -444,10 +444,14 @@ def insitu(args, cfg: Cfg, base: TableCostModel) -> None:
     of the chosen saved phases, and the hand-off's fixed cost from their mean
     first token gap; then simulate every phase with both (the others held out)."""
     saved = load_saved(args.insitu)
+    source = load_saved(args.fit_from) if args.fit_from else saved
+    if (source["setup"], source["requests"]) != (saved["setup"], saved["requests"]):
+        raise SystemExit(f"--fit-from {args.fit_from}: a run of setup {source['setup']} with {source['requests']} "
+                         f"requests; give one of {saved['setup']} with {saved['requests']}, like {args.insitu}")
     p, d = SETUPS[saved["setup"]]
     reqs = trace_requests(Path(args.trace), saved["requests"], cfg)
     want = set(args.calibrate_phases.split(","))
-    fitted = [ph for ph in saved["phases"] if ph["phase"] in want or str(ph["load"]) in want]
+    fitted = [ph for ph in source["phases"] if ph["phase"] in want or str(ph["load"]) in want]
     if not fitted or any(not ph["real"].get("steps") for ph in fitted):
         raise SystemExit(f"{args.insitu}: phases {sorted(want)} have no step traces (record them again "
                          f"with this script: it runs the workers with step_trace_size > 0)")
@@ -459,7 +463,8 @@ def insitu(args, cfg: Cfg, base: TableCostModel) -> None:
             u0, tt = ph["real"]["unix0"], ph["real"]["token_times"].values()
             work.append(([u0 + t[0] for t in tt], [u0 + x for t in tt for x in t[1:]]))
         fe = fit_frontend([(ph["real"]["frontend_cpu"], *w) for ph, w in zip(fitted, work)])
-    inter = fit_interference(runs, roles, base, fe, work, by_load=args.host_model == "shared")
+    inter = fit_interference(runs, roles, base, fe, work, by_load=args.host_model == "shared",
+                             jitter=args.jitter)
     # the hand-off: the fixed cost whose simulated mean first gap is nearest the real one
     best = None
     for fixed_ms in np.arange(0.0, 301.0, 5.0):
@@ -479,7 +484,7 @@ def insitu(args, cfg: Cfg, base: TableCostModel) -> None:
     for ph in saved["phases"]:
         sim = simulate(salted(reqs, ph["salt"], ph["sent"]), p, d, cost, cfg, inter)
         line = json.loads(_line(saved["setup"], ph, ph["real"], sim))
-        line["held_out"] = ph not in fitted
+        line["held_out"] = ph not in fitted          # a phase of another run (--fit-from) is always held out
         print(json.dumps(line), flush=True)
 
 
@@ -556,6 +561,12 @@ def main() -> None:
                          "mean slowdown per role and step kind (constant)")
     ap.add_argument("--no-frontend", action="store_true",
                     help="with --insitu: do not model the frontend process as a party on the host")
+    ap.add_argument("--fit-from", metavar="REAL_JSON",
+                    help="with --insitu: fit on these phases of this other saved run of the same setup, and "
+                         "simulate every phase of the --insitu run (all held out)")
+    ap.add_argument("--jitter", action="store_true",
+                    help="with --insitu: also fit each step kind's residual spread and draw every simulated "
+                         "step's time from it (default: each step takes its modelled mean time)")
     ap.add_argument("--host-report", metavar="REAL_JSON",
                     help="no real cluster: per saved phase, host CPU use and in-situ step slowdowns")
     ap.add_argument("--save-interference", metavar="JSON", help="with --insitu: write the fitted table here")

@@ -51,12 +51,20 @@ def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | No
     # block's tokens as native uint32), packed once: the parent's digest *is*
     # its 8 little-endian bytes, so the chain never leaves bytes.
     data = array("I", token_ids[start * block_size:n_full * block_size]).tobytes()
+    return packed_block_hashes(data, block_size, root_hash(cache_salt) if parent is None else parent)
+
+
+def packed_block_hashes(data: bytes, block_size: int, parent: int) -> list[int]:
+    """`block_hashes` of tokens already packed as native uint32 (``array('I')``
+    or numpy ``uint32`` bytes), after the block whose hash is ``parent``; a
+    trailing partial block is ignored."""
     step = block_size * 4
-    prev = (root_hash(cache_salt) if parent is None else parent).to_bytes(8, "little")
+    end = len(data) - len(data) % step
+    prev = parent.to_bytes(8, "little")
     blake = hashlib.blake2b
     digests: list[bytes] = []
     append = digests.append
-    for off in range(0, len(data), step):
+    for off in range(0, end, step):
         prev = blake(prev + data[off:off + step], digest_size=8).digest()
         append(prev)
     from_bytes = int.from_bytes

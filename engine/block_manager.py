@@ -33,6 +33,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+
+def token_slice(request: Request, lo: int, hi: int) -> list[int]:
+    """``request.all_token_ids[lo:hi]`` without joining prompt and output (hot path)."""
+    prompt, out = request.prompt_token_ids, request.output_token_ids
+    p = len(prompt)
+    if hi <= p:
+        return prompt[lo:hi]
+    if lo >= p:
+        return out[lo - p:hi - p]
+    return prompt[lo:] + out[:hi - p]
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  tier_sizes: TierSizes = TierSizes()) -> None:
@@ -58,7 +69,7 @@ class KVCacheManager:
             return ResumedBlocks(entries, swapped.num_tokens)
         limit = request.num_tokens - 1 if max_tokens is None else min(max_tokens, request.num_tokens)
         self.update_block_hashes(request)
-        bs, tokens, hits = self.block_size, None, []
+        bs, hits = self.block_size, []
         parent = root_hash(request.cache_salt)
         for i, block_hash in enumerate(request.block_hashes):
             if i * bs >= limit:
@@ -66,8 +77,7 @@ class KVCacheManager:
             block = self.pool.lookup(block_hash) or self.pool.lookup_lower(block_hash)
             if block is None or block.parent_hash != parent:
                 break
-            tokens = request.all_token_ids if tokens is None else tokens
-            if block.token_ids != tuple(tokens[i * bs:(i + 1) * bs]):
+            if block.token_ids != tuple(token_slice(request, i * bs, (i + 1) * bs)):
                 break
             hits.append(block)
             parent = block_hash
@@ -80,9 +90,7 @@ class KVCacheManager:
         if have < n_full:
             parent = request.block_hashes[-1] if have else None
             # only the new blocks' tokens, without joining prompt and output (hot on every decode step)
-            prompt, out = request.prompt_token_ids, request.output_token_ids
-            lo, hi, p = have * bs, n_full * bs, len(prompt)
-            tokens = out[lo - p:hi - p] if lo >= p else prompt[lo:hi] if hi <= p else prompt[lo:] + out[:hi - p]
+            tokens = token_slice(request, have * bs, n_full * bs)
             request.block_hashes.extend(block_hashes(tokens, bs, request.cache_salt, parent=parent))
 
     # ---- allocation ----------------------------------------------------------
@@ -95,6 +103,16 @@ class KVCacheManager:
         Returns the whole block table, or None (nothing changed) when the pool
         is short of free blocks."""
         rid = request.request_id
+        if computed_blocks is None and num_new_tokens > 0:
+            # fast path (every decode step): the table already holds the new tokens and the
+            # blocks they are written into are private and not cached, so nothing changes
+            table = self._tables.get(rid)
+            if table is not None:
+                start, bs = request.num_computed_tokens, self.block_size
+                end = (start + num_new_tokens + bs - 1) // bs
+                if end <= len(table) and all(table[i].ref_cnt == 1 and table[i].block_hash is None
+                                             for i in range(start // bs, end)):
+                    return [b.block_id for b in table]
         if computed_blocks is not None:
             assert not self._tables.get(rid), f"request {rid} already owns blocks"
             start, prefix = computed_blocks.num_computed_tokens, list(computed_blocks.blocks)
@@ -212,16 +230,16 @@ class KVCacheManager:
         """Offer the full blocks among the first ``num_tokens`` (computed)
         tokens to the prefix cache; the partial last block stays private."""
         rid = request.request_id
-        self.update_block_hashes(request)
         start, end = self._num_cached.get(rid, 0), num_tokens // self.block_size
         if end <= start:
             return
+        self.update_block_hashes(request)
         table = self._tables[rid]
         assert len(table) >= end, f"request {rid}: caching {end} blocks of a {len(table)}-block table"
-        tokens, bs = request.all_token_ids, self.block_size
+        bs = self.block_size
         parent = request.block_hashes[start - 1] if start else root_hash(request.cache_salt)
         self.pool.cache_full_blocks(table[start:end], request.block_hashes[start:end],
-                                    [tokens[i * bs:(i + 1) * bs] for i in range(start, end)], parent)
+                                    [token_slice(request, i * bs, (i + 1) * bs) for i in range(start, end)], parent)
         self._num_cached[rid] = end
 
     # ---- queries -------------------------------------------------------------

@@ -65,11 +65,25 @@ class SimConfig:
 
 
 class _Live:
-    __slots__ = ("rec", "trace", "tokens", "hashes", "deadline")
+    __slots__ = ("rec", "trace", "tokens", "hashes", "deadline", "no_room", "joining")
 
     def __init__(self, rec: RequestRecord, trace: TraceRequest, tokens: list[int], hashes: list[int]) -> None:
         self.rec, self.trace, self.tokens, self.hashes = rec, trace, tokens, hashes
         self.deadline = 0.0
+        self.no_room: tuple | None = None     # the decode node's room when the last join failed
+        self.joining = False                  # its hand-off waits to join the decode node
+
+
+def _nothing(node: SimNode) -> None:
+    pass
+
+
+def room(scheduler: Scheduler) -> tuple[int, int, int]:
+    """What decides whether `add_remote_request` finds room: free and cached
+    blocks, and sequence slots in use. A join that failed fails again while
+    this is unchanged, so retrying it is skipped."""
+    kv = scheduler.kv
+    return kv.num_free_blocks, kv.pool.num_cached_blocks, scheduler.num_running + len(scheduler.queues.remote)
 
 
 def descriptor_runs(src: list[int], dst: list[int]) -> int:
@@ -90,6 +104,7 @@ class ClusterSim:
         self.config, self.cost, self.builder = config, cost, builder
         self.workload = sorted(workload, key=lambda r: r.arrival_s)
         self.loop = EventLoop()
+        self._rng = np.random.default_rng(config.seed)      # step jitter of the shared-host model
         colocated = config.prefill_nodes == 0
         pc = config.policy_config
         if colocated and not pc.colocated:
@@ -109,7 +124,8 @@ class ClusterSim:
             shared = config.interference is not None
             self.nodes[nid] = SimNode(nid, role, sched, cost, self.loop, self, collapse=config.collapse,
                                       slowdown=self._slowdown if shared else None,
-                                      on_busy_change=self._host_changed if shared else None)
+                                      on_busy_change=self._host_changed if shared else None,
+                                      jitter=self._jitter if shared and config.interference.jitter else None)
             self.router.add_worker(nid, role)
         self.nic_free = {nid: 0.0 for nid in self.nodes}
         self._frontend_until = 0.0       # the frontend's FIFO work ends (with interference.frontend)
@@ -142,6 +158,9 @@ class ClusterSim:
         for node in self.nodes.values():
             if node is not changed and node.busy:
                 node.retime()
+
+    def _jitter(self, node: SimNode, sched) -> float:
+        return self.config.interference.jitter_at(node.role, step_kind(StepShape.of(sched)), self._rng.random())
 
     def _slowdown(self, node: SimNode, sched) -> float:
         busy = sum(n.busy for n in self.nodes.values()) - node.busy + (self._frontend_until > self.loop.now)
@@ -180,8 +199,7 @@ class ClusterSim:
         if self._next < len(self.workload):
             self.loop.at(max(self.workload[self._next].arrival_s, self.loop.now), self._arrive)
         self._frontend_work(self.loop.now, 1, 0)
-        tokens = self.builder.tokens(tr)
-        hashes = self.builder.hashes(tr, tokens)
+        tokens, hashes = self.builder.prompt(tr)
         rid = tr.request_id
         d = self.router.route(RoutingRequest(rid, len(tokens), tuple(hashes), self.config.block_size))
         rec = RequestRecord(rid, self.loop.now, len(tokens), tr.output_length, d.kind.value,
@@ -228,9 +246,16 @@ class ClusterSim:
             node.scheduler.release_held(request.request_id)
             self._done(live, t, request)
             return
-        live.deadline = t + self.config.transfer_timeout_s
+        live.deadline, live.joining = t + self.config.transfer_timeout_s, True
         decode = self.nodes[live.rec.decode_node]
         decode.post_retry(lambda dn: self._join(dn, node, live))
+        # a join waiting for room fails until something on the node is freed (a run boundary),
+        # or until its deadline: wake the node then, so it ends the run in flight and falls back
+        self.loop.at(live.deadline, self._wake_at_deadline, decode, live)
+
+    def _wake_at_deadline(self, decode: SimNode, live: _Live) -> None:
+        if live.joining:
+            decode.post(_nothing)
 
     def _done(self, live: _Live, t: float, request: Request) -> None:
         live.rec.finish_s = t
@@ -240,15 +265,20 @@ class ClusterSim:
     # ---- prefill -> decode hand-off -----------------------------------------
     def _join(self, dn: SimNode, pn: SimNode, live: _Live) -> bool:
         rid, rec, now = live.rec.request_id, live.rec, self.loop.now
+        if now < live.deadline and live.no_room is not None and live.no_room == room(dn.scheduler):
+            return False
         alloc = dn.scheduler.add_remote_request(self._request(live, live.tokens, live.trace.output_length))
         if alloc is None:
             if now < live.deadline:
+                live.no_room = room(dn.scheduler)
                 return False
+            live.joining = False
             self.fallbacks += 1                       # as DecodeWorker: recompute here, keep the first token
             pn.post(lambda n: n.scheduler.release_held(rid))
             tokens = live.tokens + [dn.output_token]
             dn.scheduler.add_request(self._request(live, tokens, max(1, live.trace.output_length - 1)))
             return True
+        live.joining = False
         held = pn.scheduler.kv.get_block_ids(rid)
         src, dst = held[alloc.num_cached_blocks:len(alloc.block_ids)], list(alloc.blocks_to_pull)
         nbytes = len(dst) * self.config.block_size * self.cost.kv_bytes_per_token

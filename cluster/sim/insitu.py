@@ -37,6 +37,7 @@ from engine.step_trace import StepRecord, StepShape
 
 KINDS = ("prefill", "decode", "mixed")
 MIN_SAMPLES = 5          # fewer step-equivalents at some k: that k shares the nearest k's factor
+JITTER_POINTS = 21       # quantiles (0, 5, ..., 100 %) kept of each step kind's residual ratio
 
 
 def step_kind(shape: StepShape) -> str:
@@ -53,6 +54,10 @@ class Interference:
     factors: Mapping[str, Mapping[str, Sequence[float]]]
     samples: Mapping[str, Mapping[str, Sequence[int]]] = field(default_factory=dict)
     frontend: FrontendCost | None = None      # the frontend's work, counted as a party when busy
+    # jitter[role][kind]: evenly spaced quantiles (mean 1) of each real step's wall time over the
+    # model's (isolated cost x factors over its k): the variation the factors do not explain
+    # (time slices, cache misses). The simulator draws one per step; empty: none
+    jitter: Mapping[str, Mapping[str, Sequence[float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for role, kinds in self.factors.items():
@@ -62,6 +67,20 @@ class Interference:
                 if not row or any(not (f > 0) for f in row):
                     raise ValueError(f"interference: factors for {role}/{kind} must be a non-empty list of "
                                      f"positive numbers, got {list(row)}")
+        for role, kinds in self.jitter.items():
+            for kind, row in kinds.items():
+                if len(row) < 2 or any(not (q > 0) for q in row) or list(row) != sorted(row):
+                    raise ValueError(f"interference: jitter for {role}/{kind} must be at least 2 positive "
+                                     f"quantiles in increasing order, got {list(row)}")
+
+    def jitter_at(self, role: str, kind: str, u: float) -> float:
+        """The jitter quantile at ``u`` in [0, 1] (interpolated); 1 without a table."""
+        row = self.jitter.get(role, {}).get(kind)
+        if not row:
+            return 1.0
+        x = u * (len(row) - 1)
+        i = min(int(x), len(row) - 2)
+        return float(row[i] + (row[i + 1] - row[i]) * (x - i))
 
     def factor(self, role: str, kind: str, others_busy: int) -> float:
         kinds = self.factors.get(role)
@@ -74,6 +93,7 @@ class Interference:
         return {"format": "pdserve-sim-interference/1",
                 "factors": {r: {k: list(v) for k, v in ks.items()} for r, ks in self.factors.items()},
                 "samples": {r: {k: list(v) for k, v in ks.items()} for r, ks in self.samples.items()},
+                "jitter": {r: {k: list(v) for k, v in ks.items()} for r, ks in self.jitter.items()},
                 "frontend": self.frontend.to_json() if self.frontend else None}
 
     @classmethod
@@ -84,7 +104,9 @@ class Interference:
         return cls({r: {k: tuple(float(x) for x in v) for k, v in ks.items()} for r, ks in data["factors"].items()},
                    {r: {k: tuple(int(x) for x in v) for k, v in ks.items()}
                     for r, ks in data.get("samples", {}).items()},
-                   FrontendCost.from_json(data["frontend"]) if data.get("frontend") else None)
+                   FrontendCost.from_json(data["frontend"]) if data.get("frontend") else None,
+                   {r: {k: tuple(float(x) for x in v) for k, v in ks.items()}
+                    for r, ks in data.get("jitter", {}).items()})
 
 
 @dataclass(frozen=True)
@@ -189,7 +211,7 @@ def occupancy(traces: Mapping[str, Sequence[StepRecord]],
 def fit_interference(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: Mapping[str, str],
                      cost: CostModel, frontend: FrontendCost | None = None,
                      frontend_work: Sequence[tuple[Sequence[float], Sequence[float]]] = (),
-                     by_load: bool = True) -> Interference:
+                     by_load: bool = True, jitter: bool = False) -> Interference:
     """Fit the table from the step traces of real runs (each: node id -> its
     records; ``roles``: node id -> role) against ``cost``, the profile the
     simulator will use. With ``frontend`` (and, per run, its (arrival times,
@@ -203,7 +225,12 @@ def fit_interference(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: 
     isolated cost (with one column this is total wall time / total isolated
     cost, so rare steps that waited long for a core count by their time, not
     by their ratio). ``by_load=False`` fits one factor per role and step
-    kind whatever the others do (the mean in-situ slowdown of the runs)."""
+    kind whatever the others do (the mean in-situ slowdown of the runs).
+    ``jitter``: also keep the quantiles of each step's wall time over the
+    model's, normalised to mean 1, so the simulator spreads step times as
+    the real ones spread (kinds with at least MIN_SAMPLES steps). Off by
+    default: on the validation host it fixed the low p90 ITL of 2P+2D but
+    made 1P+1D's 18-38% too high (docs/simulator.md)."""
     if not runs or not any(recs for traces in runs for recs in traces.values()):
         raise ValueError("interference: no step records; run the workers with step_trace_size > 0")
     missing = sorted({n for traces in runs for n in traces} - set(roles))
@@ -224,6 +251,7 @@ def fit_interference(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: 
                     width = max(width, len(frac))
     factors: dict[str, dict[str, tuple[float, ...]]] = {}
     samples: dict[str, dict[str, tuple[int, ...]]] = {}
+    jit: dict[str, dict[str, tuple[float, ...]]] = {}
     for (role, kind), got in sorted(rows.items()):
         a = np.zeros((len(got), width))
         b = np.zeros(len(got))
@@ -243,4 +271,9 @@ def fit_interference(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: 
         f = np.where(f > 0, f, pos.min() if len(pos) else 1.0)
         factors.setdefault(role, {})[kind] = tuple(float(f[good.index(near[k])]) for k in range(top + 1))
         samples.setdefault(role, {})[kind] = tuple(int(round(weight[k])) for k in range(top + 1))
-    return Interference(factors, samples, frontend)
+        if jitter and len(got) >= MIN_SAMPLES:
+            model = merged @ f * np.sqrt([pred for _, pred, _ in got])     # isolated cost x mean factor
+            ratio = np.array([wall for _, _, wall in got]) / model
+            q = np.quantile(ratio / ratio.mean(), np.linspace(0, 1, JITTER_POINTS))
+            jit.setdefault(role, {})[kind] = tuple(float(x) for x in np.maximum(q, 1e-3))
+    return Interference(factors, samples, frontend, jit)

@@ -50,7 +50,7 @@ class SimNode:
     def __init__(self, node_id: str, role: str, scheduler: Scheduler, cost: CostModel, loop: EventLoop,
                  listener: NodeListener, *, collapse: bool = True, max_run_steps: int = 4096,
                  output_token: int = 1, slowdown: Slowdown | None = None,
-                 on_busy_change: BusyChange | None = None) -> None:
+                 on_busy_change: BusyChange | None = None, jitter: Slowdown | None = None) -> None:
         if max_run_steps < 1:
             raise ValueError(f"max_run_steps must be >= 1, got {max_run_steps}")
         self.node_id, self.role = node_id, role
@@ -60,6 +60,7 @@ class SimNode:
         # its isolated speed, re-evaluated (`retime`) whenever another party on the host starts or
         # stops being busy; steps are then never collapsed into runs
         self.slowdown, self.on_busy_change = slowdown, on_busy_change
+        self.jitter = jitter        # with slowdown: each step's isolated cost x jitter(node, step), drawn once
         self._left = self._since = self._factor = 0.0      # isolated seconds left, as of, at factor
         self._was_busy = False
         if slowdown is not None:
@@ -90,7 +91,10 @@ class SimNode:
         self._kick()
 
     def post_retry(self, retry: Retry) -> None:
-        """Like post, but ``retry(node)`` runs at every step boundary until it returns True."""
+        """Like post, but ``retry(node)`` runs again at every run boundary until it
+        returns True. Pending retries do not stop decode runs from collapsing, so a
+        retry must be one that cannot start to succeed inside a run (nothing is
+        freed there); one with a deadline must `post` a wake-up at it."""
         def first(node: SimNode) -> None:
             if not retry(node):
                 node.retries.append(retry)
@@ -127,6 +131,8 @@ class SimNode:
         else:
             t = self.cost.step_seconds(sched)
             if self.slowdown is not None:
+                if self.jitter is not None:
+                    t *= self.jitter(self, sched)
                 self._left, self._since, self._factor = t, now, self.slowdown(self, sched)
                 t *= self._factor
             ends = np.array([now + t])
@@ -155,7 +161,7 @@ class SimNode:
 
     def _collapsible_steps(self, sched: SchedulerOutput) -> int:
         s = self.scheduler
-        if self.inbox or self.retries or s.num_waiting or sched.preempted_ids \
+        if self.inbox or s.num_waiting or sched.preempted_ids \
                 or len(sched.seqs) != s.num_running:
             return 1
         k = self.max_run_steps

@@ -19,11 +19,11 @@ from array import array
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
-from engine.block_hash import block_hashes, root_hash
+from engine.block_hash import packed_block_hashes, root_hash
 
 MOONCAKE_TOKENS_PER_ID = 512
 
@@ -122,7 +122,7 @@ class PromptBuilder:
 
     Token ids default to [0, 256): CPython shares those int objects, so the
     millions of tokens the simulated prefix caches hold cost 8 bytes each.
-    Hashing passes ``array('I')`` slices to `block_hashes` (same bytes, same
+    Hashing passes packed uint32 bytes to `packed_block_hashes` (same bytes, same
     hashes as a list, without the per-call list conversion)."""
 
     def __init__(self, block_size: int, tokens_per_id: int = MOONCAKE_TOKENS_PER_ID,
@@ -136,6 +136,7 @@ class PromptBuilder:
         self.block_size, self.tokens_per_id = block_size, tokens_per_id
         self.vocab_size, self.first_token, self.seed = vocab_size, first_token, seed
         self._segments: dict[tuple[int, int], list[int]] = {}
+        self._id_tokens: dict[int, np.ndarray] = {}
         self._cache_entries = cache_entries
         self._offsets = np.arange(tokens_per_id, dtype=np.uint64)
 
@@ -149,21 +150,42 @@ class PromptBuilder:
         """The ``tokens_per_id`` tokens of one hash id (seeded by the id)."""
         return self._mix(np.asarray([hash_id])).ravel().astype(np.int64).tolist()
 
+    def _flat(self, req: TraceRequest) -> np.ndarray:
+        """The prompt's tokens as uint32: each id's tokens memoised (overlaid copies and
+        conversation turns repeat ids; the salt changes hashes, not tokens)."""
+        ids = req.hash_ids[:-(-req.input_length // self.tokens_per_id)]
+        memo = self._id_tokens
+        missing = list(dict.fromkeys(h for h in ids if h not in memo))
+        if missing:
+            if len(memo) + len(missing) > self._cache_entries // 4:      # <= 32 MB at 512 tokens per id
+                memo.clear()
+                missing = list(dict.fromkeys(ids))
+            for h, row in zip(missing, self._mix(np.asarray(missing, dtype=np.int64)).astype(np.uint32)):
+                memo[h] = row
+        return np.concatenate([memo[h] for h in ids])[:req.input_length] if ids else np.zeros(0, np.uint32)
+
     def tokens(self, req: TraceRequest) -> list[int]:
         """The prompt: each id's tokens in order, cut to ``input_length``."""
-        n_ids = -(-req.input_length // self.tokens_per_id)
-        flat = self._mix(np.asarray(req.hash_ids[:n_ids], dtype=np.int64)).ravel()
-        return flat[:req.input_length].astype(np.int64).tolist()
+        return self._flat(req).tolist()
+
+    def prompt(self, req: TraceRequest) -> tuple[list[int], list[int]]:
+        """``tokens(req)`` and ``hashes(req, tokens)`` at once (hashing packs the
+        numpy tokens directly, without converting the list back)."""
+        flat = self._flat(req)
+        return flat.tolist(), self._hashes(req, len(flat), lambda start: flat[start:].tobytes())
 
     def hashes(self, req: TraceRequest, tokens: list[int]) -> list[int]:
         """pdserve's chained hashes of every full block of the prompt."""
+        return self._hashes(req, len(tokens), lambda start: array("I", tokens[start:]).tobytes())
+
+    def _hashes(self, req: TraceRequest, n_tokens: int, packed: Callable[[int], bytes]) -> list[int]:
         bs, tpi = self.block_size, self.tokens_per_id
         out: list[int] = []
         parent = root_hash(req.salt)
         segments = self._segments
         k = 0
         for k, h in enumerate(req.hash_ids):          # the memoised prefix of segments
-            if (k + 1) * tpi > len(tokens):
+            if (k + 1) * tpi > n_tokens:
                 break
             seg = segments.get((parent, h))
             if seg is None:
@@ -173,10 +195,10 @@ class PromptBuilder:
         else:
             k = len(req.hash_ids)
         start = k * tpi
-        if start >= len(tokens) or k >= len(req.hash_ids):
+        if start >= n_tokens or k >= len(req.hash_ids):
             return out
         # after the first miss every parent is new: hash the rest in one call, memoise its full segments
-        rest = block_hashes(array("I", tokens[start:]), bs, parent=parent)
+        rest = packed_block_hashes(packed(start), bs, parent)
         out.extend(rest)
         if len(segments) > 8 * self._cache_entries:
             segments.clear()

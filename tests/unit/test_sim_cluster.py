@@ -74,3 +74,30 @@ def test_config_errors_say_how_to_fix():
         SimConfig(1, 0)
     with pytest.raises(ValueError, match="block size"):
         ClusterSim(SimConfig(1, 1, block_size=32), _cost(), _workload(), PromptBuilder(16, tokens_per_id=16))
+
+
+def test_joins_waiting_for_room_retry_only_when_room_changed(monkeypatch):
+    """A hand-off that found no room on its decode node is retried only when
+    that node's free/cached blocks or sequence slots changed: the same results
+    as retrying at every step boundary, with fewer `add_remote_request` calls."""
+    import cluster.sim.cluster_sim as cs
+    from engine.scheduler import Scheduler
+
+    calls = []
+    real_add = Scheduler.add_remote_request
+    monkeypatch.setattr(Scheduler, "add_remote_request", lambda self, r: calls.append(1) or real_add(self, r))
+    reqs = _workload(n=80, rate=400.0, prefixes=80)      # no sharing: every request is a remote prefill
+
+    def run():
+        calls.clear()
+        sim, s = _run(p=3, d=1, num_blocks=40, reqs=reqs)
+        return sim, s, len(calls)
+
+    gated_sim, gated, gated_calls = run()
+    monkeypatch.setattr(cs, "room", lambda scheduler: object())      # never equal: retry every boundary
+    every_sim, every, every_calls = run()
+    assert gated["finished"] == every["finished"] == 80
+    assert every_calls > gated_calls > 80          # some joins did wait for room
+    for a, b in zip(gated_sim.records, every_sim.records):
+        assert (a.decode_cached_tokens, a.first_token_s, a.finish_s) == (b.decode_cached_tokens, b.first_token_s,
+                                                                          b.finish_s)

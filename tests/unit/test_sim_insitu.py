@@ -128,3 +128,39 @@ def test_the_simulator_applies_the_table():
     for node in slow_sim.nodes.values():
         node.scheduler.check_integrity()
         assert node.scheduler.kv.num_free_blocks == node.scheduler.kv.num_blocks
+
+
+def test_jitter_is_the_spread_the_factors_do_not_explain():
+    import random
+    cost = _cost()
+    base = cost.step_seconds(shape_sched(StepShape((), (100,))))
+    rng = random.Random(5)
+    a, t = [], 1000.0
+    for _ in range(400):                       # alone on the host: 1.5x, times 0.8 or 1.2 at random
+        wall = base * 1.5 * rng.choice((0.8, 1.2))
+        a.append(_rec(t, wall))
+        t += wall
+    inter = fit_interference([{"a": a}], {"a": "decode"}, cost, jitter=True)
+    assert inter.factors["decode"]["decode"][0] == pytest.approx(1.5, rel=0.03)
+    q = inter.jitter["decode"]["decode"]
+    assert len(q) == 21 and list(q) == sorted(q)
+    assert inter.jitter_at("decode", "decode", 0.2) == pytest.approx(0.8, rel=0.03)
+    assert inter.jitter_at("decode", "decode", 0.8) == pytest.approx(1.2, rel=0.03)
+    assert sum(q) / len(q) == pytest.approx(1.0, abs=0.03)
+    assert inter.jitter_at("prefill", "prefill", 0.9) == 1.0                    # no table: no jitter
+    assert Interference.from_json(inter.to_json()) == inter
+    assert fit_interference([{"a": a}], {"a": "decode"}, cost).jitter == {}             # off by default
+    with pytest.raises(ValueError, match="increasing order"):
+        Interference({"decode": {"decode": (1.0,)}}, jitter={"decode": {"decode": (1.2, 0.8)}})
+
+
+def test_the_simulator_draws_jitter_per_step():
+    flat = {"decode": {"decode": (1.0,)}, "prefill": {"prefill": (1.0,)}}
+    _, plain = _sim(Interference(flat))
+    spread = {"decode": {"decode": (0.5, 0.75, 1.0, 1.25, 1.5)}}
+    _, jit = _sim(Interference(flat, jitter=spread))
+    _, again = _sim(Interference(flat, jitter=spread))
+    assert (jit["itl_s"], jit["ttft_s"]) == (again["itl_s"], again["ttft_s"])      # seeded: reproducible
+    assert jit["finished"] == plain["finished"] == 60
+    assert jit["itl_s"]["p99"] > plain["itl_s"]["p99"]
+    assert jit["itl_s"]["mean"] == pytest.approx(plain["itl_s"]["mean"], rel=0.15)

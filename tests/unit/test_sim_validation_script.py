@@ -95,3 +95,13 @@ def test_host_report_on_the_shipped_runs(val, capsys):
         assert 0 < x["engine_thread_cores"] < x["host_busy_cores"] <= 2.0 + 1e-6
         busy, alone = x["steps"]["decode/decode/others_busy"], x["steps"]["decode/decode/alone"]
         assert busy["wall_over_isolated"] > alone["wall_over_isolated"] >= 1.0
+
+
+def test_fit_from_refuses_a_run_of_another_setup(val):
+    from types import SimpleNamespace
+    runs = ROOT / "docs" / "sim" / "validation"
+    args = SimpleNamespace(insitu=str(runs / "real_1p1d.json.gz"), fit_from=str(runs / "real_2p2d.json.gz"),
+                           trace=str(val.TRACE), calibrate_phases="0.5", host_model="shared", no_frontend=False,
+                           jitter=False, save_interference=None)
+    with pytest.raises(SystemExit, match="setup 2p2d"):
+        val.insitu(args, val.Cfg(), None)

@@ -74,3 +74,12 @@ def test_memoised_hashes_equal_the_engine_on_random_shared_prompts(bs, tpi):
         r = TraceRequest(f"x{i}", 0.0, rng.randint(1, n * tpi), 1, ids, salt=rng.choice([None, "a"]))
         t = b.tokens(r)
         assert b.hashes(r, t) == block_hashes(t, bs, r.salt)
+        assert b.prompt(r) == (t, block_hashes(t, bs, r.salt))     # the packed path, memo hits or not
+
+
+def test_token_memo_bounded_gives_the_same_prompts():
+    small = PromptBuilder(16, 64, cache_entries=12)       # keeps 3 ids' tokens: cleared again and again
+    big = PromptBuilder(16, 64)
+    reqs = [TraceRequest(f"m{i}", 0.0, 64 * 3, 1, (i % 5, 7, (3 * i) % 11)) for i in range(30)]
+    for r in reqs:
+        assert small.tokens(r) == big.tokens(r) and small.prompt(r) == big.prompt(r)
