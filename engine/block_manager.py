@@ -33,7 +33,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-
 def token_slice(request: Request, lo: int, hi: int) -> list[int]:
     """``request.all_token_ids[lo:hi]`` without joining prompt and output (hot path)."""
     prompt, out = request.prompt_token_ids, request.output_token_ids
@@ -43,6 +42,7 @@ def token_slice(request: Request, lo: int, hi: int) -> list[int]:
     if lo >= p:
         return out[lo - p:hi - p]
     return prompt[lo:] + out[:hi - p]
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,

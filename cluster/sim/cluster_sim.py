@@ -83,7 +83,7 @@ def room(scheduler: Scheduler) -> tuple[int, int, int]:
     blocks, and sequence slots in use. A join that failed fails again while
     this is unchanged, so retrying it is skipped."""
     kv = scheduler.kv
-    return kv.num_free_blocks, kv.pool.num_cached_blocks, scheduler.num_running + len(scheduler.queues.remote)
+    return kv.num_free_blocks, kv.pool.num_cached_blocks, scheduler.num_running + scheduler.num_remote
 
 
 def descriptor_runs(src: list[int], dst: list[int]) -> int:
