@@ -10,6 +10,7 @@ each probe with the prediction of every mode (table, fit, fit+residual).
 Prints one JSON line (``--table`` also prints a markdown table to stderr):
 
     .venv/bin/python benchmarks/sim_cost_error.py [--model tiny|PATH] [--repeats 5] [--rounds 4] [--table]
+    .venv/bin/python benchmarks/sim_cost_error.py --model PATH --decode-sweep 1,2,3,4,5,6,8
 
 ``tiny`` (default) is the random tiny Llama of tests/tiny_models.py; any
 other value is a model path (HF directory or .gguf; "" = SmolLM2).
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cluster.sim.cost_model import FIT_MODES, TableCostModel  # noqa: E402
-from cluster.sim.measure import Cell, Grid, make_engine, measure_engine  # noqa: E402
+from cluster.sim.measure import Cell, Grid, StepTimer, make_engine, measure_engine, time_cells  # noqa: E402
 from cluster.sim.step_fit import shape_sched  # noqa: E402
 
 TINY_GRID = Grid(prefill_new=(8, 16, 32, 64, 128, 256, 512), prefill_cached=(0, 128, 512, 1024),
@@ -62,6 +63,14 @@ def tiny_model_dir() -> str:
     return str(make_tiny_model(tempfile.mkdtemp(prefix="pdserve-tiny-"), "llama"))
 
 
+def decode_sweep(engine, batches: list[int], args) -> None:
+    cells = [Cell("decode", (b, ctx)) for b in batches for ctx in (64, 200, 256)]
+    got = time_cells(StepTimer(engine, args.seed), cells, args.repeats, args.rounds, args.seed)
+    print(json.dumps({"benchmark": "sim_cost_error", "phase": "decode_sweep", "model": args.model,
+                      "clock": "thread_time", "repeats": args.repeats, "rounds": args.rounds,
+                      "ms": {c.label: round(got[c][1] * 1e3, 3) for c in cells}}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
@@ -69,9 +78,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--table", action="store_true", help="also print a markdown table to stderr")
+    ap.add_argument("--decode-sweep", metavar="B1,B2,...",
+                    help="instead: time decode steps at these batch sizes (contexts 64, 200, 256; fastest of "
+                         "rounds x repeats) and print them, to see how the cost moves between grid batches")
     args = ap.parse_args()
     model = tiny_model_dir() if args.model == "tiny" else args.model
     engine = make_engine(model, num_blocks=1024, max_model_len=2048, max_num_batched_tokens=1024)
+    if args.decode_sweep:
+        decode_sweep(engine, [int(b) for b in args.decode_sweep.split(",")], args)
+        return
     grid = Grid(**{**TINY_GRID.__dict__, "repeats": args.repeats, "rounds": args.rounds})
     t0 = time.perf_counter()
     profile, measured = measure_engine(engine, grid, seed=args.seed, probes=PROBES)

@@ -453,8 +453,8 @@ def insitu(args, cfg: Cfg, base: TableCostModel) -> None:
     want = set(args.calibrate_phases.split(","))
     fitted = [ph for ph in source["phases"] if ph["phase"] in want or str(ph["load"]) in want]
     if not fitted or any(not ph["real"].get("steps") for ph in fitted):
-        raise SystemExit(f"{args.insitu}: phases {sorted(want)} have no step traces (record them again "
-                         f"with this script: it runs the workers with step_trace_size > 0)")
+        raise SystemExit(f"{args.fit_from or args.insitu}: phases {sorted(want)} have no step traces (record "
+                         f"them again with this script: it runs the workers with step_trace_size > 0)")
     runs = [{n: [StepRecord.from_json(r) for r in recs] for n, recs in ph["real"]["steps"].items()} for ph in fitted]
     roles = {n: {"p": "prefill", "d": "decode"}[n[0]] for run in runs for n in run}
     fe, work = None, []
