@@ -30,6 +30,13 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra: bytes =
     return int.from_bytes(h.digest(), "little")
 
 
+def packed_tokens(token_ids: Sequence[int]) -> bytes:
+    """A block's tokens as the cache keeps them for its collision check:
+    native uint32 bytes (4 bytes a token, and no references to Python ints,
+    so storing or dropping a block touches no token objects)."""
+    return array("I", token_ids).tobytes()
+
+
 def content_hash(token_ids: Sequence[int]) -> int:
     """Position-free hash of a block's tokens alone (for debugging / events)."""
     return int.from_bytes(hashlib.blake2b(array("I", token_ids).tobytes(), digest_size=8).digest(), "little")

@@ -19,7 +19,7 @@ copy-on-write copies included, is one ordered move log: ``take_kv_moves()``.
 """
 from __future__ import annotations
 
-from engine.block_hash import block_hashes, root_hash
+from engine.block_hash import block_hashes, packed_tokens, root_hash
 from engine.block_pool import BlockPool, IntegrityError, KVBlock
 from engine.kv_events import KVEvent, KVSnapshot, Tier
 from engine.kv_lookup import ComputedBlocks, PrefixCacheStats, ResumedBlocks
@@ -77,7 +77,7 @@ class KVCacheManager:
             block = self.pool.lookup(block_hash) or self.pool.lookup_lower(block_hash)
             if block is None or block.parent_hash != parent:
                 break
-            if block.token_ids != tuple(token_slice(request, i * bs, (i + 1) * bs)):
+            if block.token_ids != packed_tokens(token_slice(request, i * bs, (i + 1) * bs)):
                 break
             hits.append(block)
             parent = block_hash
@@ -238,8 +238,9 @@ class KVCacheManager:
         assert len(table) >= end, f"request {rid}: caching {end} blocks of a {len(table)}-block table"
         bs = self.block_size
         parent = request.block_hashes[start - 1] if start else root_hash(request.cache_salt)
+        packed, step = packed_tokens(token_slice(request, start * bs, end * bs)), bs * 4
         self.pool.cache_full_blocks(table[start:end], request.block_hashes[start:end],
-                                    [token_slice(request, i * bs, (i + 1) * bs) for i in range(start, end)], parent)
+                                    [packed[i * step:(i + 1) * step] for i in range(end - start)], parent)
         self._num_cached[rid] = end
 
     # ---- queries -------------------------------------------------------------

@@ -40,7 +40,7 @@ class KVBlock:
     # set only while the block is in the prefix cache (a full block)
     block_hash: int | None = None
     parent_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
+    token_ids: bytes | None = None     # packed uint32 (engine.block_hash.packed_tokens)
     # links of the free queue (both None when not in it, or when alone in it)
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
@@ -217,7 +217,7 @@ class BlockPool:
         return self.lower.lookup(block_hash)
 
     def cache_full_blocks(self, blocks: Sequence[KVBlock], hashes: Sequence[int],
-                          token_chunks: Sequence[Sequence[int]], parent_hash: int) -> None:
+                          token_chunks: Sequence[bytes], parent_hash: int) -> None:
         self.cache.store(blocks, hashes, token_chunks, parent_hash)
         # the device holds these now (or already did): a lower copy is redundant
         self.lower.discard([h for h in hashes if self.cache.lookup(h) is not None])

@@ -32,9 +32,11 @@ class PrefixCache:
         return self._by_hash.get(block_hash)
 
     def store(self, blocks: Sequence[KVBlock], hashes: Sequence[int],
-              token_chunks: Sequence[Sequence[int]], parent_hash: int | None) -> None:
+              token_chunks: Sequence[bytes], parent_hash: int | None) -> None:
         """Cache full blocks of one chain; one STORED event per contiguous run
-        of newly stored blocks (a hash another block already holds is skipped)."""
+        of newly stored blocks (a hash another block already holds is skipped).
+        ``token_chunks`` are each block's tokens packed by
+        :func:`engine.block_hash.packed_tokens`."""
         run: list[int] = []
         run_parent = prev = parent_hash
         for block, block_hash, tokens in zip(blocks, hashes, token_chunks, strict=True):
@@ -43,7 +45,7 @@ class PrefixCache:
                 self._emit_stored(run, run_parent)
                 run, run_parent = [], block_hash
             else:
-                block.block_hash, block.parent_hash, block.token_ids = block_hash, prev, tuple(tokens)
+                block.block_hash, block.parent_hash, block.token_ids = block_hash, prev, tokens
                 self._by_hash[block_hash] = block
                 run.append(block_hash)
             prev = block_hash
@@ -93,7 +95,7 @@ class NullPrefixCache(PrefixCache):
         return None
 
     def store(self, blocks: Sequence[KVBlock], hashes: Sequence[int],
-              token_chunks: Sequence[Sequence[int]], parent_hash: int | None) -> None:
+              token_chunks: Sequence[bytes], parent_hash: int | None) -> None:
         return None
 
     def clear(self) -> None:

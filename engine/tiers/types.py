@@ -27,7 +27,7 @@ class TierEntry:
     slot: int
     block_hash: int | None = None
     parent_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
+    token_ids: bytes | None = None     # packed uint32 (engine.block_hash.packed_tokens)
 
     @property
     def is_private(self) -> bool:

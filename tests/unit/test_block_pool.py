@@ -1,7 +1,7 @@
 """Block pool: free queue order, ref counts, prefix-cache map, KV events."""
 import pytest
 
-from engine.block_hash import block_hashes, root_hash
+from engine.block_hash import block_hashes, packed_tokens, root_hash
 from engine.block_pool import BlockPool, FreeBlockQueue, IntegrityError, KVBlock
 from engine.kv_events import KVEventKind, Tier
 
@@ -15,7 +15,7 @@ def ids(blocks):
 def cache(pool, blocks, tokens, salt=None):
     """Cache ``blocks`` as the full blocks of ``tokens``; returns their hashes."""
     hashes = block_hashes(tokens, BS, salt)
-    chunks = [tokens[i * BS:(i + 1) * BS] for i in range(len(hashes))]
+    chunks = [packed_tokens(tokens[i * BS:(i + 1) * BS]) for i in range(len(hashes))]
     pool.cache_full_blocks(blocks, hashes, chunks, root_hash(salt))
     return hashes
 

@@ -1,7 +1,7 @@
 """Tiers: exact behaviour of page-outs, page-ins, swaps, events and integrity."""
 import pytest
 
-from engine.block_hash import block_hashes, root_hash
+from engine.block_hash import block_hashes, packed_tokens, root_hash
 from engine.block_manager import KVCacheManager
 from engine.block_pool import BlockPool, IntegrityError
 from engine.config import CacheConfig, SchedulerConfig
@@ -21,7 +21,7 @@ def cache_one(pool, tokens):
     """Cache one fresh block holding ``tokens``, free it; returns its hash."""
     [block] = pool.get_new_blocks(1)
     [h] = block_hashes(tokens, BS, None)
-    pool.cache_full_blocks([block], [h], [tokens], root_hash(None))
+    pool.cache_full_blocks([block], [h], [packed_tokens(tokens)], root_hash(None))
     pool.free_blocks([block])
     return h
 
@@ -67,7 +67,7 @@ def test_device_caching_a_hash_again_discards_the_lower_copy():
     a = cache_one(pool, [1, 2, 3, 4])
     cache_one(pool, [5, 6, 7, 8])                 # a -> host
     [block] = pool.get_new_blocks(1)             # b -> host too
-    pool.cache_full_blocks([block], [a], [[1, 2, 3, 4]], root_hash(None))
+    pool.cache_full_blocks([block], [a], [packed_tokens([1, 2, 3, 4])], root_hash(None))
     assert pool.lookup(a) is block and pool.lookup_lower(a) is None
     assert pool.lower.host.num_cached == 1
     pool.check_integrity()
