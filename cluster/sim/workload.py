@@ -19,7 +19,7 @@ from array import array
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 
@@ -135,7 +135,6 @@ class PromptBuilder:
             raise ValueError("vocab_size must leave at least 2 token ids above first_token")
         self.block_size, self.tokens_per_id = block_size, tokens_per_id
         self.vocab_size, self.first_token, self.seed = vocab_size, first_token, seed
-        self._segments: dict[tuple[int, int], list[int]] = {}
         self._id_tokens: dict[int, np.ndarray] = {}
         self._cache_entries = cache_entries
         self._offsets = np.arange(tokens_per_id, dtype=np.uint64)
@@ -172,41 +171,8 @@ class PromptBuilder:
         """``tokens(req)`` and ``hashes(req, tokens)`` at once (hashing packs the
         numpy tokens directly, without converting the list back)."""
         flat = self._flat(req)
-        return flat.tolist(), self._hashes(req, len(flat), lambda start: flat[start:].tobytes())
+        return flat.tolist(), packed_block_hashes(flat.tobytes(), self.block_size, root_hash(req.salt))
 
     def hashes(self, req: TraceRequest, tokens: list[int]) -> list[int]:
         """pdserve's chained hashes of every full block of the prompt."""
-        return self._hashes(req, len(tokens), lambda start: array("I", tokens[start:]).tobytes())
-
-    def _hashes(self, req: TraceRequest, n_tokens: int, packed: Callable[[int], bytes]) -> list[int]:
-        bs, tpi = self.block_size, self.tokens_per_id
-        out: list[int] = []
-        parent = root_hash(req.salt)
-        segments = self._segments
-        k = 0
-        for k, h in enumerate(req.hash_ids):          # the memoised prefix of segments
-            if (k + 1) * tpi > n_tokens:
-                break
-            seg = segments.get((parent, h))
-            if seg is None:
-                break
-            out.extend(seg)
-            parent = seg[-1]
-        else:
-            k = len(req.hash_ids)
-        start = k * tpi
-        if start >= n_tokens or k >= len(req.hash_ids):
-            return out
-        # after the first miss every parent is new: hash the rest in one call, memoise its full segments
-        rest = packed_block_hashes(packed(start), bs, parent)
-        out.extend(rest)
-        if len(segments) > 8 * self._cache_entries:
-            segments.clear()
-        per = tpi // bs
-        for j, h in enumerate(req.hash_ids[k:]):
-            seg = rest[j * per:(j + 1) * per]
-            if len(seg) < per:
-                break
-            segments[(parent, h)] = seg
-            parent = seg[-1]
-        return out
+        return packed_block_hashes(array("I", tokens).tobytes(), self.block_size, root_hash(req.salt))
