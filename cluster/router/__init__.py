@@ -4,7 +4,7 @@
 - inflight.py `InFlightPrefixes`: prefixes sent to a node, not yet reported by it
 - cost.py    pure cost functions and softmax-with-temperature selection
 - policy.py  `RoutingPolicy` + `prefix_aware` / `round_robin` / `least_loaded`
-- load_order.py `LoadOrder`: one role's workers by load-only cost (prefix_aware's fast pick)
+- cost_vector.py `RoleCosts`: one role's load-only costs as an array (prefix_aware costs all workers at once)
 - router.py  `Router`: index + load view + policy, the object the backend holds
 """
 from cluster.router.cost import CostWeights

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
 
@@ -47,6 +47,94 @@ class MatchInfo:
     @property
     def blocks(self) -> int:
         return self.device_blocks + self.host_blocks + self.disk_blocks + self.in_flight_blocks
+
+
+class Matches(Mapping[str, MatchInfo]):
+    """What ``PrefixIndex.match`` found: worker id -> MatchInfo, kept as groups.
+
+    ``groups`` lists ``(mask, info)``: every worker whose index bit is set in
+    ``mask`` matches ``info`` (a later group overrides an earlier one for the
+    same worker). The index emits one group per match length, so a prompt
+    whose first block every worker holds is a handful of groups, not a dict of
+    every worker; a policy can cost a group in one array operation
+    (cluster/router/cost_vector.py). Workers without an index bit (none of
+    their events applied yet) can only be set, and are kept in ``extra``.
+    Reads as an ordinary mapping; it materialises a dict only when iterated.
+    """
+    __slots__ = ("groups", "extra", "_ids", "_bits", "_dict")
+
+    def __init__(self, ids: Sequence[str], bits: Mapping[str, int]) -> None:
+        self.groups: list[tuple[int, MatchInfo]] = []
+        self.extra: dict[str, MatchInfo] = {}
+        self._ids, self._bits = ids, bits       # the index's bit -> worker id, worker id -> bit
+        self._dict: dict[str, MatchInfo] | None = None
+
+    @property
+    def ids(self) -> Sequence[str]:
+        """The index's bit -> worker id list (read-only by convention)."""
+        return self._ids
+
+    def add(self, mask: int, info: MatchInfo) -> None:
+        """Every worker in ``mask`` matches ``info``."""
+        if mask:
+            self.groups.append((mask, info))
+            self._dict = None
+
+    def __setitem__(self, worker_id: str, info: MatchInfo) -> None:
+        bit = self._bits.get(worker_id)
+        if bit is None:
+            self.extra[worker_id] = info
+        else:
+            self.groups.append((1 << bit, info))
+        self._dict = None
+
+    def get(self, worker_id: str, default: MatchInfo | None = None) -> MatchInfo | None:  # type: ignore[override]
+        info = self.extra.get(worker_id)
+        if info is not None:
+            return info
+        bit = self._bits.get(worker_id)
+        if bit is not None:
+            for mask, info in reversed(self.groups):
+                if mask >> bit & 1:
+                    return info
+        return default
+
+    def __getitem__(self, worker_id: str) -> MatchInfo:
+        info = self.get(worker_id)
+        if info is None:
+            raise KeyError(worker_id)
+        return info
+
+    def __contains__(self, worker_id: object) -> bool:
+        return isinstance(worker_id, str) and self.get(worker_id) is not None
+
+    def as_dict(self) -> dict[str, MatchInfo]:
+        if self._dict is None:
+            out, ids = {}, self._ids
+            for mask, info in self.groups:
+                while mask:
+                    low = mask & -mask
+                    mask ^= low
+                    out[ids[low.bit_length() - 1]] = info
+            out.update(self.extra)
+            self._dict = out
+        return self._dict
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return self.as_dict() == dict(other.items())
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Matches({self.as_dict()!r})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,15 +273,16 @@ class PrefixIndex:
             w.set_lane(new)
 
     # ---- queries --------------------------------------------------------
-    def match(self, block_hashes: Sequence[int]) -> dict[str, MatchInfo]:
+    def match(self, block_hashes: Sequence[int]) -> Matches:
         """Per worker holding at least the first block: its leading prompt
-        blocks by tier. Workers holding nothing are absent.
+        blocks by tier (a :class:`Matches`, grouped by match length). Workers
+        holding nothing are absent.
 
         Off-device blocks are counted per worker with bit-sliced counters
         (plane k holds bit k of every worker's count), so a block held off
         device by many workers costs a few integer operations, not one per worker.
         """
-        out: dict[str, MatchInfo] = {}
+        out = Matches(self._ids, self._indices)
         if not block_hashes:
             return out
         held = self._held.get
@@ -222,22 +311,15 @@ class PrefixIndex:
         self._emit(out, alive, length, counts)
         return out
 
-    def _emit(self, out: dict[str, MatchInfo], mask: int, length: int, counts: "_SlicedCounts") -> None:
-        ids = self._ids
+    def _emit(self, out: Matches, mask: int, length: int, counts: "_SlicedCounts") -> None:
+        """Workers in ``mask`` match ``length`` blocks: one group for those holding
+        them all on device, one per distinct (host, disk) count for the others."""
         slow = mask & counts.seen
-        plain = mask & ~slow
-        if plain:
-            info = self._device_match(length)
-            while plain:
-                low = plain & -plain
-                plain ^= low
-                out[ids[low.bit_length() - 1]] = info
-        while slow:
-            low = slow & -slow
-            slow ^= low
-            i = low.bit_length() - 1
-            host, disk = _SlicedCounts.read(counts.host, i), _SlicedCounts.read(counts.disk, i)
-            out[ids[i]] = MatchInfo(length - host - disk, host, disk)
+        out.add(mask & ~slow, self._device_match(length))
+        if slow:
+            for part, host in _SlicedCounts.split(counts.host, slow):
+                for same, disk in _SlicedCounts.split(counts.disk, part):
+                    out.add(same, MatchInfo(length - host - disk, host, disk))
 
     def _device_match(self, length: int) -> MatchInfo:
         """Shared immutable MatchInfo(length): no allocation per worker per match."""
@@ -298,9 +380,18 @@ class _SlicedCounts:
             k += 1
 
     @staticmethod
-    def read(planes: list[int], bit_index: int) -> int:
-        n = 0
+    def split(planes: list[int], mask: int) -> list[tuple[int, int]]:
+        """``mask`` partitioned by count: ``(sub-mask, count)`` per distinct count
+        among its workers (a few integer operations per plane and part, however
+        many workers share a count)."""
+        parts = [(mask, 0)]
         for k, p in enumerate(planes):
-            if (p >> bit_index) & 1:
-                n |= 1 << k
-        return n
+            nxt = []
+            for m, n in parts:
+                one = m & p
+                if one:
+                    nxt.append((one, n | 1 << k))
+                if one != m:
+                    nxt.append((m & ~p, n))
+            parts = nxt
+        return parts

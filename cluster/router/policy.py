@@ -11,17 +11,18 @@ turn, ``least_loaded`` by load alone. ``make_policy(name, ...)`` builds one.
 from __future__ import annotations
 
 import abc
-import math
 import random
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Mapping, MutableMapping, Sequence
+
+import numpy as np
 
 from cluster.router import cost as C
+from cluster.router.cost_vector import RoleCosts
 from cluster.router.inflight import InFlightMatch
-from cluster.router.index import MatchInfo, PrefixIndex
-from cluster.router.load_order import LoadOrder
+from cluster.router.index import Matches, MatchInfo, PrefixIndex
 
 if TYPE_CHECKING:
     from cluster.config import ServeConfig
@@ -144,7 +145,13 @@ class PolicyConfig:
 Pick = tuple[WorkerView, float]            # chosen worker and its cost
 
 
-def with_in_flight(matches: dict[str, MatchInfo], in_flight: InFlightMatch) -> None:
+def _getter(matches: Mapping[str, MatchInfo]) -> Callable[[str], MatchInfo | None]:
+    """``matches.get`` for a per-worker scan: a plain dict's (one lookup, not a
+    walk over ``Matches`` groups per worker)."""
+    return (matches.as_dict() if isinstance(matches, Matches) else matches).get
+
+
+def with_in_flight(matches: MutableMapping[str, MatchInfo], in_flight: InFlightMatch) -> None:
     """Extend the in-flight node's indexed match to the blocks sent to it (in place)."""
     m = matches.get(in_flight.worker_id, NO_MATCH)
     extra = in_flight.blocks - m.blocks
@@ -222,19 +229,19 @@ class RoutingPolicy(abc.ABC):
 class PrefixAwarePolicy(RoutingPolicy):
     """Cheapest node by cost.py: cached prefix against queue and decode load.
 
-    At temperature 0 with many workers, a pick costs only the workers holding
-    part of the prompt plus the cheapest one holding none (``LoadOrder``, kept
-    in step with the router's view through ``sync`` / ``update``); otherwise,
-    or for a view the router did not sync, every worker is costed. Both give
-    the same choice (a test compares them)."""
+    With many workers, each role's load-only cost terms are kept as an array
+    (``RoleCosts``, in step with the router's view through ``sync`` /
+    ``update``) and a decision costs all workers in a few numpy operations per
+    group of equal matches; otherwise, or for a view the router did not sync,
+    each worker is costed in Python. Both give the same choice and cost
+    (a test compares them)."""
     name = "prefix_aware"
-    fast_min_workers: ClassVar[int] = 64          # per pool, below it a scan is as fast
-    fast_max_match_share: ClassVar[int] = 8       # fast pick only if matching workers < pool / 8
+    fast_min_workers: ClassVar[int] = 64          # per pool, below it the Python scan is as fast
 
     def __init__(self, config: PolicyConfig, rng: random.Random) -> None:
         super().__init__(config, rng)
         self._synced: ClusterView | None = None
-        self._orders: dict[str, LoadOrder] = {}
+        self._roles: dict[str, RoleCosts] = {}
 
     def _decode_base(self, load: WorkerLoad) -> float:
         """A decode node's cost apart from the blocks it must pull (C.decode_node_cost)."""
@@ -245,34 +252,43 @@ class PrefixAwarePolicy(RoutingPolicy):
         return self.config.weights.queued_token * load.queued_prefill_tokens
 
     def sync(self, view: ClusterView) -> None:
-        if self.config.temperature != 0 or max(len(view.prefill), len(view.decode)) < self.fast_min_workers:
-            self._synced, self._orders = None, {}
+        if max(len(view.prefill), len(view.decode)) < self.fast_min_workers:
+            self._synced, self._roles = None, {}
             return
-        self._orders = {"prefill": LoadOrder(view.prefill, self._prefill_base),
-                        "decode": LoadOrder(view.decode, self._decode_base)}
+        self._roles = {"prefill": RoleCosts(view.prefill, self._prefill_base),
+                       "decode": RoleCosts(view.decode, self._decode_base)}
         self._synced = view
 
     def update(self, worker: WorkerView, view: ClusterView) -> None:
         if self._synced is None:
             return
-        self._orders["prefill" if worker.pool == "prefill" else "decode"].update(worker)
+        role = "prefill" if worker.pool == "prefill" else "decode"
+        self._roles[role].update(worker, getattr(view, role))
         self._synced = view
 
-    def _fast(self, workers: Sequence[WorkerView], role: str,
-              matches: Mapping[str, MatchInfo]) -> LoadOrder | None:
-        """The role's LoadOrder when the fast pick pays: the router synced this view,
-        and few workers hold part of the prompt (each of those costs more to look up
-        than a plain scan entry; measured with benchmarks/router_overhead.py)."""
+    def _vector(self, workers: Sequence[WorkerView], role: str,
+                matches: Mapping[str, MatchInfo]) -> RoleCosts | None:
+        """The role's RoleCosts when the router synced this very view and the
+        matches come grouped from the index; None: cost each worker in Python."""
         synced = self._synced
-        if synced is None or workers is not (synced.prefill if role == "prefill" else synced.decode):
+        if synced is None or not isinstance(matches, Matches):
             return None
-        if len(matches) * self.fast_max_match_share > len(workers):
+        if workers is not (synced.prefill if role == "prefill" else synced.decode):
             return None
-        return self._orders[role]
+        return self._roles[role]
+
+    def _select_array(self, workers: Sequence[WorkerView], costs: np.ndarray) -> Pick:
+        """``_select`` over an array of costs: the first minimum at temperature 0
+        (as ``C.select``), else ``C.select`` itself on the same values."""
+        if self.config.temperature == 0:
+            i = int(np.argmin(costs))
+        else:
+            i = C.select(costs.tolist(), self.config.temperature, self.rng)
+        return workers[i], float(costs[i])
 
     def _prefill_costs(self, req: RoutingRequest, workers: Sequence[WorkerView],
                        matches: Mapping[str, MatchInfo]) -> list[float]:
-        w, bs, get = self.config.weights, req.block_size, matches.get
+        w, bs, get = self.config.weights, req.block_size, _getter(matches)
         total = req.prompt_tokens / bs
         cold, wq = w.uncached_token * total * bs, w.queued_token   # = C.prefill_cost(total, q, bs, w)
         costs = []
@@ -294,47 +310,51 @@ class PrefixAwarePolicy(RoutingPolicy):
             uncached = total - m.device_blocks
         return C.prefill_cost(uncached, queued, bs, w, m.in_flight_blocks)
 
-    @staticmethod
-    def _fast_pick(order: LoadOrder, matches: Mapping[str, MatchInfo],
-                   matched_cost: Callable[[MatchInfo, float, WorkerView], float],
-                   unmatched_cost: Callable[[float], float]) -> Pick:
-        """Lowest (cost, worker id) among the role's workers holding part of the prompt
-        (``matched_cost(match, key, view)``) and its cheapest other one (``unmatched_cost(key)``)."""
-        live, best_c, best_id, best_v = order.live, math.inf, "", None
-        for wid, m in matches.items():
-            e = live.get(wid)
-            if e is not None:
-                c = matched_cost(m, e[0], e[1])
-                if c < best_c or (c == best_c and wid < best_id):
-                    best_c, best_id, best_v = c, wid, e[1]
-        e = order.first_outside(matches)
-        if e is not None:
-            c = unmatched_cost(e[0])
-            if c < best_c or (c == best_c and e[1].worker_id < best_id):
-                best_c, best_v = c, e[1]
-        return best_v, best_c
+    def _prefill_cost_array(self, req: RoutingRequest, rc: RoleCosts, matches: Matches) -> np.ndarray:
+        """``_prefill_costs`` for every member of ``rc``, the same float64 arithmetic:
+        ``uncached_token * uncached * block_size + queued_token * queued``; a match
+        with off-device or in-flight blocks is costed by ``_matched_prefill_cost``."""
+        w, bs = self.config.weights, req.block_size
+        total = req.prompt_tokens / bs
+        new_work = np.full(len(rc), w.uncached_token * total * bs)
+        slow: dict[int, MatchInfo] = {}
+
+        def apply(positions, info: MatchInfo) -> None:
+            if info.host_blocks or info.disk_blocks or info.in_flight_blocks:
+                slow.update((int(i), info) for i in positions)
+                return
+            new_work[positions] = w.uncached_token * (total - info.device_blocks) * bs
+            for i in positions if slow else ():
+                slow.pop(int(i), None)
+
+        for mask, info in matches.groups:
+            apply(rc.positions(mask, matches.ids), info)
+        for wid, info in matches.extra.items():
+            i = rc.position(wid)
+            if i is not None:
+                apply([i], info)
+        costs = new_work + rc.keys
+        for i, info in slow.items():
+            costs[i] = self._matched_prefill_cost(req, info, rc.views[i].load.queued_prefill_tokens)
+        return costs
 
     def pick_prefill(self, req, workers, matches) -> Pick:
-        order = self._fast(workers, "prefill", matches)
-        if order is None:
+        rc = self._vector(workers, "prefill", matches)
+        if rc is None:
             return self._select(workers, self._prefill_costs(req, workers, matches))
-        cold = self.config.weights.uncached_token * (req.prompt_tokens / req.block_size) * req.block_size
-        return self._fast_pick(
-            order, matches, lambda m, key, v: self._matched_prefill_cost(req, m, v.load.queued_prefill_tokens),
-            lambda key: cold + key)
+        return self._select_array(workers, self._prefill_cost_array(req, rc, matches))
 
     def pick_decode(self, req, workers, matches) -> Pick:
         wt, n_full = self.config.weights.transfer_block, len(req.block_hashes)
-        order = self._fast(workers, "decode", matches)
-        if order is None:
-            get, base = matches.get, self._decode_base
+        rc = self._vector(workers, "decode", matches)
+        if rc is None:
+            get, base = _getter(matches), self._decode_base
             costs = []
             for x in workers:
                 m = get(x.worker_id)
                 costs.append(base(x.load) + wt * (n_full - m.blocks if m is not None else n_full))
             return self._select(workers, costs)
-        return self._fast_pick(order, matches, lambda m, key, v: key + wt * (n_full - m.blocks),
-                               lambda key: key + wt * n_full)
+        return self._select_array(workers, rc.keys + wt * (n_full - rc.match_blocks(matches, matches.ids)))
 
     def pick_colocated(self, req, workers, matches) -> Pick:
         w = self.config.weights
