@@ -19,7 +19,7 @@ copy-on-write copies included, is one ordered move log: ``take_kv_moves()``.
 """
 from __future__ import annotations
 
-from engine.block_hash import block_hashes, packed_tokens, root_hash
+from engine.block_hash import packed_block_hashes, packed_tokens, root_hash
 from engine.block_pool import BlockPool, IntegrityError, KVBlock
 from engine.kv_events import KVEvent, KVSnapshot, Tier
 from engine.kv_lookup import ComputedBlocks, PrefixCacheStats, ResumedBlocks
@@ -33,15 +33,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def token_slice(request: Request, lo: int, hi: int) -> list[int]:
-    """``request.all_token_ids[lo:hi]`` without joining prompt and output (hot path)."""
-    prompt, out = request.prompt_token_ids, request.output_token_ids
-    p = len(prompt)
+def packed_slice(request: Request, lo: int, hi: int) -> bytes:
+    """Tokens ``lo:hi`` of prompt + output, packed (``packed_tokens``) without
+    joining the two lists; the prompt's part is cut from ``request.prompt_packed``
+    (packed once per request, on first use)."""
+    prompt = request.prompt_packed
+    if prompt is None:
+        prompt = request.prompt_packed = packed_tokens(request.prompt_token_ids)
+    p = len(request.prompt_token_ids)
     if hi <= p:
-        return prompt[lo:hi]
+        return prompt[lo * 4:hi * 4]
+    out = request.output_token_ids
     if lo >= p:
-        return out[lo - p:hi - p]
-    return prompt[lo:] + out[:hi - p]
+        return packed_tokens(out[lo - p:hi - p])
+    return prompt[lo * 4:] + packed_tokens(out[:hi - p])
 
 
 class KVCacheManager:
@@ -77,7 +82,7 @@ class KVCacheManager:
             block = self.pool.lookup(block_hash) or self.pool.lookup_lower(block_hash)
             if block is None or block.parent_hash != parent:
                 break
-            if block.token_ids != packed_tokens(token_slice(request, i * bs, (i + 1) * bs)):
+            if block.token_ids != packed_slice(request, i * bs, (i + 1) * bs):
                 break
             hits.append(block)
             parent = block_hash
@@ -88,10 +93,9 @@ class KVCacheManager:
         have, bs = len(request.block_hashes), self.block_size
         n_full = request.num_tokens // bs
         if have < n_full:
-            parent = request.block_hashes[-1] if have else None
+            parent = request.block_hashes[-1] if have else root_hash(request.cache_salt)
             # only the new blocks' tokens, without joining prompt and output (hot on every decode step)
-            tokens = token_slice(request, have * bs, n_full * bs)
-            request.block_hashes.extend(block_hashes(tokens, bs, request.cache_salt, parent=parent))
+            request.block_hashes.extend(packed_block_hashes(packed_slice(request, have * bs, n_full * bs), bs, parent))
 
     # ---- allocation ----------------------------------------------------------
 
@@ -238,7 +242,7 @@ class KVCacheManager:
         assert len(table) >= end, f"request {rid}: caching {end} blocks of a {len(table)}-block table"
         bs = self.block_size
         parent = request.block_hashes[start - 1] if start else root_hash(request.cache_salt)
-        packed, step = packed_tokens(token_slice(request, start * bs, end * bs)), bs * 4
+        packed, step = packed_slice(request, start * bs, end * bs), bs * 4
         self.pool.cache_full_blocks(table[start:end], request.block_hashes[start:end],
                                     [packed[i * step:(i + 1) * step] for i in range(end - start)], parent)
         self._num_cached[rid] = end

@@ -57,10 +57,17 @@ class Request:
     hold_kv_on_finish: bool = False
     # tokens the engine must not exceed (prompt + output), set from max_model_len
     max_total_tokens: int | None = None
+    # the prompt as native uint32 bytes (engine.block_hash.packed_tokens), for block
+    # hashes and the prefix cache's token check: packed once, on first use, unless given
+    prompt_packed: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token or a non-empty string")
+        if self.prompt_packed is not None and len(self.prompt_packed) != 4 * len(self.prompt_token_ids):
+            raise ValueError(f"request {self.request_id!r}: prompt_packed holds {len(self.prompt_packed)} bytes "
+                             f"for {len(self.prompt_token_ids)} prompt tokens; pass "
+                             "engine.block_hash.packed_tokens(prompt_token_ids) or leave it None")
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,7 +27,7 @@ from cluster.sim.events import EventLoop
 from cluster.sim.insitu import Interference, step_kind
 from cluster.sim.metrics import LogHistogram, NodeUsage, RequestRecord, Slo, summarize
 from cluster.sim.node import SimNode
-from cluster.sim.workload import PromptBuilder, TraceRequest
+from cluster.sim.workload import Prompt, PromptBuilder, TraceRequest
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -65,10 +65,11 @@ class SimConfig:
 
 
 class _Live:
-    __slots__ = ("rec", "trace", "tokens", "hashes", "deadline", "no_room", "joining")
+    __slots__ = ("rec", "trace", "tokens", "hashes", "packed", "deadline", "no_room", "joining")
 
-    def __init__(self, rec: RequestRecord, trace: TraceRequest, tokens: list[int], hashes: list[int]) -> None:
-        self.rec, self.trace, self.tokens, self.hashes = rec, trace, tokens, hashes
+    def __init__(self, rec: RequestRecord, trace: TraceRequest, prompt: Prompt) -> None:
+        self.rec, self.trace = rec, trace
+        self.tokens, self.hashes, self.packed = prompt
         self.deadline = 0.0
         self.no_room: tuple | None = None     # the decode node's room when the last join failed
         self.joining = False                  # its hand-off waits to join the decode node
@@ -199,13 +200,13 @@ class ClusterSim:
         if self._next < len(self.workload):
             self.loop.at(max(self.workload[self._next].arrival_s, self.loop.now), self._arrive)
         self._frontend_work(self.loop.now, 1, 0)
-        tokens, hashes = self.builder.prompt(tr)
-        rid = tr.request_id
-        d = self.router.route(RoutingRequest(rid, len(tokens), tuple(hashes), self.config.block_size))
+        prompt = self.builder.prompt(tr)
+        tokens, rid = prompt.tokens, tr.request_id
+        d = self.router.route(RoutingRequest(rid, len(tokens), tuple(prompt.hashes), self.config.block_size))
         rec = RequestRecord(rid, self.loop.now, len(tokens), tr.output_length, d.kind.value,
                             d.prefill_worker_id or d.decode_worker_id, d.decode_worker_id)
         self.records.append(rec)
-        live = self.live[rid] = _Live(rec, tr, tokens, hashes)
+        live = self.live[rid] = _Live(rec, tr, prompt)
         if d.kind is DecisionKind.REMOTE_PREFILL:
             req = self._request(live, tokens, 1, hold=True)
             self.nodes[d.prefill_worker_id].post(lambda n: n.scheduler.add_request(req))
@@ -217,7 +218,8 @@ class ClusterSim:
         n_hash = len(tokens) // self.config.block_size
         return Request(live.rec.request_id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                        cache_salt=live.trace.salt, arrival_time=live.rec.arrival_s,
-                       block_hashes=live.hashes[:n_hash], hold_kv_on_finish=hold)
+                       block_hashes=live.hashes[:n_hash], hold_kv_on_finish=hold,
+                       prompt_packed=live.packed if tokens is live.tokens else None)
 
     # ---- node callbacks ------------------------------------------------------
     def on_tokens(self, node: SimNode, requests: list[Request], ends: np.ndarray) -> None:

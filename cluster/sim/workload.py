@@ -19,7 +19,7 @@ from array import array
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import numpy as np
 
@@ -110,6 +110,12 @@ def overlay(reqs: list[TraceRequest], copies: int) -> list[TraceRequest]:
     return out
 
 
+class Prompt(NamedTuple):
+    tokens: list[int]
+    hashes: list[int]          # pdserve's chained block hashes (full blocks)
+    packed: bytes              # the tokens as native uint32 (engine.block_hash.packed_tokens)
+
+
 def _splitmix(x: np.ndarray) -> np.ndarray:
     x = (x + np.uint64(0x9E3779B97F4A7C15)) & np.uint64(0xFFFFFFFFFFFFFFFF)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -167,11 +173,13 @@ class PromptBuilder:
         """The prompt: each id's tokens in order, cut to ``input_length``."""
         return self._flat(req).tolist()
 
-    def prompt(self, req: TraceRequest) -> tuple[list[int], list[int]]:
-        """``tokens(req)`` and ``hashes(req, tokens)`` at once (hashing packs the
-        numpy tokens directly, without converting the list back)."""
+    def prompt(self, req: TraceRequest) -> Prompt:
+        """``tokens(req)``, ``hashes(req, tokens)`` and the packed tokens at once
+        (hashing and the engine's prefix cache take the numpy bytes directly,
+        without converting the list back)."""
         flat = self._flat(req)
-        return flat.tolist(), packed_block_hashes(flat.tobytes(), self.block_size, root_hash(req.salt))
+        packed = flat.tobytes()
+        return Prompt(flat.tolist(), packed_block_hashes(packed, self.block_size, root_hash(req.salt)), packed)
 
     def hashes(self, req: TraceRequest, tokens: list[int]) -> list[int]:
         """pdserve's chained hashes of every full block of the prompt."""

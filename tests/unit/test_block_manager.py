@@ -1,8 +1,8 @@
 """KV cache manager: prefix hits, token check on hit, salts, COW forks, exact block ids."""
 import pytest
 
-from engine.block_hash import block_hashes, root_hash
-from engine.block_manager import KVCacheManager
+from engine.block_hash import block_hashes, packed_tokens, root_hash
+from engine.block_manager import KVCacheManager, packed_slice
 from engine.block_pool import IntegrityError
 from engine.kv_events import KVEventKind
 from engine.request import Request
@@ -246,3 +246,28 @@ def test_manager_integrity_detects_a_stray_reference():
     kv.pool.blocks[0].ref_cnt += 1
     with pytest.raises(IntegrityError, match="block 0 has ref_cnt 2 but 1 tables hold it"):
         kv.check_integrity()
+
+
+def test_packed_slice_spans_prompt_and_output_like_the_joined_list():
+    r = req("p", range(100, 110))
+    for t in (7, 8, 9):
+        r.append_output_token(t)
+    joined = r.all_token_ids
+    for lo, hi in [(0, 4), (4, 10), (8, 12), (10, 13), (0, 13), (12, 13)]:
+        assert packed_slice(r, lo, hi) == packed_tokens(joined[lo:hi]), (lo, hi)
+    assert r.prompt_packed == packed_tokens(range(100, 110))            # packed once, kept
+
+
+def test_a_given_packed_prompt_is_checked_and_hits_like_a_computed_one():
+    with pytest.raises(ValueError, match="prompt_packed holds 8 bytes for 3 prompt tokens"):
+        Request("bad", [1, 2, 3], SamplingParams(max_tokens=1), prompt_packed=packed_tokens([1, 2]))
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    a = req("a", range(10))
+    admit(kv, a)
+    compute_all(kv, a)
+    given = Request("b", list(range(10)), SamplingParams(max_tokens=8), prompt_packed=packed_tokens(range(10)))
+    assert kv.get_computed_blocks(given).num_computed_tokens == 8
+    wrong = Request("c", list(range(10)), SamplingParams(max_tokens=8),
+                    prompt_packed=packed_tokens([0, 1, 2, 3, 9, 9, 9, 9, 8, 9]))
+    wrong.block_hashes = list(block_hashes(range(10), BS))             # hashes say equal, tokens differ
+    assert kv.get_computed_blocks(wrong).num_computed_tokens == 4       # the token check uses the packed bytes

@@ -6,7 +6,7 @@ import pytest
 
 from cluster.sim.workload import (PromptBuilder, TraceRequest, compress_time, load_mooncake, overlay,
                                   synthetic_shared_prefix)
-from engine.block_hash import block_hashes
+from engine.block_hash import block_hashes, packed_tokens
 
 
 def _req(rid, ids, n, salt=None):
@@ -74,7 +74,7 @@ def test_memoised_hashes_equal_the_engine_on_random_shared_prompts(bs, tpi):
         r = TraceRequest(f"x{i}", 0.0, rng.randint(1, n * tpi), 1, ids, salt=rng.choice([None, "a"]))
         t = b.tokens(r)
         assert b.hashes(r, t) == block_hashes(t, bs, r.salt)
-        assert b.prompt(r) == (t, block_hashes(t, bs, r.salt))     # the packed path, memo hits or not
+        assert b.prompt(r) == (t, block_hashes(t, bs, r.salt), packed_tokens(t))   # memo hits or not
 
 
 def test_token_memo_bounded_gives_the_same_prompts():
