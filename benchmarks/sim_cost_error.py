@@ -33,7 +33,7 @@ from cluster.sim.measure import Cell, Grid, StepTimer, make_engine, measure_engi
 from cluster.sim.step_fit import shape_sched  # noqa: E402
 
 TINY_GRID = Grid(prefill_new=(8, 16, 32, 64, 128, 256, 512), prefill_cached=(0, 128, 512, 1024),
-                 decode_batch=(1, 2, 4, 8, 16, 32), decode_context=(64, 256, 1024, 1920))
+                 decode_batch=Grid.decode_batch, decode_context=(64, 256, 1024, 1920))
 PROBES = [
     Cell("prefill", ((24, 0),)), Cell("prefill", ((48, 384),)), Cell("prefill", ((96, 64),)),
     Cell("prefill", ((200, 700),)), Cell("prefill", ((384, 256),)), Cell("prefill", ((12, 900),)),

@@ -35,7 +35,9 @@ from engine.step_trace import StepShape
 class Grid:
     prefill_new: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
     prefill_cached: tuple[int, ...] = (0, 256, 1024)
-    decode_batch: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    # every small batch: on CPU a decode step's cost is not monotone there (batch 3 costs more
+    # than 4), which no interpolation between powers of two can see (docs/simulator.md)
+    decode_batch: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
     decode_context: tuple[int, ...] = (64, 512, 2048, 4096)
     # fitted too (not in the tables): multi-prompt prefills ((new, cached) each) and mixed steps
     # (decodes, their total context, new, cached)
