@@ -101,3 +101,24 @@ def test_joins_waiting_for_room_retry_only_when_room_changed(monkeypatch):
     for a, b in zip(gated_sim.records, every_sim.records):
         assert (a.decode_cached_tokens, a.first_token_s, a.finish_s) == (b.decode_cached_tokens, b.first_token_s,
                                                                           b.finish_s)
+
+
+def test_run_leaves_the_garbage_collector_as_it_found_it():
+    """run() freezes the long-lived nodes and raises the collection thresholds for its
+    loop only; afterwards (also after a failure inside the loop) both are restored."""
+    import gc
+    before = gc.get_threshold()
+    seen = {}
+    sim, _ = _run(reqs=_workload(n=10))
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    sim2 = ClusterSim(sim.config, _cost(), _workload(n=10), PromptBuilder(BS, tokens_per_id=16))
+
+    def boom():
+        seen["threshold"], seen["frozen"] = gc.get_threshold(), gc.get_freeze_count()
+        raise RuntimeError("inside the loop")
+
+    sim2.loop.at(0.0, boom)
+    with pytest.raises(RuntimeError, match="inside the loop"):
+        sim2.run()
+    assert seen["threshold"][0] >= 100_000 and seen["frozen"] > 0
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
