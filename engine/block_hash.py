@@ -24,7 +24,7 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra: bytes =
     """Chained hash of one full block: position-aware through the parent."""
     h = hashlib.blake2b(digest_size=8)
     h.update(parent_hash.to_bytes(8, "little"))
-    h.update(array("I", token_ids).tobytes())
+    h.update(packed_tokens(token_ids))
     if extra:
         h.update(extra)
     return int.from_bytes(h.digest(), "little")
@@ -39,7 +39,7 @@ def packed_tokens(token_ids: Sequence[int]) -> bytes:
 
 def content_hash(token_ids: Sequence[int]) -> int:
     """Position-free hash of a block's tokens alone (for debugging / events)."""
-    return int.from_bytes(hashlib.blake2b(array("I", token_ids).tobytes(), digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(packed_tokens(token_ids), digest_size=8).digest(), "little")
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
@@ -57,7 +57,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | No
     # Same bytes as hash_block_tokens (parent as 8 little-endian bytes, then the
     # block's tokens as native uint32), packed once: the parent's digest *is*
     # its 8 little-endian bytes, so the chain never leaves bytes.
-    data = array("I", token_ids[start * block_size:n_full * block_size]).tobytes()
+    data = packed_tokens(token_ids[start * block_size:n_full * block_size])
     return packed_block_hashes(data, block_size, root_hash(cache_salt) if parent is None else parent)
 
 

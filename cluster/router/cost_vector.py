@@ -81,11 +81,11 @@ class RoleCosts:
             self._bit_pos = np.concatenate([self._bit_pos, more])
         return self._bit_pos
 
-    def match_blocks(self, matches: "Matches", ids: Sequence[str]) -> np.ndarray:
+    def match_blocks(self, matches: "Matches") -> np.ndarray:
         """Matched blocks (all tiers and in flight) per member, 0 where none."""
         blocks = np.zeros(len(self.views), dtype=np.int64)
         for mask, info in matches.groups:
-            blocks[self.positions(mask, ids)] = info.blocks
+            blocks[self.positions(mask, matches.ids)] = info.blocks
         for wid, info in matches.extra.items():
             i = self._pos.get(wid)
             if i is not None:

@@ -324,8 +324,9 @@ class PrefixAwarePolicy(RoutingPolicy):
                 slow.update((int(i), info) for i in positions)
                 return
             new_work[positions] = w.uncached_token * (total - info.device_blocks) * bs
-            for i in positions if slow else ():
-                slow.pop(int(i), None)
+            if slow:                                  # a later plain match overrides a slow one
+                for i in positions:
+                    slow.pop(int(i), None)
 
         for mask, info in matches.groups:
             apply(rc.positions(mask, matches.ids), info)
@@ -354,7 +355,7 @@ class PrefixAwarePolicy(RoutingPolicy):
                 m = get(x.worker_id)
                 costs.append(base(x.load) + wt * (n_full - m.blocks if m is not None else n_full))
             return self._select(workers, costs)
-        return self._select_array(workers, rc.keys + wt * (n_full - rc.match_blocks(matches, matches.ids)))
+        return self._select_array(workers, rc.keys + wt * (n_full - rc.match_blocks(matches)))
 
     def pick_colocated(self, req, workers, matches) -> Pick:
         w = self.config.weights

@@ -176,7 +176,7 @@ class ClusterSim:
             self.loop.at(self.workload[0].arrival_s, self._tick)
         # The nodes' block pools are millions of long-lived objects, and every live
         # prompt a list of thousands of ints: frozen, and with rarer young collections,
-        # the cyclic collector stops re-scanning them (18% of a loaded 1000-node run's
+        # the cyclic collector stops re-scanning them (~15% of a loaded 1000-node run's
         # time before). Restored after, so everything can be freed.
         thresholds = gc.get_threshold()
         gc.freeze()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-from array import array
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from engine.block_hash import packed_block_hashes, root_hash
+from engine.block_hash import packed_block_hashes, packed_tokens, root_hash
 
 MOONCAKE_TOKENS_PER_ID = 512
 
@@ -183,4 +182,4 @@ class PromptBuilder:
 
     def hashes(self, req: TraceRequest, tokens: list[int]) -> list[int]:
         """pdserve's chained hashes of every full block of the prompt."""
-        return packed_block_hashes(array("I", tokens).tobytes(), self.block_size, root_hash(req.salt))
+        return packed_block_hashes(packed_tokens(tokens), self.block_size, root_hash(req.salt))
