@@ -65,7 +65,7 @@ SETUPS = {"1p1d": (1, 1), "2p2d": (2, 2)}
 MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536,
              max_position_embeddings=4096)
 PROFILE_GRID = Grid(prefill_new=(16, 64, 256, 1024, 2048), prefill_cached=(0, 512, 1536),
-                    decode_batch=(1, 4, 16), decode_context=(256, 1024, 3584),
+                    decode_batch=(1, 2, 3, 4, 5, 6, 8, 16), decode_context=(256, 1024, 3584),
                     prefill_batches=(((64, 0),) * 2, ((256, 0),) * 3, ((64, 0), (16, 512)), ((256, 512),) * 2),
                     mixed=((2, 512, 64, 0), (4, 2048, 256, 512)), repeats=2, rounds=2)
 # Loopback hand-off: a few Ray/NIXL round trips + ~5 GB/s (docs/kvtransfer.md); assumed, not measured here.
@@ -338,6 +338,30 @@ def compare(real: dict, sim: dict) -> dict:
                               "hit_rate_2pts": abs(sim["hit_rate"] - real["hit_rate"]) <= 0.02}}
 
 
+def sampling_spread(token_times: dict, rounds: int = 400, seed: int = 0) -> dict:
+    """How much each real figure moves with *which* requests the window holds:
+    the relative standard deviation of mean / p90 TTFT and ITL over bootstrap
+    resamples of the finished requests (``token_times``: request -> [send,
+    token times...]). A figure whose own spread is 10% cannot be matched within
+    10% reliably, by a simulator or by a second real run."""
+    rows = [t for t in token_times.values() if len(t) > 1]
+    if len(rows) < 2:
+        return {}
+    ttft = np.array([t[1] - t[0] for t in rows])
+    gaps = [np.diff(t[1:]) for t in rows]
+    rng = np.random.default_rng(seed)
+    stats = np.empty((rounds, 4))
+    for i in range(rounds):
+        idx = rng.integers(0, len(rows), len(rows))
+        tf = ttft[idx]
+        g = np.concatenate([gaps[j] for j in idx])
+        stats[i] = (tf.mean(), np.percentile(tf, 90), g.mean() if len(g) else np.nan,
+                    np.percentile(g, 90) if len(g) else np.nan)
+    rel = stats.std(axis=0) / np.abs(stats.mean(axis=0))
+    return {k: round(float(v), 4) for k, v in zip(("ttft_mean_s", "ttft_p90_s", "itl_mean_s", "itl_p90_s"), rel)
+            if np.isfinite(v)}
+
+
 _BULKY = ("decisions", "steps", "token_times", "frontend_cpu")
 
 
@@ -356,8 +380,9 @@ def _line(setup: str, ph: dict, real: dict, sim: dict) -> str:
                                                          ("itl_p90_s", ms), ("throughput_rps", s2))]
     print(f"| {setup} | {label} | " + " | ".join(cols[:4]) + f" | {100 * real['hit_rate']:.2f} / "
           f"{100 * sim['hit_rate']:.2f} | {100 * (cmp['routing_identical'] or 0):.0f}% | {cols[4]} |", file=sys.stderr)
+    spread = sampling_spread(real["token_times"]) if real.get("token_times") else None
     return json.dumps({"benchmark": "sim_validation", "setup": setup, **head, "real": _brief(real),
-                       "sim": _brief(sim), **cmp})
+                       "sim": _brief(sim), **cmp, "real_sampling_rel_sd": spread})
 
 
 async def run_setup(args, cfg: Cfg, model: str, cost: CostModel) -> None:
@@ -464,7 +489,7 @@ def insitu(args, cfg: Cfg, base: TableCostModel) -> None:
             work.append(([u0 + t[0] for t in tt], [u0 + x for t in tt for x in t[1:]]))
         fe = fit_frontend([(ph["real"]["frontend_cpu"], *w) for ph, w in zip(fitted, work)])
     inter = fit_interference(runs, roles, base, fe, work, by_load=args.host_model == "shared",
-                             jitter=args.jitter)
+                             jitter=args.jitter, monotone=not args.free_factors)
     # the hand-off: the fixed cost whose simulated mean first gap is nearest the real one
     best = None
     for fixed_ms in np.arange(0.0, 301.0, 5.0):
@@ -567,6 +592,9 @@ def main() -> None:
     ap.add_argument("--jitter", action="store_true",
                     help="with --insitu: also fit each step kind's residual spread and draw every simulated "
                          "step's time from it (default: each step takes its modelled mean time)")
+    ap.add_argument("--free-factors", action="store_true",
+                    help="with --insitu: fit each number of busy parties' factor on its own (default: factors "
+                         "that do not fall as more parties are busy)")
     ap.add_argument("--host-report", metavar="REAL_JSON",
                     help="no real cluster: per saved phase, host CPU use and in-situ step slowdowns")
     ap.add_argument("--save-interference", metavar="JSON", help="with --insitu: write the fitted table here")

@@ -211,7 +211,7 @@ def occupancy(traces: Mapping[str, Sequence[StepRecord]],
 def fit_interference(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: Mapping[str, str],
                      cost: CostModel, frontend: FrontendCost | None = None,
                      frontend_work: Sequence[tuple[Sequence[float], Sequence[float]]] = (),
-                     by_load: bool = True, jitter: bool = False) -> Interference:
+                     by_load: bool = True, jitter: bool = False, monotone: bool = True) -> Interference:
     """Fit the table from the step traces of real runs (each: node id -> its
     records; ``roles``: node id -> role) against ``cost``, the profile the
     simulator will use. With ``frontend`` (and, per run, its (arrival times,
@@ -224,7 +224,12 @@ def fit_interference(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: 
     per role and step kind by non-negative least squares weighted by 1 /
     isolated cost (with one column this is total wall time / total isolated
     cost, so rare steps that waited long for a core count by their time, not
-    by their ratio). ``by_load=False`` fits one factor per role and step
+    by their ratio). ``monotone`` (the default) fits the increments from
+    each k to the next, all non-negative, so no factor is below the one for
+    fewer busy parties: with a few steps at some k, a free fit can otherwise
+    say steps ran faster with more of the host busy (on the 2P+2D validation
+    runs it gave 7.0x at k=3 and 1.75x at k=4), and the simulator would act on
+    it. ``by_load=False`` fits one factor per role and step
     kind whatever the others do (the mean in-situ slowdown of the runs).
     ``jitter``: also keep the quantiles of each step's wall time over the
     model's, normalised to mean 1, so the simulator spreads step times as
@@ -266,7 +271,12 @@ def fit_interference(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: 
         merged = np.zeros((len(got), len(good)))
         for k in range(top + 1):
             merged[:, good.index(near[k])] += a[:, k]
-        f = nnls(merged, b)
+        if monotone:
+            # f_j = d_0 + ... + d_j with every d >= 0: a step never runs faster with more parties busy
+            cum = np.cumsum(merged[:, ::-1], axis=1)[:, ::-1]
+            f = np.cumsum(nnls(cum, b))
+        else:
+            f = nnls(merged, b)
         pos = f[f > 0]
         f = np.where(f > 0, f, pos.min() if len(pos) else 1.0)
         factors.setdefault(role, {})[kind] = tuple(float(f[good.index(near[k])]) for k in range(top + 1))

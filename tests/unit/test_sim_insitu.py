@@ -74,6 +74,28 @@ def test_fit_recovers_the_slowdown_by_other_busy_nodes():
     assert Interference.from_json(inter.to_json()) == inter
 
 
+def test_factors_do_not_fall_as_more_parties_are_busy_unless_asked():
+    cost = _cost()
+    base = cost.step_seconds(shape_sched(StepShape((), (100,))))
+    # a decodes back to back; b is busy in [1001, 1002), c in [1001.5, 1002). The traces say a ran
+    # *faster* with two others busy (2.0x) than with one (2.5x): noise a fit should not believe
+    a = []
+    t = 1000.0
+    while t < 1003.0:
+        k = (1001.0 <= t < 1002.0) + (1001.5 <= t < 1002.0)
+        wall = base * (1.2, 2.5, 2.0)[k]
+        a.append(_rec(t, wall))
+        t += wall
+    b = [StepRecord(1001.0, 1.0, 1.0, 0.0, 0.0, StepShape(((1024, 0),), ()))]
+    c = [StepRecord(1001.5, 0.5, 0.5, 0.0, 0.0, StepShape(((1024, 0),), ()))]
+    traces, roles = {"a": a, "b": b, "c": c}, {"a": "decode", "b": "prefill", "c": "prefill"}
+    free = fit_interference([traces], roles, cost, monotone=False).factors["decode"]["decode"]
+    assert free == pytest.approx((1.2, 2.5, 2.0), rel=0.03)
+    row = fit_interference([traces], roles, cost).factors["decode"]["decode"]
+    assert row[0] == pytest.approx(1.2, rel=0.03)
+    assert row[1] == pytest.approx(row[2]) and 2.0 < row[1] < 2.5       # the two pooled
+
+
 def test_frontend_cost_and_spans():
     # 0.01 s per arrival, 0.002 s per token, 0.001 s/s idle; samples every 20 ms
     arrivals = [0.1 * i for i in range(50)]

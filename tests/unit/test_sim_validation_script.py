@@ -61,6 +61,25 @@ def test_compare_reports_relative_errors_hit_points_and_identical_routing(val):
     assert c["within_target"] == {"latency_10pct": False, "hit_rate_2pts": True}
 
 
+def test_sampling_spread_is_zero_for_identical_requests_and_shrinks_with_the_window(val):
+    same = {str(i): [float(i), i + 1.0, i + 1.05, i + 1.10] for i in range(50)}
+    assert val.sampling_spread(same) == pytest.approx({"ttft_mean_s": 0.0, "ttft_p90_s": 0.0,
+                                                       "itl_mean_s": 0.0, "itl_p90_s": 0.0}, abs=1e-9)
+    import numpy as np
+    rng = np.random.default_rng(1)
+
+    def window(n):
+        out = {}
+        for i in range(n):
+            ttft = rng.lognormal(0.0, 1.0)
+            out[str(i)] = [0.0, ttft] + list(ttft + np.cumsum(rng.lognormal(-3.0, 0.5, 5)))
+        return out
+    small, big = val.sampling_spread(window(25)), val.sampling_spread(window(400))
+    for k in ("ttft_mean_s", "ttft_p90_s", "itl_mean_s", "itl_p90_s"):
+        assert 0 < big[k] < small[k] / 2           # 16x the requests: about a quarter of the spread
+    assert val.sampling_spread({"0": [0.0, 1.0]}) == {}
+
+
 def test_saved_runs_load_plain_or_gzipped_and_the_shipped_ones_have_traces(val, tmp_path):
     import gzip
     import json
