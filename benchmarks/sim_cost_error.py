@@ -7,6 +7,11 @@ real steps at *off-grid* probe shapes: pure prefills and decodes between the
 grid points, multi-prompt prefills and mixed prefill+decode steps. Compares
 each probe with the prediction of every mode (table, fit, fit+residual).
 
+The same timings give one profile per ``--estimators`` entry: a cell's cost
+(grid cells and probes alike) as the fastest of all its timings (``min``) or
+as the median round's fastest (``median_round_min``), so both can be compared
+on one run.
+
 Prints one JSON line (``--table`` also prints a markdown table to stderr):
 
     .venv/bin/python benchmarks/sim_cost_error.py [--model tiny|PATH] [--repeats 5] [--rounds 4] [--table]
@@ -29,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cluster.sim.cost_model import FIT_MODES, TableCostModel  # noqa: E402
-from cluster.sim.measure import Cell, Grid, StepTimer, make_engine, measure_engine, time_cells  # noqa: E402
+from cluster.sim.measure import (ESTIMATORS, Cell, Grid, StepTimer, build_profile, make_engine,  # noqa: E402
+                                 measure_rounds, pick, time_cells)
 from cluster.sim.step_fit import shape_sched  # noqa: E402
 
 TINY_GRID = Grid(prefill_new=(8, 16, 32, 64, 128, 256, 512), prefill_cached=(0, 128, 512, 1024),
@@ -78,6 +84,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--table", action="store_true", help="also print a markdown table to stderr")
+    ap.add_argument("--estimators", default="median_round_min,min",
+                    help=f"how a cell's timings give its cost, any of {ESTIMATORS} (`cluster.sim.measure.pick`); "
+                         "one set of timings, a profile and probe errors per estimator; the first is printed in full")
     ap.add_argument("--decode-sweep", metavar="B1,B2,...",
                     help="instead: time decode steps at these batch sizes (contexts 64, 200, 256; fastest of "
                          "rounds x repeats) and print them, to see how the cost moves between grid batches")
@@ -89,17 +98,33 @@ def main() -> None:
         return
     grid = Grid(**{**TINY_GRID.__dict__, "repeats": args.repeats, "rounds": args.rounds})
     t0 = time.perf_counter()
-    profile, measured = measure_engine(engine, grid, seed=args.seed, probes=PROBES)
+    rounds = measure_rounds(engine, grid, seed=args.seed, probes=PROBES)
     wall = time.perf_counter() - t0
-    errs = errors(profile, measured)
-    summary = {mode: {"median_error": statistics.median(r["error"] for r in rows),
-                      "mean_error": round(statistics.fmean(r["error"] for r in rows), 4),
-                      "max_error": max(r["error"] for r in rows)} for mode, rows in errs.items()}
+    # one set of timings; a profile (and the probes' real steps) per estimator, the first one printed in full
+    by_est = {}
+    for est in args.estimators.split(","):
+        profile, measured = build_profile(engine, grid, {c: pick(v, est) for c, v in rounds.items()},
+                                          probes=PROBES, estimator=est)
+        errs = errors(profile, measured)
+        summary = {mode: {"median_error": statistics.median(r["error"] for r in rows),
+                          "mean_error": round(statistics.fmean(r["error"] for r in rows), 4),
+                          "max_error": max(r["error"] for r in rows),
+                          "under_5pct": sum(r["error"] < 0.05 for r in rows)} for mode, rows in errs.items()}
+        by_est[est] = (profile, errs, summary)
+    est = args.estimators.split(",")[0]
+    profile, errs, summary = by_est[est]
     print(json.dumps({"benchmark": "sim_cost_error", "model": args.model, "clock": "thread_time",
-                      "repeats": args.repeats, "rounds": args.rounds, "probes": len(PROBES),
+                      "repeats": args.repeats, "rounds": args.rounds, "probes": len(PROBES), "estimator": est,
                       "summary": summary, "fit": dict(zip(profile.step_fit.to_json()["terms"],
                                                           profile.step_fit.coef)),
-                      "measure_wall_s": round(wall, 1), "rows": errs}))
+                      "measure_wall_s": round(wall, 1), "rows": errs,
+                      "other_estimators": {e: {"summary": v[2], "rows": v[1]} for e, v in by_est.items() if e != est},
+                      "round_ms": {c.label: [round(t * 1e3, 4) for _, t in v] for c, v in rounds.items()
+                                   if c in PROBES}}))
+    for e, (_, _, summ) in by_est.items():
+        s = summ["fit+residual"]
+        print(f"estimator {e}: fit+residual median {s['median_error']:.1%} max {s['max_error']:.1%}, "
+              f"{s['under_5pct']} / {len(PROBES)} probes under 5%", file=sys.stderr)
     if args.table:
         modes = list(errs)
         print("| probe | real ms | " + " | ".join(f"{m} ms (err)" for m in modes) + " |", file=sys.stderr)

@@ -23,6 +23,7 @@ from typing import Iterable, NamedTuple
 import numpy as np
 
 from engine.block_hash import packed_block_hashes, packed_tokens, root_hash
+from engine.token_bytes import TokenBytes
 
 MOONCAKE_TOKENS_PER_ID = 512
 
@@ -110,7 +111,7 @@ def overlay(reqs: list[TraceRequest], copies: int) -> list[TraceRequest]:
 
 
 class Prompt(NamedTuple):
-    tokens: list[int]
+    tokens: TokenBytes         # reads like list[int]; unpacked only where read
     hashes: list[int]          # pdserve's chained block hashes (full blocks)
     packed: bytes              # the tokens as native uint32 (engine.block_hash.packed_tokens)
 
@@ -173,12 +174,12 @@ class PromptBuilder:
         return self._flat(req).tolist()
 
     def prompt(self, req: TraceRequest) -> Prompt:
-        """``tokens(req)``, ``hashes(req, tokens)`` and the packed tokens at once
-        (hashing and the engine's prefix cache take the numpy bytes directly,
-        without converting the list back)."""
+        """``tokens(req)`` (as `TokenBytes`: equal to the list, never unpacked by
+        the simulated engines), ``hashes(req, tokens)`` and the packed tokens at
+        once (hashing and the engine's prefix cache take the numpy bytes directly)."""
         flat = self._flat(req)
         packed = flat.tobytes()
-        return Prompt(flat.tolist(), packed_block_hashes(packed, self.block_size, root_hash(req.salt)), packed)
+        return Prompt(TokenBytes(packed), packed_block_hashes(packed, self.block_size, root_hash(req.salt)), packed)
 
     def hashes(self, req: TraceRequest, tokens: list[int]) -> list[int]:
         """pdserve's chained hashes of every full block of the prompt."""

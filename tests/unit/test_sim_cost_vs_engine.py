@@ -1,6 +1,6 @@
 """Per-step cost-model error against real CPU engine steps (tiny model).
 
-Measures a small grid with `measure_engine` (thread CPU time, the fastest of
+Measures a small grid with `measure_engine` (thread CPU time, by default the fastest of
 rounds x repeats timings), and in the same shuffled rounds real steps at
 off-grid probe shapes (pure, multi-prompt, mixed), then compares them with
 the profile's prediction in each mode. The errors are printed (run with -s);
@@ -35,3 +35,19 @@ def test_step_cost_tracks_real_engine_steps(tiny_llama_dir):
         print(f"{mode}: median |error| {statistics.median(rel):.1%}")
         assert statistics.median(rel) < 1.0
     engine.check_integrity()
+
+
+def test_pick_takes_the_fastest_or_the_median_rounds_fastest():
+    import pytest
+
+    from cluster.sim.measure import pick
+    from engine.step_trace import StepShape
+    shapes = [StepShape((), (i,)) for i in range(5)]
+    rounds = list(zip(shapes, (0.010, 0.006, 0.011, 0.012, 0.0105)))
+    assert pick(rounds) == (shapes[1], 0.006)                           # one lucky round sets the minimum
+    assert pick(rounds, "median_round_min") == (shapes[4], 0.0105)      # the middle of five rounds
+    assert pick(rounds[:4], "median_round_min") == (shapes[0], 0.010)   # even: the lower middle, a real timing
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        pick(rounds, "mean")
+    with pytest.raises(ValueError, match="no timings"):
+        pick([])
