@@ -125,7 +125,8 @@ async def stream_one(client: GenerationClient, req: Req, *, timeout: float, on_c
 
 async def run_load(target: str, reqs: list[Req], *, timeout: float = 240.0, channels: int = 8,
                    on_chunk: OnChunk | None = None, retries: int = 0,
-                   during: Callable[[], Awaitable[None]] | None = None) -> dict[str, Outcome]:
+                   during: Callable[[], Awaitable[None]] | None = None,
+                   fault_grace_s: float = 60.0) -> dict[str, Outcome]:
     """All requests at once over `channels` connections; `during()` runs alongside (the fault)."""
     clients = [GenerationClient(target) for _ in range(channels)]
     try:
@@ -133,8 +134,12 @@ async def run_load(target: str, reqs: list[Req], *, timeout: float = 240.0, chan
                                                 retries=retries)) for i, r in enumerate(reqs)]
         fault = asyncio.create_task(during()) if during else None
         outs = await asyncio.gather(*tasks)
-        if fault is not None:   # a fault still waiting for its moment never fired: the test sees that
-            if not fault.done():
+        if fault is not None:
+            # a fault that began its action finishes it (a drain waits for the worker's last
+            # requests, which may be the load's last ones too); one still waiting for its moment
+            # after `fault_grace_s` never fired, and the test sees that
+            done, _ = await asyncio.wait({fault}, timeout=fault_grace_s)
+            if not done:
                 fault.cancel()
             await asyncio.gather(fault, return_exceptions=True)
         return {o.rid: o for o in outs}
