@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from cluster.sim.cost_model import FIT_MODES, TableCostModel  # noqa: E402
 from cluster.sim.measure import (ESTIMATORS, Cell, Grid, StepTimer, build_profile, make_engine,  # noqa: E402
-                                 measure_rounds, pick, time_cells)
+                                 measure_rounds, time_cells)
 from cluster.sim.step_fit import shape_sched  # noqa: E402
 
 TINY_GRID = Grid(prefill_new=(8, 16, 32, 64, 128, 256, 512), prefill_cached=(0, 128, 512, 1024),
@@ -91,6 +91,9 @@ def main() -> None:
                     help="instead: time decode steps at these batch sizes (contexts 64, 200, 256; fastest of "
                          "rounds x repeats) and print them, to see how the cost moves between grid batches")
     args = ap.parse_args()
+    estimators = args.estimators.split(",")
+    if not set(estimators) <= set(ESTIMATORS):       # before a measurement of many minutes
+        ap.error(f"--estimators: each must be one of {ESTIMATORS}, got {args.estimators!r}")
     model = tiny_model_dir() if args.model == "tiny" else args.model
     engine = make_engine(model, num_blocks=1024, max_model_len=2048, max_num_batched_tokens=1024)
     if args.decode_sweep:
@@ -102,16 +105,15 @@ def main() -> None:
     wall = time.perf_counter() - t0
     # one set of timings; a profile (and the probes' real steps) per estimator, the first one printed in full
     by_est = {}
-    for est in args.estimators.split(","):
-        profile, measured = build_profile(engine, grid, {c: pick(v, est) for c, v in rounds.items()},
-                                          probes=PROBES, estimator=est)
+    for est in estimators:
+        profile, measured = build_profile(engine, grid, rounds, est, probes=PROBES)
         errs = errors(profile, measured)
         summary = {mode: {"median_error": statistics.median(r["error"] for r in rows),
                           "mean_error": round(statistics.fmean(r["error"] for r in rows), 4),
                           "max_error": max(r["error"] for r in rows),
                           "under_5pct": sum(r["error"] < 0.05 for r in rows)} for mode, rows in errs.items()}
         by_est[est] = (profile, errs, summary)
-    est = args.estimators.split(",")[0]
+    est = estimators[0]
     profile, errs, summary = by_est[est]
     print(json.dumps({"benchmark": "sim_cost_error", "model": args.model, "clock": "thread_time",
                       "repeats": args.repeats, "rounds": args.rounds, "probes": len(PROBES), "estimator": est,

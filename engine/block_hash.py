@@ -11,8 +11,6 @@ import hashlib
 from array import array
 from typing import Sequence
 
-from engine.token_bytes import TokenBytes
-
 ROOT_SEED = b"pdserve-kv-v1"
 
 
@@ -36,8 +34,6 @@ def packed_tokens(token_ids: Sequence[int]) -> bytes:
     """A block's tokens as the cache keeps them for its collision check:
     native uint32 bytes (4 bytes a token, and no references to Python ints,
     so storing or dropping a block touches no token objects)."""
-    if isinstance(token_ids, TokenBytes):
-        return token_ids.data
     return array("I", token_ids).tobytes()
 
 

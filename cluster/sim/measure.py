@@ -226,29 +226,33 @@ def measure_engine(engine, grid: Grid = Grid(), name: str = "cpu", seed: int = 0
     validation model it put all 14 off-grid probes under 5% in both of two
     runs, the fastest-of-all in one (docs/simulator.md)."""
     rounds = measure_rounds(engine, grid, seed, probes)
-    return build_profile(engine, grid, {c: pick(v, estimator) for c, v in rounds.items()}, name, fit_mode, probes,
-                         estimator)
+    return build_profile(engine, grid, rounds, estimator, name, fit_mode, probes)
+
+
+def fitted_cells(grid: Grid) -> list[Cell]:
+    """The cells a profile is fitted to: the grid's pure prefills and decodes,
+    its multi-prompt prefills and its mixed steps."""
+    p_cells, d_cells = grid_cells(grid)
+    return (p_cells + d_cells + [Cell("prefill", chunks) for chunks in grid.prefill_batches]
+            + [Cell("mixed", m) for m in grid.mixed])
 
 
 def measure_rounds(engine, grid: Grid = Grid(), seed: int = 0,
                    probes: list[Cell] = ()) -> dict[Cell, list[tuple[StepShape, float]]]:
     """Every grid cell's and probe's fastest step of each round (`time_rounds`),
     so profiles can be built from them with any `pick` estimator."""
-    p_cells, d_cells = grid_cells(grid)
-    multi = [Cell("prefill", chunks) for chunks in grid.prefill_batches] + [Cell("mixed", m) for m in grid.mixed]
-    return time_rounds(StepTimer(engine, seed), p_cells + d_cells + multi + list(probes), grid.repeats, grid.rounds,
-                       seed)
+    return time_rounds(StepTimer(engine, seed), fitted_cells(grid) + list(probes), grid.repeats, grid.rounds, seed)
 
 
-def build_profile(engine, grid: Grid, timed: dict[Cell, tuple[StepShape, float]], name: str = "cpu",
-                  fit_mode: str = "fit+residual", probes: list[Cell] = (), estimator: str = "min",
-                  ) -> tuple[TableCostModel, dict[Cell, tuple[StepShape, float]]]:
-    """The profile (tables + fit) from each grid cell's chosen step, and the probes' steps."""
-    p_cells, d_cells = grid_cells(grid)
-    multi = [Cell("prefill", chunks) for chunks in grid.prefill_batches] + [Cell("mixed", m) for m in grid.mixed]
+def build_profile(engine, grid: Grid, rounds: dict[Cell, list[tuple[StepShape, float]]],
+                  estimator: str = "median_round_min", name: str = "cpu", fit_mode: str = "fit+residual",
+                  probes: list[Cell] = ()) -> tuple[TableCostModel, dict[Cell, tuple[StepShape, float]]]:
+    """The profile (tables + fit) from `measure_rounds`' timings, each cell's
+    cost picked by ``estimator`` (`pick`), and the probes' steps picked alike."""
+    timed = {c: pick(v, estimator) for c, v in rounds.items()}
     prefill = [[timed[Cell("prefill", ((n, c),))][1] for c in grid.prefill_cached] for n in grid.prefill_new]
     decode = [[timed[Cell("decode", (b, x))][1] for x in grid.decode_context] for b in grid.decode_batch]
-    fitted = [timed[c] for c in p_cells + d_cells + multi]
+    fitted = [timed[c] for c in fitted_cells(grid)]
     bs = engine.block_size
     fit = StepFit.fit([StepFeatures.from_shape(st, bs) for st, _ in fitted], [t for _, t in fitted], bs)
     mc = engine.runner.model_config
