@@ -17,7 +17,7 @@ import concurrent.futures
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.async_engine import AsyncEngine, WorkerReport
 from engine.config import EngineConfig
@@ -206,7 +206,13 @@ class DecodeWorker:
         return await self.aengine.call(lambda e: e.abort_request(request_id))
 
     async def report(self) -> WorkerReport:
-        return await self.aengine.report(self.worker_id, self.pool)
+        """The engine's report; `stats.waiting` also counts hand-offs still waiting
+        here for KV room: they are queued on this node (and count against its
+        queue bound), so the router and the waiting-requests gauge see them."""
+        report = await self.aengine.report(self.worker_id, self.pool)
+        if not self._awaiting_room:
+            return report
+        return replace(report, stats=replace(report.stats, waiting=report.stats.waiting + self._awaiting_room))
 
     def step_trace(self) -> dict:
         """Steps timed since the last call (step_trace_size > 0): see engine/step_trace.py."""
@@ -223,8 +229,6 @@ class DecodeWorker:
 def _add_with_first_token(engine: LLMEngine, request_id, prompt, params, salt, first_token) -> None:
     """Recompute locally: the prefill node's first token was already streamed,
     so it joins the prompt and one fewer token is generated."""
-    from dataclasses import replace
-
     if params.max_tokens > 1:
         params = replace(params, max_tokens=params.max_tokens - 1)
     engine.add_request(request_id, list(prompt) + [first_token], params, salt, bounded=False)

@@ -284,15 +284,18 @@ class ClusterSim:
         alloc = dn.scheduler.add_remote_request(self._request(live, live.tokens, live.trace.output_length))
         if alloc is None:
             if now < live.deadline:
+                if live.no_room is None:              # as DecodeWorker: now it waits for room here
+                    dn.joining += 1
+                    dn.dirty = True
                 live.no_room = room(dn.scheduler)
                 return False
-            live.joining = False
+            self._joined(dn, live)
             self.fallbacks += 1                       # as DecodeWorker: recompute here, keep the first token
             pn.post(lambda n: n.scheduler.release_held(rid))
             tokens = live.tokens + [dn.output_token]
             dn.scheduler.add_request(self._request(live, tokens, max(1, live.trace.output_length - 1)))
             return True
-        live.joining = False
+        self._joined(dn, live)
         held = pn.scheduler.kv.get_block_ids(rid)
         src, dst = held[alloc.num_cached_blocks:len(alloc.block_ids)], list(alloc.blocks_to_pull)
         nbytes = len(dst) * self.config.block_size * self.cost.kv_bytes_per_token
@@ -304,6 +307,13 @@ class ClusterSim:
         self.nic_free[dn.node_id] = done
         self.loop.at(done, self._landed, dn, pn, rid)
         return True
+
+    @staticmethod
+    def _joined(dn: SimNode, live: _Live) -> None:
+        live.joining = False
+        if live.no_room is not None:                  # it had waited for room
+            dn.joining -= 1
+            dn.dirty = True
 
     def _landed(self, dn: SimNode, pn: SimNode, rid: str) -> None:
         pn.post(lambda n: n.scheduler.release_held(rid))
@@ -317,7 +327,8 @@ class ClusterSim:
                 continue
             node.dirty = False
             s = node.scheduler
-            load = WorkerLoad(s.num_waiting_tokens, s.num_running, s.num_waiting, s.kv_usage)
+            # as DecodeWorker.report: hand-offs waiting for KV room are waiting requests
+            load = WorkerLoad(s.num_waiting_tokens, s.num_running, s.num_waiting + node.joining, s.kv_usage)
             batch.append((nid, load, s.kv.drain_events()))
         if batch:
             self.loop.after(self.config.report_lag_s, self._deliver, batch)

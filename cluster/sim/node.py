@@ -74,6 +74,7 @@ class SimNode:
         self.steps = 0
         self.events = 0
         self.dirty = True           # state changed since the last load report
+        self.joining = 0            # decode role: hand-offs waiting here for KV room (reported as waiting)
 
     # ---- calls from outside --------------------------------------------------
     @property

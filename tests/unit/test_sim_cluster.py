@@ -103,6 +103,38 @@ def test_joins_waiting_for_room_retry_only_when_room_changed(monkeypatch):
                                                                           b.finish_s)
 
 
+def test_joins_waiting_for_room_are_reported_as_waiting(monkeypatch):
+    """As DecodeWorker.report: a hand-off waiting on its decode node for KV room
+    is a waiting request in the load the router sees; the count is exact at
+    every report and back to zero at the end."""
+    import cluster.sim.cluster_sim as cs
+
+    seen, real_tick = [], cs.ClusterSim._tick
+
+    def tick(self):
+        for nid, node in self.nodes.items():
+            expected = sum(1 for live in self.live.values()
+                           if live.joining and live.no_room is not None and live.rec.decode_node == nid)
+            assert node.joining == expected, (nid, node.joining, expected)
+            if node.joining:
+                node.dirty = True
+                seen.append(node.joining)
+        real_tick(self)
+
+    monkeypatch.setattr(cs.ClusterSim, "_tick", tick)
+    loads = []
+    sim = ClusterSim(SimConfig(3, 1, block_size=BS, num_blocks=40, max_num_batched_tokens=512, max_num_seqs=16,
+                               max_model_len=2048), _cost(), _workload(n=80, rate=400.0, prefixes=80),
+                     PromptBuilder(BS, tokens_per_id=16))
+    real_update = sim.router.update_load
+    monkeypatch.setattr(sim.router, "update_load", lambda nid, load: loads.append((nid, load.waiting))
+                        or real_update(nid, load))
+    assert sim.run()["finished"] == 80
+    assert seen, "no hand-off ever waited for room: the workload no longer exercises this"
+    assert max(w for nid, w in loads if nid.startswith("d")) >= max(seen)
+    assert all(node.joining == 0 for node in sim.nodes.values())
+
+
 def test_run_leaves_the_garbage_collector_as_it_found_it():
     """run() freezes the long-lived nodes and raises the collection thresholds for its
     loop only; afterwards (also after a failure inside the loop) both are restored."""
