@@ -7,7 +7,9 @@ backend iterator from the transport's cancellation points) and yields
 per request), inter-token latency (each gap of a sequence), end-to-end
 latency, token counters, queue depth and `requests{outcome}`. Leaving early
 (client gone, deadline, error) closes the backend iterators, which aborts the
-requests and frees their blocks, and calls `backend.abort` to be sure.
+requests and frees their blocks, and calls `backend.abort` to be sure. That
+cleanup also runs when the transport drops a consumer without cancelling it
+and the garbage collector closes the stream, on whatever thread.
 Errors surface as `ValidationError` or `BackendError` (code = grpc status name).
 """
 from __future__ import annotations
@@ -70,6 +72,13 @@ def outcome_of(exc: BaseException | None) -> str:
     return "internal"
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class RequestRunner:
     def __init__(self, backend: GenerationBackend, metrics: Metrics, limits: Limits,
                  admission: AdmissionController) -> None:
@@ -78,6 +87,9 @@ class RequestRunner:
         self.limits = limits
         self.admission = admission
         self._cleanups: set[asyncio.Task] = set()
+        # held here, not only by the consumer's frame: a consumer the transport drops without
+        # cancelling it is garbage-collected, and its pump must still be there to be cancelled
+        self._pumps: set[asyncio.Task] = set()
 
     def validate(self, inp: GenerateInput, *, cache_salt: str | None, deadline: float | None,
                  arrival_time: float) -> GenerateJob:
@@ -114,7 +126,10 @@ class RequestRunner:
     async def _stream(self, job: GenerateJob, release) -> AsyncIterator[Chunk]:
         seqs = [_Seq() for _ in range(job.sampling.n)]
         queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_DEPTH)
+        loop = asyncio.get_running_loop()
         pump = asyncio.create_task(self._pump(job, queue))
+        self._pumps.add(pump)
+        pump.add_done_callback(self._pumps.discard)
         first_token_seen = False
         try:
             left = len(seqs)
@@ -143,13 +158,20 @@ class RequestRunner:
             # Aborting can wait on a busy engine: do it in the background so the client hears
             # at once; the admission ticket is held until the blocks are really freed.
             finished = all(s.finished for s in seqs)
-            task = asyncio.create_task(self._cleanup(pump, job, finished, release))
-            self._cleanups.add(task)
-            task.add_done_callback(self._cleanups.discard)
-            # a cleanup cancelled before it ran must still give the admission slot back
-            task.add_done_callback(lambda t: release() if t.cancelled() else None)
-            if finished:   # shielded: a second cancellation of the caller must not cancel the cleanup
-                await asyncio.shield(task)
+            if _running_loop() is loop:
+                task = self._start_cleanup(pump, job, finished, release)
+                if finished:   # shielded: a second cancellation of the caller must not cancel the cleanup
+                    await asyncio.shield(task)
+            else:   # closed by the garbage collector on another thread (a dropped consumer)
+                loop.call_soon_threadsafe(self._start_cleanup, pump, job, finished, release)
+
+    def _start_cleanup(self, pump: asyncio.Task, job: GenerateJob, finished: bool, release) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(self._cleanup(pump, job, finished, release))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        # a cleanup cancelled before it ran must still give the admission slot back
+        task.add_done_callback(lambda t: release() if t.cancelled() else None)
+        return task
 
     @staticmethod
     async def _next(queue: asyncio.Queue, job: GenerateJob):

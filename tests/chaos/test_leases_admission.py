@@ -5,7 +5,9 @@
   renewed lease outlives its TTL;
 - per-tenant fairness of admission (injected clock);
 - the admission slot of a stream closed by a caller cancelled twice comes back
-  (found by the disconnect trials: one slot leaked per ~20 trials)."""
+  (found by the disconnect trials: one slot leaked per ~20 trials);
+- ... and of a stream whose consumer was dropped and garbage-collected on
+  another thread (seen once in the gRPC frontend tests)."""
 from __future__ import annotations
 
 import asyncio
@@ -170,3 +172,66 @@ def test_admission_slot_comes_back_when_the_closing_caller_is_cancelled_twice():
         return adm.in_flight
 
     assert asyncio.run(go()) == 0
+
+
+class _EndlessBackend(_OneTokenBackend):
+    """Streams a token per delta, forever (until closed or aborted)."""
+
+    async def generate(self, job):
+        from engine.outputs import StepDelta
+        while True:
+            yield StepDelta(job.request_id, (5,), num_prompt_tokens=3)
+            await asyncio.sleep(0)
+
+
+def test_admission_slot_comes_back_when_the_consumer_is_garbage_collected():
+    """The transport drops the task that consumes a stream without cancelling it
+    (seen once with grpc.aio after a client cancel: the handler and the pump were
+    garbage-collected, on another thread, with the pump blocked on its full queue).
+    The request must still be aborted and its admission slot come back."""
+    import contextlib
+    import gc
+    import threading
+
+    from cluster.metrics import Metrics
+    from cluster.request_runner import RequestRunner
+    from cluster.validation import GenerateInput, Limits, SamplingInput
+
+    adm, backend = AdmissionController(max_requests=4, max_tokens=10_000), _EndlessBackend()
+    runner = RequestRunner(backend, Metrics(), Limits(max_model_len=64, block_size=16, vocab_size=100), adm)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def consume(started: asyncio.Future):   # as GenerationService._generate
+        stream = runner.run(GenerateInput(prompt_token_ids=[1, 2, 3], sampling=SamplingInput(max_tokens=40)))
+        async with contextlib.aclosing(stream):
+            async for _ in stream:
+                if not started.done():
+                    started.set_result(None)
+                await loop.create_future()    # a write that never completes, and nobody holds the task
+
+    async def start():
+        started = loop.create_future()
+        loop.create_task(consume(started))
+        await started
+        for _ in range(200):                  # let the pump fill the queue and block on it
+            await asyncio.sleep(0)
+
+    async def settle():
+        for _ in range(300):
+            if not adm.in_flight and backend.aborted:
+                break
+            await asyncio.sleep(0.01)
+        return adm.in_flight, list(backend.aborted)
+
+    try:
+        asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+        assert adm.in_flight == 1
+        gc.collect()                           # on this thread: no event loop runs here
+        in_flight, aborted = asyncio.run_coroutine_threadsafe(settle(), loop).result(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    assert in_flight == 0, "the admission slot of a garbage-collected stream leaked"
+    assert len(aborted) == 1, aborted
