@@ -211,9 +211,11 @@ def test_admission_slot_comes_back_when_the_consumer_is_garbage_collected():
                     started.set_result(None)
                 await loop.create_future()    # a write that never completes, and nobody holds the task
 
+    held: list = []                          # the transport's reference, dropped below
+
     async def start():
         started = loop.create_future()
-        loop.create_task(consume(started))
+        held.append(loop.create_task(consume(started)))
         await started
         for _ in range(200):                  # let the pump fill the queue and block on it
             await asyncio.sleep(0)
@@ -228,6 +230,7 @@ def test_admission_slot_comes_back_when_the_consumer_is_garbage_collected():
     try:
         asyncio.run_coroutine_threadsafe(start(), loop).result(10)
         assert adm.in_flight == 1
+        held.clear()
         gc.collect()                           # on this thread: no event loop runs here
         in_flight, aborted = asyncio.run_coroutine_threadsafe(settle(), loop).result(10)
     finally:

@@ -105,9 +105,10 @@ def test_abandon_before_connect_writes_nothing_and_is_idempotent():
     source.release.set()                # this source would answer at once
     reader, peer = _reader_and_peer(src, dst, source.port)
     try:
-        handle = reader.read(peer, [0], [1])
-        handle.abandon()
-        handle.abandon()
+        with reader._lock:   # the read's thread cannot connect (it takes this lock) before both abandons
+            handle = reader.read(peer, [0], [1])
+            handle.abandon()
+            handle.abandon()
         time.sleep(0.3)
         assert handle.poll() is TransferStatus.TIMEOUT
         assert int(dst.sum()) == 0
