@@ -285,8 +285,7 @@ class ClusterSim:
         if alloc is None:
             if now < live.deadline:
                 if live.no_room is None:              # as DecodeWorker: now it waits for room here
-                    dn.joining += 1
-                    dn.dirty = True
+                    dn.joining += 1                   # (joins run inside post / _end: dn is dirty)
                 live.no_room = room(dn.scheduler)
                 return False
             self._joined(dn, live)
@@ -313,7 +312,6 @@ class ClusterSim:
         live.joining = False
         if live.no_room is not None:                  # it had waited for room
             dn.joining -= 1
-            dn.dirty = True
 
     def _landed(self, dn: SimNode, pn: SimNode, rid: str) -> None:
         pn.post(lambda n: n.scheduler.release_held(rid))

@@ -117,7 +117,6 @@ def test_joins_waiting_for_room_are_reported_as_waiting(monkeypatch):
                            if live.joining and live.no_room is not None and live.rec.decode_node == nid)
             assert node.joining == expected, (nid, node.joining, expected)
             if node.joining:
-                node.dirty = True
                 seen.append(node.joining)
         real_tick(self)
 
