@@ -86,6 +86,7 @@ class ServeConfig:
     max_worker_queue: int = 256           # requests a worker queues (not yet running) before refusing more
     step_trace_size: int = 0              # > 0: each worker keeps its last N engine steps' timings
     request_timeout: float = 600.0
+    stream_write_timeout: float = 30.0    # a streaming client that accepts no response this long is dropped
     max_migrations: int = 2               # times a request may move after its decode worker died
     drain_timeout: float = 30.0           # SIGTERM: seconds in-flight requests get to finish
     prefill_failure_policy: str = "recompute"   # prefill node lost: recompute on decode, or reprefill
@@ -127,6 +128,8 @@ class ServeConfig:
             raise ValueError(f"step_trace_size must be >= 0 records (0 = off), got {self.step_trace_size}")
         if self.max_worker_queue < 0:
             raise ValueError(f"max_worker_queue must be >= 0 (0 = no bound), got {self.max_worker_queue}")
+        if self.stream_write_timeout < 0:
+            raise ValueError(f"stream_write_timeout must be >= 0 seconds (0 = no bound), got {self.stream_write_timeout}")
         if self.lease_ttl <= 0 or self.transfer_timeout <= 0:
             raise ValueError("lease_ttl and transfer_timeout must be positive seconds")
         parse_size(self.kv_cache_memory)

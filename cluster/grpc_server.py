@@ -7,7 +7,10 @@ Status codes: bad input -> INVALID_ARGUMENT (message names the field), full
 -> RESOURCE_EXHAUSTED with trailing metadata `retry-after-ms`, deadline
 (client's or `request_timeout`) -> DEADLINE_EXCEEDED, draining ->
 UNAVAILABLE, a BackendError -> its own code. A client that cancels closes the
-backend stream, which aborts the request and frees its blocks.
+backend stream, which aborts the request and frees its blocks; so does a client
+that accepts no response for `stream_write_timeout` seconds (one stuck in
+flow control, or one whose close grpc never turned into a cancellation of the
+handler): that call ends CANCELLED.
 """
 from __future__ import annotations
 
@@ -40,11 +43,18 @@ def _status(code: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
 
 
+class ClientGone(Exception):
+    """A response write failed or made no progress for `stream_write_timeout`: the
+    client is gone, or reads nothing."""
+
+
 class GenerationServicer:
-    def __init__(self, runner: RequestRunner, keys: ApiKeys | None, request_timeout: float) -> None:
+    def __init__(self, runner: RequestRunner, keys: ApiKeys | None, request_timeout: float,
+                 write_timeout: float = 30.0) -> None:
         self.runner = runner
         self.keys = keys
         self.request_timeout = request_timeout
+        self.write_timeout = write_timeout   # seconds one response write may take; 0 = no bound
         self.serving = True
         self.active = 0                      # Generate calls in progress
         self._idle = asyncio.Event()
@@ -71,6 +81,23 @@ class GenerationServicer:
         limit = self.request_timeout if self.request_timeout > 0 else math.inf
         budget = min(limit, math.inf if remaining is None else remaining)
         return None if math.isinf(budget) else time.monotonic() + budget
+
+    async def _write(self, context, response) -> None:
+        """context.write, bounded. grpc.aio cancels a handler on a client's close only if
+        core reports a cancel before any status went out; otherwise it drops the handler,
+        which then waits in a write (holding its admission slot and KV blocks) until the
+        garbage collector finds it. A write that takes `write_timeout` ends the call."""
+        try:
+            if self.write_timeout > 0:
+                async with asyncio.timeout(self.write_timeout):
+                    await context.write(response)
+            else:
+                await context.write(response)
+        except TimeoutError:
+            raise ClientGone(f"the client accepted no response for {self.write_timeout:g} s "
+                             "(stream_write_timeout); read the stream or raise the limit") from None
+        except Exception as e:   # grpc's ExecuteBatchError: the call is closed
+            raise ClientGone(f"the response could not be written: {type(e).__name__}") from e
 
     def _count(self, exc: BaseException) -> None:
         self.runner.metrics.requests.labels(outcome=outcome_of(exc)).inc()
@@ -102,7 +129,12 @@ class GenerationServicer:
             stream = self.runner.run(inp, cache_salt=salt, deadline=self._deadline(context))
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
-                    await context.write(to_response(chunk))
+                    await self._write(context, to_response(chunk))
+        except ClientGone as e:   # the stream is closed (request aborted); end the call if it still can
+            log.info("Generate %s: %s", request.request_id or "(no id)", e)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await context.abort(grpc.StatusCode.CANCELLED, str(e))
         except ValidationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except BackendError as e:
@@ -187,7 +219,7 @@ async def serve_grpc(backend: GenerationBackend, config: ServeConfig, metrics: M
     admission = AdmissionController(config.max_queued_requests, config.max_queued_tokens,
                                     on_change=metrics.frontend_queue.set)
     runner = RequestRunner(backend, metrics, limits, admission)
-    servicer = GenerationServicer(runner, api_keys, config.request_timeout)
+    servicer = GenerationServicer(runner, api_keys, config.request_timeout, config.stream_write_timeout)
     reject = (lambda method: metrics.requests.labels(outcome="unauthenticated").inc())
     interceptors = [AuthInterceptor(api_keys, on_reject=reject)] if api_keys else []
     server = grpc.aio.server(interceptors=interceptors)

@@ -57,6 +57,8 @@ HELP = {
     "step_trace_size": "each worker keeps its last N engine steps' timings and shapes (0 = off; "
                        "read with the workers' step_trace method)",
     "request_timeout": "default deadline in seconds when the client sets none",
+    "stream_write_timeout": "seconds one streamed response may wait for a client that reads nothing before "
+                            "the call is cancelled and its request aborted (0 = no bound)",
     "max_migrations": "times a request may continue on another decode worker after its own died",
     "drain_timeout": "on SIGTERM, seconds in-flight requests get to finish",
     "prefill_failure_policy": "a prefill node lost before its KV was read: 'recompute' on the decode node, "

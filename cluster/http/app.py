@@ -33,10 +33,11 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|[A-Z].*|.*\[.*)$")
 
 
 def create_app(runner: RequestRunner, metrics: Metrics, *, model_name: str | None = None,
-               api_keys: ApiKeys | None = None, request_timeout: float = 0.0) -> FastAPI:
+               api_keys: ApiKeys | None = None, request_timeout: float = 0.0,
+               write_timeout: float = 0.0) -> FastAPI:
     """An app over `runner` (share the gRPC endpoint's: one router, validator, admission)."""
     state = EndpointState(runner, metrics, model_name or runner.backend.model_info().model_name,
-                          api_keys=api_keys, request_timeout=request_timeout)
+                          api_keys=api_keys, request_timeout=request_timeout, write_timeout=write_timeout)
     app = FastAPI(title="pdserve OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.pdserve = state
     _add_error_handlers(app, state)

@@ -62,7 +62,7 @@ def create_chat_completion(req: ChatCompletionRequest, state: EndpointState,
             else shape.collect(merged([stream])))
     names = renames(req, logprobs_field="top_logprobs")
     return GenerationResponse(body, streaming=req.stream, to_error=lambda e: to_openai_error(e, names),
-                              tracker=state.track())
+                              tracker=state.track(), write_timeout=state.write_timeout)
 
 
 class _Shape:

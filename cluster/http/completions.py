@@ -67,7 +67,7 @@ def create_completion(req: CompletionRequest, state: EndpointState, cache_salt: 
             else shape.collect(merged(streams)))
     names = renames(req)
     return GenerationResponse(body, streaming=req.stream, to_error=lambda e: to_openai_error(e, names),
-                              tracker=state.track())
+                              tracker=state.track(), write_timeout=state.write_timeout)
 
 
 class _Shape:

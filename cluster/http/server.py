@@ -105,7 +105,7 @@ async def serve_http(runner: RequestRunner, config: ServeConfig, metrics: Metric
     """Start the OpenAI-compatible endpoint on config.host:config.http_port (0 = any free port)
     over `runner` (pass the gRPC endpoint's runner to share admission and metrics)."""
     app = create_app(runner, metrics, model_name=model_name, api_keys=api_keys,
-                     request_timeout=config.request_timeout)
+                     request_timeout=config.request_timeout, write_timeout=config.stream_write_timeout)
     sock = bind(config.host, config.http_port)
     cfg = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, http=nodelay_protocol(),
                          timeout_keep_alive=30, ws="none")

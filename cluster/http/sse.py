@@ -7,7 +7,10 @@ the first piece: a failure before it becomes a plain OpenAI error response
 already sent) becomes an SSE `error` event followed by `data: [DONE]`.
 While it works it listens for `http.disconnect`: a client that goes away
 cancels the work, which closes the runner streams, aborts the requests and
-frees their blocks (the same path as a cancelled gRPC call). Every piece is
+frees their blocks (the same path as a cancelled gRPC call). So does a client
+that stays connected but reads nothing: a send that waits `write_timeout`
+seconds for the socket to drain ends the response (the connection is closed).
+Every piece is
 sent as its own `http.response.body` message, so it leaves at once (the
 server sets TCP_NODELAY on every connection).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from typing import AsyncIterator, Callable
 
 from starlette.responses import Response
@@ -27,6 +31,7 @@ DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 JSON_HEADERS = [(b"content-type", b"application/json")]
+log = logging.getLogger(__name__)
 
 
 def sse_event(payload: str) -> bytes:
@@ -42,8 +47,10 @@ class GenerationResponse(Response):
     OpenAIError the client sees; `tracker` counts the response as in flight (drain waits)."""
 
     def __init__(self, body: AsyncIterator[bytes], *, streaming: bool,
-                 to_error: Callable[[BaseException], OpenAIError], tracker=None) -> None:
+                 to_error: Callable[[BaseException], OpenAIError], tracker=None,
+                 write_timeout: float = 0.0) -> None:
         super().__init__(content=b"", status_code=200)
+        self.write_timeout = write_timeout   # seconds one send may wait on a client reading nothing; 0 = no bound
         self.body_iter = body
         self.streaming = streaming
         self.to_error = to_error
@@ -72,10 +79,14 @@ class GenerationResponse(Response):
                     headers = SSE_HEADERS if self.streaming else JSON_HEADERS
                     await send({"type": "http.response.start", "status": 200, "headers": headers})
                     started = True
-                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                await self._send(send, {"type": "http.response.body", "body": piece, "more_body": True})
         except asyncio.CancelledError:
             raise
         except OSError:           # the client is gone; nothing more to tell it
+            return
+        except _Stalled:          # the client reads nothing: the server drops the connection
+            log.info("HTTP response dropped: the client read nothing for %g s (stream_write_timeout)",
+                     self.write_timeout)
             return
         except Exception as e:
             err = self.to_error(e)
@@ -89,6 +100,21 @@ class GenerationResponse(Response):
                         "headers": SSE_HEADERS if self.streaming else JSON_HEADERS})
         with contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+    async def _send(self, send: Send, message: dict) -> None:
+        if self.write_timeout <= 0:
+            await send(message)
+            return
+        try:
+            async with asyncio.timeout(self.write_timeout):
+                await send(message)
+        except TimeoutError:
+            raise _Stalled from None
+
+
+class _Stalled(Exception):
+    """A body send waited `write_timeout` on a client that reads nothing."""
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -20,6 +20,7 @@ class EndpointState:
     model_name: str
     api_keys: ApiKeys | None = None
     request_timeout: float = 0.0           # seconds; 0 = no server-side deadline
+    write_timeout: float = 0.0             # seconds a streamed send may wait on a client; 0 = no bound
     serving: bool = True                   # False while draining: /ready 503, new requests 503
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: int = 0

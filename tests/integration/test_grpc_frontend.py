@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.client import Completion, GenerationClient, build_request
 from cluster.pb import generation_pb2 as pb
+from cluster.pb import generation_pb2_grpc as pb_grpc
 from grpc_harness import start_frontend
 from tiny_models import hf_greedy, load_hf_model
 
@@ -168,6 +169,37 @@ def test_client_cancel_mid_stream_aborts_and_frees_blocks(fe, aborts):
     assert run(go()) == 3
     fe.wait_idle(baseline)
     assert "cancel-me" in aborts
+    assert fe.sample("pdserve_requests_total", outcome="cancelled") == cancelled + 1
+
+
+def test_client_that_reads_nothing_is_cancelled_after_stream_write_timeout(fe, aborts):
+    """A client that stays connected but stops reading fills its flow-control window; the
+    server's write then waits. After stream_write_timeout the call ends CANCELLED, the
+    request is aborted and its slot and blocks come back, while the client still holds it."""
+    baseline = fe.kv_used()
+    cancelled = fe.sample("pdserve_requests_total", outcome="cancelled")
+    req = build_request(request_id="reads-nothing", prompt="Once upon a time", max_tokens=1000,
+                        temperature=0.0, ignore_eos=True, logprobs=20)
+
+    async def go():
+        # a 1 KB stream window and no BDP probing: the server's writes stall after a few messages
+        opts = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+        async with grpc.aio.insecure_channel(fe.target, options=opts) as channel:
+            call = pb_grpc.GenerationStub(channel).Generate(req)
+            assert await call.read() is not grpc.aio.EOF
+            await asyncio.to_thread(fe.wait_idle, baseline)   # freed with the call still open
+            with pytest.raises(grpc.aio.AioRpcError) as ei:     # what was buffered, then the status
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            return ei.value.code(), ei.value.details()
+
+    fe.server.servicer.write_timeout = 1.0
+    try:
+        code, details = run(go())
+    finally:
+        fe.server.servicer.write_timeout = 30.0
+    assert code == grpc.StatusCode.CANCELLED and "stream_write_timeout" in details
+    assert "reads-nothing" in aborts
     assert fe.sample("pdserve_requests_total", outcome="cancelled") == cancelled + 1
 
 

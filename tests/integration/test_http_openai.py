@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import urllib.request
 
 import pytest
@@ -241,4 +242,47 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(fe, model):
         conn.close()
         assert fe.loop.run(fe.http.state.wait_idle(60))   # the server saw the disconnect and stopped
     fe.wait_idle(baseline)                 # aborted in the engine, blocks and admission freed
+    assert fe.sample("pdserve_requests_total", outcome="cancelled") == cancelled + 1
+
+
+async def _shrink_server_send_buffer(http_server, client_addr) -> None:
+    """The kernel would buffer the whole response on loopback (send buffers autotune to MBs);
+    a small fixed send buffer on the server's end of this connection keeps it under test size."""
+    for _ in range(500):
+        for proto in http_server._server.server_state.connections:
+            sock = proto.transport.get_extra_info("socket")
+            if sock is not None and sock.getpeername() == client_addr:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no server connection from {client_addr}")
+
+
+def test_client_that_reads_nothing_is_dropped_after_stream_write_timeout(fe, model):
+    """A client that keeps the connection but reads nothing: once the socket's buffers are
+    full the server's send waits; after stream_write_timeout the server drops the
+    connection, aborts the request and frees its slot and blocks."""
+    baseline = fe.kv_used()
+    cancelled = fe.sample("pdserve_requests_total", outcome="cancelled")
+    body = json.dumps({"model": model, "prompt": LONG, "max_tokens": 800, "ignore_eos": True,
+                       "stream": True, "logprobs": 5}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+    state = fe.http.state
+    old, state.write_timeout = state.write_timeout, 1.0
+    try:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # a small window, set before connect
+            sock.connect(("127.0.0.1", fe.http.port))
+            fe.loop.run(_shrink_server_send_buffer(fe.http, sock.getsockname()))
+            sock.sendall(head + body)
+            assert fe.loop.run(state.wait_idle(60)), "the response is still waiting on the client"
+            fe.wait_idle(baseline)                        # aborted, blocks and admission freed
+            sock.settimeout(60)
+            received = b""
+            while chunk := sock.recv(1 << 16):            # the server closed the connection
+                received += chunk
+    finally:
+        state.write_timeout = old
+    assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
     assert fe.sample("pdserve_requests_total", outcome="cancelled") == cancelled + 1
