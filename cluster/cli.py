@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 SUBCOMMANDS = {
@@ -37,6 +38,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # pdserve starts or joins Ray explicitly (cluster.launcher.init_ray). Ray's implicit
+    # ray.init() on a stray ray.get/kill after shutdown would start a second local cluster
+    # from whatever thread made the call, and a cluster started from a thread dies with
+    # that thread (Ray binds its GCS and raylet to the forking thread with PR_SET_PDEATHSIG).
+    # Ray reads this once, when it is first imported; the subcommands import it lazily.
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     only = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     parser = build_parser(only)
     args = parser.parse_args(argv)

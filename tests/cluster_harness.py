@@ -1,6 +1,7 @@
 """A real pdserve stack (Ray actors, gRPC, metrics) on its own event-loop thread."""
 from __future__ import annotations
 
+import asyncio
 import time
 import urllib.request
 
@@ -43,7 +44,16 @@ class Cluster:
     def close(self) -> None:
         try:
             self.loop.run(self.stack.drain_and_stop(1.0))
+            self.loop.run(_cancel_pending(), timeout=60)   # nothing on the loop calls Ray after shutdown
         finally:
             import ray
             ray.shutdown()
             self.loop.close()
+
+
+async def _cancel_pending() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=30)

@@ -8,6 +8,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# No implicit ray.init(): a background task that calls Ray after a test cluster's
+# ray.shutdown() would otherwise start a default cluster from the harness's loop thread;
+# that cluster dies when the thread exits (PR_SET_PDEATHSIG), yet ray.is_initialized()
+# stays True, so the next test's cluster "starts" on a dead GCS and the driver exits
+# after 60 s (a CI run failed so). Read by Ray at import: set before any test imports it.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
 
 @pytest.fixture(scope="session")

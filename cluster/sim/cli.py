@@ -4,14 +4,20 @@ sweep, and write JSON (and PNG plots).
     pdserve simulate --trace ../shared/traces/mooncake/conversation_trace.jsonl \\
         --prefill-nodes 4 --decode-nodes 12 --router-policy prefix_aware \\
         --sweep policy=prefix_aware,least_loaded,round_robin --sweep pd=1:3,1:1 \\
-        --output out.json --plot-dir plots/
+        --output out.json --plot-dir plots/ --jobs 2
+
+A sweep's runs are independent: `--jobs N` runs N of them at once, each in its
+own process (one core each); the output is the same as with `--jobs 1`, apart
+from the wall-time figures.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import multiprocessing
 import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from cluster.router import POLICIES, PolicyConfig
@@ -58,6 +64,7 @@ def register(subparsers) -> None:
     o.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                    help=f"sweep a parameter (repeatable; cartesian product); keys: {', '.join(SWEEP_KEYS)}; "
                         "pd=1:3 splits prefill+decode nodes 1:3")
+    o.add_argument("--jobs", type=int, default=1, help="sweep runs simulated at once, one process each")
     o.add_argument("--output", help="write all runs as JSON here")
     o.add_argument("--plot-dir", help="write PNG plots of the sweep here")
     p.set_defaults(func=run)
@@ -109,14 +116,13 @@ def expand(base: dict, sweeps: dict[str, list]) -> list[dict]:
 
 
 def run(args) -> int:
-    from cluster.sim.cluster_sim import ClusterSim, SimConfig
     from cluster.sim.cost_model import load_cost_model
-    from cluster.sim.metrics import Slo
-    from cluster.sim.workload import (PromptBuilder, compress_time, load_mooncake, overlay,
-                                      synthetic_shared_prefix)
+    from cluster.sim.workload import load_mooncake, synthetic_shared_prefix
 
     if (args.trace is None) == (args.synthetic is None):
         raise ValueError("give exactly one of --trace FILE or --synthetic N")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1 (sweep runs at once), got {args.jobs}")
     if args.measure:
         from cluster.sim.measure import measure_profile
         measure_profile(args.measure_output)
@@ -124,7 +130,6 @@ def run(args) -> int:
     cost = load_cost_model(args.profile)
     if args.cost_mode:
         cost = cost.with_mode(args.cost_mode)
-    sched_meta = cost.meta.get("scheduler", {})
     if args.trace:
         base_reqs = load_mooncake(args.trace, args.limit, tokens_per_id=args.tokens_per_id)
     else:
@@ -132,22 +137,18 @@ def run(args) -> int:
                                             suffix_ids=2, output_length=64, tokens_per_id=args.tokens_per_id,
                                             seed=args.seed)
     sweeps = parse_sweeps(args.sweep)
-    results = []
-    for params in expand(base_params(args), sweeps):
-        reqs = overlay(compress_time(base_reqs, params["time_scale"]), params["copies"])
-        config = SimConfig(
-            params["prefill_nodes"], params["decode_nodes"], policy=params["policy"],
-            policy_config=PolicyConfig(args.temperature, params["local_prefill_threshold"],
-                                       args.local_prefill_hit_ratio),
-            block_size=args.block_size, num_blocks=params["num_blocks"],
-            max_num_batched_tokens=args.max_num_batched_tokens or sched_meta.get("max_num_batched_tokens", 8192),
-            max_num_seqs=args.max_num_seqs or sched_meta.get("max_num_seqs", 256),
-            report_interval_s=args.report_interval, report_lag_s=args.report_lag,
-            collapse=not args.no_collapse, seed=args.seed, slo=Slo(args.slo_ttft, args.slo_itl))
-        builder = PromptBuilder(args.block_size, args.tokens_per_id, seed=args.seed)
-        summary = ClusterSim(config, cost, reqs, builder).run()
-        results.append({"params": params, "summary": summary})
-        print(json.dumps({"params": params, **_headline(summary)}), flush=True)
+    runs = expand(base_params(args), sweeps)
+    results: list[dict | None] = [None] * len(runs)
+    if args.jobs == 1 or len(runs) == 1:
+        for i, params in enumerate(runs):
+            results[i] = _report(params, simulate_one(params, args, cost, base_reqs))
+    else:   # spawn: a clean interpreter per worker, the same on Linux and macOS
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(args.jobs, len(runs)), mp_context=ctx) as pool:
+            futures = {pool.submit(simulate_one, params, args, cost, base_reqs): i for i, params in enumerate(runs)}
+            for fut in as_completed(futures):
+                i = futures[fut]
+                results[i] = _report(runs[i], fut.result())
     doc = {"simulated": True, "trace": args.trace, "profile": cost.name,
            "profile_source": cost.meta.get("source"), "runs": results}
     if args.output:
@@ -157,6 +158,32 @@ def run(args) -> int:
         for path in write_plots(results, set(sweeps), args.plot_dir):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def simulate_one(params: dict, args, cost, base_reqs) -> dict:
+    """One run of the sweep (module level: `--jobs` pickles it to a worker process)."""
+    from cluster.sim.cluster_sim import ClusterSim, SimConfig
+    from cluster.sim.metrics import Slo
+    from cluster.sim.workload import PromptBuilder, compress_time, overlay
+
+    sched_meta = cost.meta.get("scheduler", {})
+    reqs = overlay(compress_time(base_reqs, params["time_scale"]), params["copies"])
+    config = SimConfig(
+        params["prefill_nodes"], params["decode_nodes"], policy=params["policy"],
+        policy_config=PolicyConfig(args.temperature, params["local_prefill_threshold"],
+                                   args.local_prefill_hit_ratio),
+        block_size=args.block_size, num_blocks=params["num_blocks"],
+        max_num_batched_tokens=args.max_num_batched_tokens or sched_meta.get("max_num_batched_tokens", 8192),
+        max_num_seqs=args.max_num_seqs or sched_meta.get("max_num_seqs", 256),
+        report_interval_s=args.report_interval, report_lag_s=args.report_lag,
+        collapse=not args.no_collapse, seed=args.seed, slo=Slo(args.slo_ttft, args.slo_itl))
+    builder = PromptBuilder(args.block_size, args.tokens_per_id, seed=args.seed)
+    return ClusterSim(config, cost, reqs, builder).run()
+
+
+def _report(params: dict, summary: dict) -> dict:
+    print(json.dumps({"params": params, **_headline(summary)}), flush=True)
+    return {"params": params, "summary": summary}
 
 
 def _headline(s: dict) -> dict:
