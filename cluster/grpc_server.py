@@ -218,7 +218,7 @@ async def serve_grpc(backend: GenerationBackend, config: ServeConfig, metrics: M
     limits = limits or Limits.from_model(backend.model_info())
     admission = AdmissionController(config.max_queued_requests, config.max_queued_tokens,
                                     on_change=metrics.frontend_queue.set)
-    runner = RequestRunner(backend, metrics, limits, admission)
+    runner = RequestRunner(backend, metrics, limits, admission, consumer_timeout=config.stream_write_timeout)
     servicer = GenerationServicer(runner, api_keys, config.request_timeout, config.stream_write_timeout)
     reject = (lambda method: metrics.requests.labels(outcome="unauthenticated").inc())
     interceptors = [AuthInterceptor(api_keys, on_reject=reject)] if api_keys else []

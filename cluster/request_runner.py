@@ -9,7 +9,11 @@ latency, token counters, queue depth and `requests{outcome}`. Leaving early
 (client gone, deadline, error) closes the backend iterators, which aborts the
 requests and frees their blocks, and calls `backend.abort` to be sure. That
 cleanup also runs when the transport drops a consumer without cancelling it
-and the garbage collector closes the stream, on whatever thread.
+and the garbage collector closes the stream, on whatever thread. And a
+consumer that takes nothing for `consumer_timeout` seconds while output waits
+for it (stuck in a write, or dropped by its transport and never collected) is
+given up on: the pump aborts the request, frees its admission slot and leaves
+the consumer a CANCELLED error to find if it ever reads again.
 Errors surface as `ValidationError` or `BackendError` (code = grpc status name).
 """
 from __future__ import annotations
@@ -72,6 +76,10 @@ def outcome_of(exc: BaseException | None) -> str:
     return "internal"
 
 
+class _ConsumerStalled(Exception):
+    """The pump's queue stayed full for consumer_timeout: nobody reads the stream."""
+
+
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
@@ -81,8 +89,11 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 class RequestRunner:
     def __init__(self, backend: GenerationBackend, metrics: Metrics, limits: Limits,
-                 admission: AdmissionController) -> None:
+                 admission: AdmissionController, consumer_timeout: float = 0.0) -> None:
+        if consumer_timeout < 0:
+            raise ValueError(f"consumer_timeout must be >= 0 seconds (0 = no bound), got {consumer_timeout}")
         self.backend = backend
+        self.consumer_timeout = consumer_timeout   # seconds output may wait on a consumer; 0 = no bound
         self.metrics = metrics
         self.limits = limits
         self.admission = admission
@@ -127,7 +138,7 @@ class RequestRunner:
         seqs = [_Seq() for _ in range(job.sampling.n)]
         queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_DEPTH)
         loop = asyncio.get_running_loop()
-        pump = asyncio.create_task(self._pump(job, queue))
+        pump = asyncio.create_task(self._pump(job, queue, release))
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)
         first_token_seen = False
@@ -203,23 +214,53 @@ class RequestRunner:
                      completion_tokens=seq.tokens, cached_tokens=seq.cached, time_to_first_token_s=ttft,
                      elapsed_s=now - job.arrival_time, first=seq.sent == 1)
 
-    async def _pump(self, job: GenerateJob, queue: asyncio.Queue) -> None:
+    async def _pump(self, job: GenerateJob, queue: asyncio.Queue, release) -> None:
         """Drain the backend iterator into the queue, in its own task: the transport's
         cancellation never lands inside the backend's iterator."""
         agen = None
+        stalled = False
         try:
             agen = self.backend.generate(job)
             async for delta in agen:
-                await queue.put(delta)
-            await queue.put(_END)
+                await self._put(queue, delta)
+            await self._put(queue, _END)
         except asyncio.CancelledError:
             raise
+        except _ConsumerStalled:
+            stalled = True
         except Exception as e:   # surfaced to the consumer, which maps it to a status
             await queue.put(e)
         finally:
             aclose = getattr(agen, "aclose", None)   # closing the iterator aborts the request
             if aclose is not None:
                 await aclose()
+        if stalled:
+            await self._give_up(job, queue, release)
+
+    async def _put(self, queue: asyncio.Queue, item) -> None:
+        if not queue.full() or self.consumer_timeout <= 0:
+            await queue.put(item)
+            return
+        try:
+            async with asyncio.timeout(self.consumer_timeout):
+                await queue.put(item)
+        except TimeoutError:
+            raise _ConsumerStalled from None
+
+    async def _give_up(self, job: GenerateJob, queue: asyncio.Queue, release) -> None:
+        """The consumer took nothing for consumer_timeout: abort (the iterator is closed
+        already), free the slot, and leave the consumer an error instead of its backlog."""
+        log.warning("request %s: its stream was not read for %g s; aborting it", job.request_id,
+                    self.consumer_timeout)
+        try:
+            await self.backend.abort(job.request_id)
+        except Exception:   # best effort: closing the iterator has aborted it already
+            log.warning("backend.abort(%s) failed", job.request_id, exc_info=True)
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(BackendError("CANCELLED", f"nothing was read from the stream for "
+                                      f"{self.consumer_timeout:g} s (stream_write_timeout); the request was aborted"))
+        release()
 
     async def _cleanup(self, pump: asyncio.Task, job: GenerateJob, finished: bool, release) -> None:
         try:

@@ -19,6 +19,17 @@ from cluster.metrics_server import MetricsServer, start_metrics_server
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
+def _await_chain(obj, depth: int = 20) -> list[str]:
+    out = []
+    while obj is not None and depth:
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "ag_frame", None) or getattr(obj, "gi_frame", None)
+        where = f"{frame.f_code.co_name}:{frame.f_lineno}" if frame is not None else type(obj).__name__
+        out.append(where)
+        obj = getattr(obj, "cr_await", None) or getattr(obj, "ag_await", None) or getattr(obj, "gi_yieldfrom", None)
+        depth -= 1
+    return out
+
+
 class LoopThread:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -71,9 +82,21 @@ class Frontend:
             queued = self.sample("pdserve_frontend_queue_depth")
             if s.running == 0 and s.waiting == 0 and s.kv_blocks_used == baseline and queued == 0:
                 break
-            assert time.monotonic() < end, f"not idle: {s}, baseline {baseline}, frontend queue {queued}"
+            assert time.monotonic() < end, (f"not idle: {s}, baseline {baseline}, frontend queue {queued}, "
+                                            f"generated {self.sample('pdserve_generation_tokens_total')}; "
+                                            f"tasks on the frontend loop:\n{self.task_stacks()}")
             time.sleep(0.05)
         self.engine(lambda e: e.check_integrity())
+
+    def task_stacks(self) -> str:
+        """Each task on the frontend loop and the chain of awaits it waits in (for a failure message)."""
+        async def dump() -> str:
+            out = []
+            for t in asyncio.all_tasks():
+                if t is not asyncio.current_task():
+                    out.append(f"{t.get_name()}: " + " -> ".join(_await_chain(t.get_coro())))
+            return "\n".join(out) or "(none)"
+        return self.loop.run(dump(), timeout=30)
 
     def sample(self, name: str, **labels) -> float:
         return self.metrics.registry.get_sample_value(name, labels) or 0.0

@@ -238,3 +238,50 @@ def test_admission_slot_comes_back_when_the_consumer_is_garbage_collected():
         thread.join(10)
     assert in_flight == 0, "the admission slot of a garbage-collected stream leaked"
     assert len(aborted) == 1, aborted
+
+
+def test_a_consumer_that_stops_reading_is_given_up_after_consumer_timeout():
+    """The consumer holds its stream open but takes nothing (stuck somewhere the transport's
+    own bounds do not reach): once the pump has waited consumer_timeout on its full queue, the
+    request is aborted and its slot freed while the consumer still holds the stream; if the
+    consumer reads again it gets CANCELLED, not the stale backlog."""
+    from cluster.backend import BackendError
+    from cluster.metrics import Metrics
+    from cluster.request_runner import RequestRunner
+    from cluster.validation import GenerateInput, Limits, SamplingInput
+
+    adm, backend = AdmissionController(max_requests=4, max_tokens=10_000), _EndlessBackend()
+    runner = RequestRunner(backend, Metrics(), Limits(max_model_len=64, block_size=16, vocab_size=100), adm,
+                           consumer_timeout=0.3)
+
+    async def go():
+        stream = runner.run(GenerateInput(prompt_token_ids=[1, 2, 3], sampling=SamplingInput(max_tokens=40)))
+        first = await stream.__anext__()
+        assert first.token_ids and adm.in_flight == 1
+        for _ in range(500):                   # the consumer is away; the stream stays open
+            if not adm.in_flight and backend.aborted:
+                break
+            await asyncio.sleep(0.01)
+        freed, aborted = adm.in_flight == 0, list(backend.aborted)
+        try:
+            await stream.__anext__()
+            code = None
+        except BackendError as e:
+            code = e.code
+        await stream.aclose()
+        return freed, aborted, code
+
+    freed, aborted, code = asyncio.run(go())
+    assert freed, "the admission slot of a stream nobody reads was not freed"
+    assert len(aborted) >= 1
+    assert code == "CANCELLED"
+
+
+def test_consumer_timeout_must_not_be_negative():
+    from cluster.metrics import Metrics
+    from cluster.request_runner import RequestRunner
+    from cluster.validation import Limits
+
+    with pytest.raises(ValueError, match="consumer_timeout must be >= 0"):
+        RequestRunner(_EndlessBackend(), Metrics(), Limits(max_model_len=64, block_size=16, vocab_size=100),
+                      AdmissionController(max_requests=1, max_tokens=100), consumer_timeout=-1)
