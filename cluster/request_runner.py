@@ -112,12 +112,19 @@ class RequestRunner:
         """Validate, admit and stream. `deadline` is a time.monotonic() instant."""
         arrival = time.monotonic()
         error: BaseException | None = None
-        done = False
+        done = counted = False
+
+        def count(outcome: str) -> None:   # once per request: here, or by a pump that gave up
+            nonlocal counted
+            if not counted:
+                counted = True
+                self.metrics.requests.labels(outcome=outcome).inc()
+
         try:
             job = self.validate(inp, cache_salt=cache_salt, deadline=deadline, arrival_time=arrival)
             ticket = self.admission.admit(job)
             self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
-            async with contextlib.aclosing(self._stream(job, lambda: self.admission.release(ticket))) as s:
+            async with contextlib.aclosing(self._stream(job, lambda: self.admission.release(ticket), count)) as s:
                 async for chunk in s:
                     yield chunk
             done = True
@@ -125,7 +132,7 @@ class RequestRunner:
             error = e
             raise
         finally:
-            self.metrics.requests.labels(outcome=outcome_of(None if done else error)).inc()
+            count(outcome_of(None if done else error))
             if done:
                 self.metrics.e2e.observe(time.monotonic() - arrival)
 
@@ -134,11 +141,11 @@ class RequestRunner:
         if self._cleanups:
             await asyncio.wait(set(self._cleanups), timeout=timeout)
 
-    async def _stream(self, job: GenerateJob, release) -> AsyncIterator[Chunk]:
+    async def _stream(self, job: GenerateJob, release, count) -> AsyncIterator[Chunk]:
         seqs = [_Seq() for _ in range(job.sampling.n)]
         queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_DEPTH)
         loop = asyncio.get_running_loop()
-        pump = asyncio.create_task(self._pump(job, queue, release))
+        pump = asyncio.create_task(self._pump(job, queue, release, count))
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)
         first_token_seen = False
@@ -214,7 +221,7 @@ class RequestRunner:
                      completion_tokens=seq.tokens, cached_tokens=seq.cached, time_to_first_token_s=ttft,
                      elapsed_s=now - job.arrival_time, first=seq.sent == 1)
 
-    async def _pump(self, job: GenerateJob, queue: asyncio.Queue, release) -> None:
+    async def _pump(self, job: GenerateJob, queue: asyncio.Queue, release, count) -> None:
         """Drain the backend iterator into the queue, in its own task: the transport's
         cancellation never lands inside the backend's iterator."""
         agen = None
@@ -236,6 +243,7 @@ class RequestRunner:
                 await aclose()
         if stalled:
             await self._give_up(job, queue, release)
+            count("cancelled")
 
     async def _put(self, queue: asyncio.Queue, item) -> None:
         if not queue.full() or self.consumer_timeout <= 0:

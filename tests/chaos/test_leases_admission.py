@@ -250,9 +250,12 @@ def test_a_consumer_that_stops_reading_is_given_up_after_consumer_timeout():
     from cluster.request_runner import RequestRunner
     from cluster.validation import GenerateInput, Limits, SamplingInput
 
-    adm, backend = AdmissionController(max_requests=4, max_tokens=10_000), _EndlessBackend()
-    runner = RequestRunner(backend, Metrics(), Limits(max_model_len=64, block_size=16, vocab_size=100), adm,
+    adm, backend, metrics = AdmissionController(max_requests=4, max_tokens=10_000), _EndlessBackend(), Metrics()
+    runner = RequestRunner(backend, metrics, Limits(max_model_len=64, block_size=16, vocab_size=100), adm,
                            consumer_timeout=0.3)
+
+    def cancelled() -> float:
+        return metrics.registry.get_sample_value("pdserve_requests_total", {"outcome": "cancelled"}) or 0.0
 
     async def go():
         stream = runner.run(GenerateInput(prompt_token_ids=[1, 2, 3], sampling=SamplingInput(max_tokens=40)))
@@ -263,12 +266,14 @@ def test_a_consumer_that_stops_reading_is_given_up_after_consumer_timeout():
                 break
             await asyncio.sleep(0.01)
         freed, aborted = adm.in_flight == 0, list(backend.aborted)
+        assert cancelled() == 1                 # counted when given up on, not when read again
         try:
             await stream.__anext__()
             code = None
         except BackendError as e:
             code = e.code
         await stream.aclose()
+        assert cancelled() == 1
         return freed, aborted, code
 
     freed, aborted, code = asyncio.run(go())
