@@ -22,12 +22,14 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from cluster.admission import AdmissionController
 from cluster.backend import BackendError, GenerateJob, GenerationBackend
 from cluster.metrics import Metrics
+from cluster.task_trace import describe_task
 from cluster.validation import GenerateInput, Limits, ValidationError, validate_request
 from engine.outputs import StepDelta, TokenLogprob
 
@@ -145,7 +147,9 @@ class RequestRunner:
         seqs = [_Seq() for _ in range(job.sampling.n)]
         queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_DEPTH)
         loop = asyncio.get_running_loop()
-        pump = asyncio.create_task(self._pump(job, queue, release, count))
+        task = asyncio.current_task()   # weakly: a consumer its transport dropped must stay collectable
+        consumer = weakref.ref(task) if task is not None else None
+        pump = asyncio.create_task(self._pump(job, queue, release, count, consumer))
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)
         first_token_seen = False
@@ -221,7 +225,8 @@ class RequestRunner:
                      completion_tokens=seq.tokens, cached_tokens=seq.cached, time_to_first_token_s=ttft,
                      elapsed_s=now - job.arrival_time, first=seq.sent == 1)
 
-    async def _pump(self, job: GenerateJob, queue: asyncio.Queue, release, count) -> None:
+    async def _pump(self, job: GenerateJob, queue: asyncio.Queue, release, count,
+                    consumer: weakref.ref | None = None) -> None:
         """Drain the backend iterator into the queue, in its own task: the transport's
         cancellation never lands inside the backend's iterator."""
         agen = None
@@ -242,7 +247,7 @@ class RequestRunner:
             if aclose is not None:
                 await aclose()
         if stalled:
-            await self._give_up(job, queue, release)
+            await self._give_up(job, queue, release, consumer)
             count("cancelled")
 
     async def _put(self, queue: asyncio.Queue, item) -> None:
@@ -255,11 +260,12 @@ class RequestRunner:
         except TimeoutError:
             raise _ConsumerStalled from None
 
-    async def _give_up(self, job: GenerateJob, queue: asyncio.Queue, release) -> None:
+    async def _give_up(self, job: GenerateJob, queue: asyncio.Queue, release,
+                       consumer: weakref.ref | None) -> None:
         """The consumer took nothing for consumer_timeout: abort (the iterator is closed
         already), free the slot, and leave the consumer an error instead of its backlog."""
-        log.warning("request %s: its stream was not read for %g s; aborting it", job.request_id,
-                    self.consumer_timeout)
+        log.warning("request %s: its stream was not read for %g s; aborting it (the consumer waits in %s)",
+                    job.request_id, self.consumer_timeout, describe_task(consumer and consumer()))
         try:
             await self.backend.abort(job.request_id)
         except Exception:   # best effort: closing the iterator has aborted it already

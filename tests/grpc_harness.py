@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from cluster.config import ServeConfig
@@ -16,18 +18,8 @@ from cluster.grpc_server import GrpcServer, serve_grpc
 from cluster.local_backend import LocalEngineBackend
 from cluster.metrics import Metrics
 from cluster.metrics_server import MetricsServer, start_metrics_server
+from cluster.task_trace import describe_task
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-
-
-def _await_chain(obj, depth: int = 20) -> list[str]:
-    out = []
-    while obj is not None and depth:
-        frame = getattr(obj, "cr_frame", None) or getattr(obj, "ag_frame", None) or getattr(obj, "gi_frame", None)
-        where = f"{frame.f_code.co_name}:{frame.f_lineno}" if frame is not None else type(obj).__name__
-        out.append(where)
-        obj = getattr(obj, "cr_await", None) or getattr(obj, "ag_await", None) or getattr(obj, "gi_yieldfrom", None)
-        depth -= 1
-    return out
 
 
 class LoopThread:
@@ -55,6 +47,7 @@ class Frontend:
     server: GrpcServer
     metrics_server: MetricsServer
     extra: list = field(default_factory=list)
+    give_ups: _GiveUps | None = None
 
     @property
     def target(self) -> str:
@@ -94,7 +87,7 @@ class Frontend:
             out = []
             for t in asyncio.all_tasks():
                 if t is not asyncio.current_task():
-                    out.append(f"{t.get_name()}: " + " -> ".join(_await_chain(t.get_coro())))
+                    out.append(describe_task(t))
             return "\n".join(out) or "(none)"
         return self.loop.run(dump(), timeout=30)
 
@@ -114,6 +107,10 @@ class Frontend:
             fut.result(60)
 
     def close(self) -> None:
+        if self.give_ups is not None:   # shown in pytest's warnings summary even when every test passed
+            logging.getLogger("cluster.request_runner").removeHandler(self.give_ups)
+            for message in self.give_ups.messages:
+                warnings.warn(f"frontend runner gave up on a stream: {message}", stacklevel=2)
         for srv in [self.server, *self.extra]:
             self.loop.run(srv.stop(0))
         self.metrics_server.stop()
@@ -136,4 +133,20 @@ def start_frontend(model_dir, *, max_model_len: int = 1024, num_blocks: int = 25
 
     backend, server = loop.run(up())
     ms = start_metrics_server(metrics, "127.0.0.1", 0)
-    return Frontend(loop, backend, metrics, server, ms)
+    give_ups = _GiveUps()
+    logging.getLogger("cluster.request_runner").addHandler(give_ups)
+    return Frontend(loop, backend, metrics, server, ms, give_ups=give_ups)
+
+
+class _GiveUps(logging.Handler):
+    """The runner's "stream was not read" warnings: each is a consumer that stopped taking
+    output without being cancelled (where it waited is in the message)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "was not read" in message:
+            self.messages.append(message)
