@@ -231,6 +231,7 @@ class RequestRunner:
         cancellation never lands inside the backend's iterator."""
         agen = None
         stalled = False
+        error: Exception | None = None
         try:
             agen = self.backend.generate(job)
             async for delta in agen:
@@ -241,11 +242,16 @@ class RequestRunner:
         except _ConsumerStalled:
             stalled = True
         except Exception as e:   # surfaced to the consumer, which maps it to a status
-            await queue.put(e)
+            error = e
         finally:
             aclose = getattr(agen, "aclose", None)   # closing the iterator aborts the request
             if aclose is not None:
                 await aclose()
+        if error is not None:
+            try:
+                await self._put(queue, error)
+            except _ConsumerStalled:
+                stalled = True
         if stalled:
             await self._give_up(job, queue, release, consumer)
             count("cancelled")
