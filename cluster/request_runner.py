@@ -198,10 +198,14 @@ class RequestRunner:
     @staticmethod
     async def _next(queue: asyncio.Queue, job: GenerateJob):
         if job.deadline is None:
-            return await queue.get()
+            item = await queue.get()
+            queue.task_done()   # the pump waits for the consumer to take everything (queue.join)
+            return item
         try:
             async with asyncio.timeout(max(0.0, job.deadline - time.monotonic())):
-                return await queue.get()
+                item = await queue.get()
+                queue.task_done()
+                return item
         except TimeoutError:
             raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline "
                                f"({job.deadline - job.arrival_time:.3g} s after arrival); allow more time "
@@ -237,6 +241,7 @@ class RequestRunner:
             async for delta in agen:
                 await self._put(queue, delta)
             await self._put(queue, _END)
+            await self._taken(queue)
         except asyncio.CancelledError:
             raise
         except _ConsumerStalled:
@@ -250,6 +255,7 @@ class RequestRunner:
         if error is not None:
             try:
                 await self._put(queue, error)
+                await self._taken(queue)
             except _ConsumerStalled:
                 stalled = True
         if stalled:
@@ -263,6 +269,18 @@ class RequestRunner:
         try:
             async with asyncio.timeout(self.consumer_timeout):
                 await queue.put(item)
+        except TimeoutError:
+            raise _ConsumerStalled from None
+
+    async def _taken(self, queue: asyncio.Queue) -> None:
+        """Until the consumer has taken what is queued (its stream closing cancels this wait):
+        a consumer dropped by its transport, whose stream is never closed, must not keep the
+        slot of a request that finished in the backend either."""
+        if self.consumer_timeout <= 0:
+            return
+        try:
+            async with asyncio.timeout(self.consumer_timeout):
+                await queue.join()
         except TimeoutError:
             raise _ConsumerStalled from None
 

@@ -290,3 +290,46 @@ def test_consumer_timeout_must_not_be_negative():
     with pytest.raises(ValueError, match="consumer_timeout must be >= 0"):
         RequestRunner(_EndlessBackend(), Metrics(), Limits(max_model_len=64, block_size=16, vocab_size=100),
                       AdmissionController(max_requests=1, max_tokens=100), consumer_timeout=-1)
+
+
+class _ShortBackend(_OneTokenBackend):
+    """Three tokens, then finished: everything fits in the runner's queue."""
+
+    async def generate(self, job):
+        from engine.outputs import StepDelta
+        for i in range(3):
+            yield StepDelta(job.request_id, (5,), finish_reason="length" if i == 2 else None, num_prompt_tokens=3)
+
+
+def test_a_finished_request_whose_consumer_stopped_reading_frees_its_slot():
+    """The backend finished and the whole output sits in the queue, but the consumer never
+    reads it and never closes its stream (a handler its transport dropped): the pump must
+    still free the slot after consumer_timeout. A consumer that reads to the end is not
+    affected, and nothing is counted twice."""
+    from cluster.metrics import Metrics
+    from cluster.request_runner import RequestRunner
+    from cluster.validation import GenerateInput, Limits, SamplingInput
+
+    adm, metrics = AdmissionController(max_requests=4, max_tokens=10_000), Metrics()
+    runner = RequestRunner(_ShortBackend(), metrics, Limits(max_model_len=64, block_size=16, vocab_size=100), adm,
+                           consumer_timeout=0.3)
+
+    def outcome(name: str) -> float:
+        return metrics.registry.get_sample_value("pdserve_requests_total", {"outcome": name}) or 0.0
+
+    async def go():
+        inp = GenerateInput(prompt_token_ids=[1, 2, 3], sampling=SamplingInput(max_tokens=3))
+        full = [c async for c in runner.run(inp)]             # read to the end: finished, slot back
+        assert full[-1].finish_reason == "length" and adm.in_flight == 0 and outcome("finished") == 1
+        stream = runner.run(inp)
+        await stream.__anext__()                              # then the consumer goes away
+        for _ in range(500):
+            if not adm.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        freed = adm.in_flight == 0
+        await stream.aclose()
+        return freed
+
+    assert asyncio.run(go()), "the slot of a finished request nobody read was not freed"
+    assert outcome("cancelled") == 1 and outcome("finished") == 1
