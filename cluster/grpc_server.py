@@ -88,10 +88,7 @@ class GenerationServicer:
         which then waits in a write (holding its admission slot and KV blocks) until the
         garbage collector finds it. A write that takes `write_timeout` ends the call."""
         try:
-            if self.write_timeout > 0:
-                async with asyncio.timeout(self.write_timeout):
-                    await context.write(response)
-            else:
+            async with asyncio.timeout(self.write_timeout or None):
                 await context.write(response)
         except TimeoutError:
             raise ClientGone(f"the client accepted no response for {self.write_timeout:g} s "

@@ -197,15 +197,12 @@ class RequestRunner:
 
     @staticmethod
     async def _next(queue: asyncio.Queue, job: GenerateJob):
-        if job.deadline is None:
-            item = await queue.get()
+        left = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
+        try:
+            async with asyncio.timeout(left):
+                item = await queue.get()
             queue.task_done()   # the pump waits for the consumer to take everything (queue.join)
             return item
-        try:
-            async with asyncio.timeout(max(0.0, job.deadline - time.monotonic())):
-                item = await queue.get()
-                queue.task_done()
-                return item
         except TimeoutError:
             raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline "
                                f"({job.deadline - job.arrival_time:.3g} s after arrival); allow more time "
@@ -263,11 +260,11 @@ class RequestRunner:
             count("cancelled")
 
     async def _put(self, queue: asyncio.Queue, item) -> None:
-        if not queue.full() or self.consumer_timeout <= 0:
-            await queue.put(item)
+        if not queue.full():   # the common case: no timer per delta
+            queue.put_nowait(item)
             return
         try:
-            async with asyncio.timeout(self.consumer_timeout):
+            async with asyncio.timeout(self.consumer_timeout or None):
                 await queue.put(item)
         except TimeoutError:
             raise _ConsumerStalled from None
@@ -290,10 +287,7 @@ class RequestRunner:
         already), free the slot, and leave the consumer an error instead of its backlog."""
         log.warning("request %s: its stream was not read for %g s; aborting it (the consumer waits in %s)",
                     job.request_id, self.consumer_timeout, describe_task(consumer and consumer()))
-        try:
-            await self.backend.abort(job.request_id)
-        except Exception:   # best effort: closing the iterator has aborted it already
-            log.warning("backend.abort(%s) failed", job.request_id, exc_info=True)
+        await self._abort(job)
         while not queue.empty():
             queue.get_nowait()
         queue.put_nowait(BackendError("CANCELLED", f"nothing was read from the stream for "
@@ -306,9 +300,12 @@ class RequestRunner:
                 pump.cancel()
             await asyncio.gather(pump, return_exceptions=True)
             if not finished:
-                try:
-                    await self.backend.abort(job.request_id)
-                except Exception:   # best effort: closing the iterator has aborted it already
-                    log.warning("backend.abort(%s) failed", job.request_id, exc_info=True)
+                await self._abort(job)
         finally:
             release()
+
+    async def _abort(self, job: GenerateJob) -> None:
+        try:
+            await self.backend.abort(job.request_id)
+        except Exception:   # best effort: closing the iterator has aborted it already
+            log.warning("backend.abort(%s) failed", job.request_id, exc_info=True)

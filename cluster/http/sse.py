@@ -10,9 +10,8 @@ cancels the work, which closes the runner streams, aborts the requests and
 frees their blocks (the same path as a cancelled gRPC call). So does a client
 that stays connected but reads nothing: a send that waits `write_timeout`
 seconds for the socket to drain ends the response (the connection is closed).
-Every piece is
-sent as its own `http.response.body` message, so it leaves at once (the
-server sets TCP_NODELAY on every connection).
+Every piece is sent as its own `http.response.body` message, so it leaves at
+once (the server sets TCP_NODELAY on every connection).
 """
 from __future__ import annotations
 
@@ -101,13 +100,9 @@ class GenerationResponse(Response):
         with contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-
     async def _send(self, send: Send, message: dict) -> None:
-        if self.write_timeout <= 0:
-            await send(message)
-            return
         try:
-            async with asyncio.timeout(self.write_timeout):
+            async with asyncio.timeout(self.write_timeout or None):
                 await send(message)
         except TimeoutError:
             raise _Stalled from None
