@@ -40,7 +40,7 @@ def packed_slice(request: Request, lo: int, hi: int) -> bytes:
     prompt = request.prompt_packed
     if prompt is None:
         prompt = request.prompt_packed = packed_tokens(request.prompt_token_ids)
-    p = len(request.prompt_token_ids)
+    p = request.num_prompt_tokens
     if hi <= p:
         return prompt[lo * 4:hi * 4]
     out = request.output_token_ids
@@ -58,6 +58,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching, tier_sizes)
         self._tables: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}   # leading blocks of each table already offered to the cache
+        self._ids: dict[str, list[int]] = {}     # block ids of a table, dropped whenever the table changes
         self._swapped: dict[str, SwapRecord] = {}
         self._moves = self.pool.moves
         self._stats = PrefixCacheStats()
@@ -113,10 +114,16 @@ class KVCacheManager:
             table = self._tables.get(rid)
             if table is not None:
                 start, bs = request.num_computed_tokens, self.block_size
-                end = (start + num_new_tokens + bs - 1) // bs
-                if end <= len(table) and all(table[i].ref_cnt == 1 and table[i].block_hash is None
-                                             for i in range(start // bs, end)):
-                    return [b.block_id for b in table]
+                first, end = start // bs, (start + num_new_tokens + bs - 1) // bs
+                if end <= len(table):
+                    if end - first == 1:        # one block written (a decode step): no generator
+                        b = table[first]
+                        untouched = b.ref_cnt == 1 and b.block_hash is None
+                    else:
+                        untouched = all(table[i].ref_cnt == 1 and table[i].block_hash is None
+                                        for i in range(first, end))
+                    if untouched:
+                        return self._block_ids(rid, table)
         if computed_blocks is not None:
             assert not self._tables.get(rid), f"request {rid} already owns blocks"
             start, prefix = computed_blocks.num_computed_tokens, list(computed_blocks.blocks)
@@ -144,7 +151,16 @@ class KVCacheManager:
         for i in written:
             self._make_writable(rid, table, i, fresh)
         table.extend(fresh)
-        return [b.block_id for b in table]
+        self._ids.pop(rid, None)
+        return self._block_ids(rid, table)
+
+    def _block_ids(self, rid: str, table: list[KVBlock]) -> list[int]:
+        """The table's block ids, built once per change of the table (not on every
+        decode step); the list is shared with earlier callers, who must not modify it."""
+        ids = self._ids.get(rid)
+        if ids is None:
+            ids = self._ids[rid] = [b.block_id for b in table]
+        return ids
 
     def _admit(self, request: Request, computed: ComputedBlocks, prefix: list, lower: list[int],
                written: range) -> None:
@@ -157,6 +173,7 @@ class KVCacheManager:
             for i, block in zip(lower, paged):
                 prefix[i] = block
         self._tables[rid] = prefix
+        self._ids.pop(rid, None)
         self._num_cached[rid] = next((i for i, b in enumerate(prefix) if b.block_hash is None), len(prefix))
         if isinstance(computed, ResumedBlocks):
             self._swapped.pop(rid)
@@ -195,6 +212,7 @@ class KVCacheManager:
         shared = self._tables.get(parent.request_id, [])[:cdiv(n, self.block_size)]
         self.pool.touch(shared)
         self._tables[child.request_id] = list(shared)
+        self._ids.pop(child.request_id, None)
         self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0), len(shared))
         n_hashes = min(len(parent.block_hashes), n // self.block_size)
         child.block_hashes[:] = parent.block_hashes[:n_hashes]
@@ -205,6 +223,7 @@ class KVCacheManager:
         and its swapped-out blocks if it has any."""
         table = self._tables.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
+        self._ids.pop(request.request_id, None)
         self._moves.drop_copies_into({b.block_id for b in table})
         self.pool.free_blocks(reversed(table))
         swapped = self._swapped.pop(request.request_id, None)
@@ -223,6 +242,7 @@ class KVCacheManager:
             return False
         self._swapped[rid] = SwapRecord(slots, request.num_computed_tokens)
         del self._tables[rid], self._num_cached[rid]
+        self._ids.pop(rid, None)
         # pending copies into these blocks stay: the swap-out reads them after
         self.pool.free_blocks(reversed(table))
         return True
@@ -299,6 +319,10 @@ class KVCacheManager:
                 errors.append(f"request {rid} holds a block twice: {[b.block_id for b in table]}")
             for block in table:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
+            if rid in self._ids and self._ids[rid] != [b.block_id for b in table]:
+                errors.append(f"request {rid}'s remembered block ids {self._ids[rid]} are not its table's")
+        for rid in self._ids.keys() - self._tables.keys():
+            errors.append(f"block ids are remembered for {rid}, which owns no table")
         for block in self.pool.blocks:
             if block.ref_cnt != refs.get(block.block_id, 0):
                 errors.append(f"block {block.block_id} has ref_cnt {block.ref_cnt} but "

@@ -220,7 +220,8 @@ class BlockPool:
                           token_chunks: Sequence[bytes], parent_hash: int) -> None:
         self.cache.store(blocks, hashes, token_chunks, parent_hash)
         # the device holds these now (or already did): a lower copy is redundant
-        self.lower.discard([h for h in hashes if self.cache.lookup(h) is not None])
+        if not self.lower.device_only:
+            self.lower.discard([h for h in hashes if self.cache.lookup(h) is not None])
 
     def uncache(self, block: KVBlock) -> None:
         """Take one block out of the prefix cache (its owner will write into it)."""

@@ -60,10 +60,13 @@ class Request:
     # the prompt as native uint32 bytes (engine.block_hash.packed_tokens), for block
     # hashes and the prefix cache's token check: packed once, on first use, unless given
     prompt_packed: bytes | None = field(default=None, repr=False)
+    # len(prompt_token_ids), read on every scheduler step (the prompt never changes)
+    _num_prompt: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token or a non-empty string")
+        self._num_prompt = len(self.prompt_token_ids)
         if self.prompt_packed is not None and len(self.prompt_packed) != 4 * len(self.prompt_token_ids):
             raise ValueError(f"request {self.request_id!r}: prompt_packed holds {len(self.prompt_packed)} bytes "
                              f"for {len(self.prompt_token_ids)} prompt tokens; pass "
@@ -71,7 +74,7 @@ class Request:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt
 
     @property
     def num_output_tokens(self) -> int:
@@ -79,7 +82,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self._num_prompt + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

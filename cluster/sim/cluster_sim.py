@@ -262,7 +262,8 @@ class ClusterSim:
             return
         live.deadline, live.joining = t + self.config.transfer_timeout_s, True
         decode = self.nodes[live.rec.decode_node]
-        decode.post_retry(lambda dn: self._join(dn, node, live))
+        # reserving blocks changes no running sequence: it need not end the decode node's run
+        decode.post_retry(lambda dn: self._join(dn, node, live), keeps_batch=True)
         # a join waiting for room fails until something on the node is freed (a run boundary),
         # or until its deadline: wake the node then, so it ends the run in flight and falls back
         self.loop.at(live.deadline, self._wake_at_deadline, decode, live)

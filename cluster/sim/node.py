@@ -7,11 +7,16 @@ every sampled sequence (output lengths come from the trace).
 Like the real engine loop, calls from outside (add a request, KV landed,
 release held blocks) run between steps: while a step is in flight they wait
 in an inbox. A run of pure-decode steps in which nothing can change (no
-waiting request, nothing in the inbox, nobody reaches its length) is one
-event: the node plans ``k`` steps at once, and an outside call arriving
-mid-run cuts the run at the end of the step in flight. Applying the run
-repeats `update_from_output`'s bookkeeping ``k - 1`` times in bulk (allocate,
-advance, append, cache) through the same `KVCacheManager` calls.
+waiting request, nothing in the inbox, nobody reaches its length, and no
+sequence fills a KV block before the run's last step) is one event: the node
+plans ``k`` steps at once, and an outside call arriving mid-run cuts the run
+at the end of the step in flight. Applying the run repeats
+`update_from_output`'s bookkeeping ``k - 1`` times in bulk (advance, append,
+cache) through the same `KVCacheManager` calls. Since blocks are allocated
+and cached only at run boundaries, the load reports and KV events the router
+gets are the ones step-by-step simulation gives; a call that only reserves
+blocks (``keeps_batch``, a hand-off) runs at the end of the step in flight
+without cutting the run.
 """
 from __future__ import annotations
 
@@ -21,7 +26,6 @@ import numpy as np
 
 from cluster.sim.cost_model import CostModel
 from cluster.sim.events import EventLoop
-from engine.block_manager import cdiv
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
@@ -46,6 +50,18 @@ class _Run:
         self.sched, self.ends, self.start = sched, ends, start
 
 
+class _SameToken:
+    """`update_from_output`'s ``sampled`` for a node that samples one fixed token
+    for every sequence (a dict of one list per sequence, built per step, cost more)."""
+    __slots__ = ("tokens",)
+
+    def __init__(self, token: int) -> None:
+        self.tokens = [token]
+
+    def get(self, request_id: str, default=None) -> list[int]:
+        return self.tokens
+
+
 class SimNode:
     def __init__(self, node_id: str, role: str, scheduler: Scheduler, cost: CostModel, loop: EventLoop,
                  listener: NodeListener, *, collapse: bool = True, max_run_steps: int = 4096,
@@ -56,6 +72,7 @@ class SimNode:
         self.node_id, self.role = node_id, role
         self.scheduler, self.cost, self.loop, self.listener = scheduler, cost, loop, listener
         self.collapse, self.max_run_steps, self.output_token = collapse, max_run_steps, output_token
+        self._sampled = _SameToken(output_token)
         # a shared host (cluster/sim/insitu.py): a step progresses at 1 / slowdown(node, step) of
         # its isolated speed, re-evaluated (`retime`) whenever another party on the host starts or
         # stops being busy; steps are then never collapsed into runs
@@ -73,6 +90,7 @@ class SimNode:
         self.busy_s = 0.0
         self.steps = 0
         self.events = 0
+        self.deferred = 0           # keeps_batch actions run inside a decode run without cutting it
         self.dirty = True           # state changed since the last load report
         self.joining = 0            # decode role: hand-offs waiting here for KV room (reported as waiting)
 
@@ -81,17 +99,47 @@ class SimNode:
     def busy(self) -> bool:
         return self._run is not None
 
-    def post(self, action: Action) -> None:
-        """Run ``action(node)`` between steps (now, if the node is idle)."""
+    def post(self, action: Action, *, keeps_batch: bool = False) -> None:
+        """Run ``action(node)`` between steps (now, if the node is idle).
+
+        ``keeps_batch``: the action adds nothing to the running batch or the
+        waiting queue and reads nothing of the running sequences but the KV
+        manager and their count (a hand-off reserving blocks). Inside a decode
+        run it then runs at the end of the step in flight without ending the
+        run, when the KV manager is still as the run found it there; the run
+        is cut there after all if the blocks it goes on to need are no longer
+        free, or if the action did queue a request."""
         self.dirty = True
         if self._run is not None:
-            self.inbox.append(action)
-            self._cut_run()
+            if not (keeps_batch and self._defer(action)):
+                self.inbox.append(action)
+                self._cut_run()
             return
         action(self)
         self._kick()
 
-    def post_retry(self, retry: Retry) -> None:
+    def _defer(self, action: Action) -> bool:
+        run = self._run
+        if self.inbox or len(run.ends) == 1:
+            return False
+        j = int(np.searchsorted(run.ends, self.loop.now, side="left"))
+        if j + 1 >= len(run.ends):
+            return False
+        self.deferred += 1
+        self.loop.at(float(run.ends[j]), self._run_deferred, action, run, j)
+        return True
+
+    def _run_deferred(self, action: Action, run: "_Run", j: int) -> None:
+        assert self._run is run, f"{self.node_id}: a deferred action outlived its run"
+        action(self)
+        if self.inbox or len(run.ends) == j + 1:
+            return              # the run ends here anyway (cut by a later post, after this event)
+        if self.scheduler.num_waiting:
+            run.ends = run.ends[:j + 1]
+            self._gen += 1
+            self.loop.at(self.loop.now, self._end, self._gen)
+
+    def post_retry(self, retry: Retry, *, keeps_batch: bool = False) -> None:
         """Like post, but ``retry(node)`` runs again at every run boundary until it
         returns True. Pending retries do not stop decode runs from collapsing, so a
         retry must be one that cannot start to succeed inside a run (nothing is
@@ -99,7 +147,7 @@ class SimNode:
         def first(node: SimNode) -> None:
             if not retry(node):
                 node.retries.append(retry)
-        self.post(first)
+        self.post(first, keeps_batch=keeps_batch)
 
     def _kick(self) -> None:
         if not self._start_pending and self._run is None:
@@ -165,20 +213,15 @@ class SimNode:
         if self.inbox or s.num_waiting or sched.preempted_ids \
                 or len(sched.seqs) != s.num_running:
             return 1
-        k = self.max_run_steps
+        k, bs = self.max_run_steps, s.block_size
         for seq in sched.seqs:
             r = seq.request
-            if seq.num_new_tokens != 1 or not seq.sample or r.hold_kv_on_finish \
-                    or r.num_computed_tokens < r.num_prompt_tokens:
+            c = r.num_computed_tokens
+            if seq.num_new_tokens != 1 or not seq.sample or r.hold_kv_on_finish or c < r.num_prompt_tokens:
                 return 1
-            k = min(k, r.sampling_params.max_tokens - r.num_output_tokens)
-        bs, free = s.block_size, s.kv.num_free_blocks
-        while k > 1:
-            extra = sum(cdiv(q.request.num_computed_tokens + k, bs) - cdiv(q.request.num_computed_tokens + 1, bs)
-                        for q in sched.seqs)
-            if extra <= free:
-                break
-            k //= 2
+            # ends at its length, or at the step that fills a block: step i (from 0) fills one
+            # iff c + 1 + i is a multiple of bs; the next step would need a new block
+            k = min(k, r.sampling_params.max_tokens - r.num_output_tokens, (-(c + 1)) % bs + 1)
         return max(k, 1)
 
     def _end(self, gen: int) -> None:
@@ -189,9 +232,7 @@ class SimNode:
         self.busy_s += float(ends[-1]) - run.start
         self.steps += k
         self.dirty = True
-        tok = self.output_token
-        sampled = {q.request.request_id: [tok] for q in run.sched.seqs if q.sample}
-        updated = self.scheduler.update_from_output(run.sched, sampled)
+        updated = self.scheduler.update_from_output(run.sched, self._sampled)
         if k > 1:
             for r in updated:
                 self._advance(r, k - 1)

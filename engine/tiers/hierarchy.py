@@ -30,6 +30,9 @@ class LowerTiers:
         self.host = SlotTier(Tier.HOST, sizes.host_blocks)
         self.disk = SlotTier(Tier.DISK, sizes.disk_blocks)
         self.levels = (self.host, self.disk)
+        # both tiers sized 0 (the device-only default): evictions are dropped at once,
+        # without entries built and pushed through two empty levels (hot in the simulator)
+        self.device_only = sizes.host_blocks == 0 and sizes.disk_blocks == 0
         self.log = log
         self.moves = moves
         self._counts = dict(page_outs=0, page_ins=0, dropped=0, swap_out_blocks=0, swap_in_blocks=0)
@@ -43,6 +46,8 @@ class LowerTiers:
 
     # ---- lookup --------------------------------------------------------------
     def lookup(self, block_hash: int) -> TierEntry | None:
+        if self.device_only:
+            return None
         for level in self.levels:
             entry = level.lookup(block_hash)
             if entry is not None:
@@ -52,6 +57,11 @@ class LowerTiers:
     # ---- moving down ---------------------------------------------------------
     def demote(self, blocks: Sequence[KVBlock]) -> None:
         """The device evicts these cached blocks (oldest first): move them down."""
+        if self.device_only:
+            if blocks:
+                self._counts["dropped"] += len(blocks)
+                self.log.emit(KVEventKind.REMOVED, tuple(b.block_hash for b in blocks), tier=Tier.DEVICE)
+            return
         entries = [TierEntry(Tier.DEVICE, b.block_id, b.block_hash, b.parent_hash, b.token_ids)
                    for b in blocks]
         self._push(0, entries)
@@ -84,6 +94,8 @@ class LowerTiers:
     def discard(self, hashes: Sequence[int]) -> None:
         """The device now caches these hashes: drop lower copies (no event: the
         device's STORED event already moved the router's entry)."""
+        if self.device_only:
+            return
         for h in hashes:
             for level in self.levels:
                 if level.discard(h):

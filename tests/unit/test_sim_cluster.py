@@ -50,16 +50,36 @@ def test_prefix_aware_beats_round_robin_on_hit_rate():
     assert aware["hit_rate_tokens"] > rr["hit_rate_tokens"] + 0.05
 
 
-def test_collapsed_decode_runs_match_step_by_step():
-    reqs = _workload(n=60, rate=10.0)
-    fast_sim, fast = _run(collapse=True, reqs=reqs)
-    slow_sim, slow = _run(collapse=False, reqs=reqs)
+@pytest.mark.parametrize("n, rate, output_length, num_blocks, d", [
+    (60, 10.0, 12, 128, 2),      # outputs shorter than a block
+    (80, 20.0, 60, 128, 2),      # decodes fill blocks; hand-offs land inside runs
+    (80, 40.0, 60, 48, 1),       # tight pool: preemptions and joins waiting for room
+    (100, 60.0, 100, 64, 2),
+])
+def test_collapsed_decode_runs_match_step_by_step(n, rate, output_length, num_blocks, d):
+    """Collapsing decode runs (and running hand-offs inside them) changes nothing
+    the simulation reports: the same routing, cache hits, transfers, preemptions
+    and times as one event per engine step. Blocks fill only at run ends, so the
+    load reports and KV events the router sees mid-run are the step-by-step ones
+    (allocating a run's blocks at its end once sent this test's second case to
+    other nodes)."""
+    reqs = synthetic_shared_prefix(n, rate, num_prefixes=6, prefix_ids=6, suffix_ids=1,
+                                   output_length=output_length, tokens_per_id=16, seed=1)
+    fast_sim, fast = _run(collapse=True, reqs=reqs, num_blocks=num_blocks, d=d)
+    slow_sim, slow = _run(collapse=False, reqs=reqs, num_blocks=num_blocks, d=d)
+    assert fast["finished"] == slow["finished"] == n
     assert fast["sim"]["node_runs"] < slow["sim"]["node_runs"]
     assert fast["sim"]["engine_steps"] == slow["sim"]["engine_steps"]
+    assert fast["preemptions"] == slow["preemptions"]
     for a, b in zip(fast_sim.records, slow_sim.records):
-        assert (a.prefill_node, a.decode_node, a.cached_tokens) == (b.prefill_node, b.decode_node, b.cached_tokens)
+        assert (a.prefill_node, a.decode_node, a.cached_tokens, a.decode_cached_tokens, a.transferred_blocks,
+                a.descriptors, a.preempted) == (b.prefill_node, b.decode_node, b.cached_tokens,
+                                                b.decode_cached_tokens, b.transferred_blocks, b.descriptors,
+                                                b.preempted), a.request_id
         assert a.first_token_s == pytest.approx(b.first_token_s)
         assert a.finish_s == pytest.approx(b.finish_s)
+    if output_length > BS:
+        assert sum(node.deferred for node in fast_sim.nodes.values()) > 0, "no hand-off ran inside a run"
 
 
 def test_descriptor_runs_count_runs_consecutive_on_both_sides():
