@@ -25,6 +25,9 @@ class RequestQueues:
         self.remote: dict[str, Request] = {}
         self.held: dict[str, tuple[Request, float]] = {}     # request, held since
         self._live: dict[str, Request] = {}
+        # get(request_id) -> Request | None: the dict's own method (read for every
+        # scheduled sequence of every step, so no Python frame of ours in between)
+        self.get: Callable[[str], Request | None] = self._live.get
         self._arrival: dict[str, tuple[float, int]] = {}     # (arrival_time, admission order)
         self._next = 0
 
@@ -38,9 +41,6 @@ class RequestQueues:
 
     def unregister(self, request_id: str) -> None:
         del self._live[request_id], self._arrival[request_id]
-
-    def get(self, request_id: str) -> Request | None:
-        return self._live.get(request_id)
 
     def live_ids(self) -> list[str]:
         return list(self._live)

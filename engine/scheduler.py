@@ -35,7 +35,7 @@ from engine.tiers.types import TierSizes
 __all__ = ["RemoteAllocation", "Scheduler"]
 
 
-@dataclass
+@dataclass(slots=True)
 class _StepBudget:
     tokens: int
     seqs: int
@@ -110,15 +110,20 @@ class Scheduler(RemoteKVMixin):
         return remaining if remaining <= budget.tokens else 0
 
     def _schedule_running(self, out: SchedulerOutput, budget: _StepBudget) -> None:
+        running, allocate, seqs = self.running, self.kv.allocate_slots, out.seqs
         i = 0
-        while i < len(self.running) and not budget.exhausted:
-            request = self.running[i]
-            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+        while i < len(running) and not budget.exhausted:
+            request = running[i]
+            num_tokens = request.num_tokens
+            n = self._chunk(num_tokens - request.num_computed_tokens, budget)
             if n > 0:
-                block_ids = self._allocate_or_preempt(request, n, out)
-                if block_ids is None:      # it preempted itself: it was the last one
-                    return
-                out.seqs.append(self._seq(request, n, block_ids))
+                # every decode step: the first allocation succeeds (mostly without a new block)
+                block_ids = allocate(request, n)
+                if block_ids is None:
+                    block_ids = self._allocate_or_preempt(request, n, out)
+                    if block_ids is None:      # it preempted itself: it was the last one
+                        return
+                seqs.append(ScheduledSeq(request, n, block_ids, request.num_computed_tokens + n == num_tokens))
                 budget.take(n)
             i += 1
 
@@ -171,10 +176,10 @@ class Scheduler(RemoteKVMixin):
         full blocks. Returns the requests that got new tokens (for stop checks).
         Requests finished or aborted since ``schedule()`` are skipped."""
         updated = []
+        live, cache_blocks, running = self.queues.get, self.kv.cache_blocks, RequestStatus.RUNNING
         for seq in sched.seqs:
             request = seq.request
-            if self.queues.get(request.request_id) is not request \
-                    or request.status != RequestStatus.RUNNING:
+            if live(request.request_id) is not request or request.status is not running:
                 continue
             request.num_computed_tokens += seq.num_new_tokens
             if seq.sample:
@@ -182,10 +187,9 @@ class Scheduler(RemoteKVMixin):
                 if not tokens:
                     raise ValueError(f"request {request.request_id!r} was scheduled with sample=True "
                                      "but `sampled` has no token for it; pass one per sampled seq")
-                for token in tokens:
-                    request.append_output_token(token)
+                request.output_token_ids.extend(tokens)
                 updated.append(request)
-            self.kv.cache_blocks(request, request.num_computed_tokens)
+            cache_blocks(request, request.num_computed_tokens)
         return updated
 
     # ---- ending requests -----------------------------------------------------

@@ -7,7 +7,7 @@ from engine.request import Request
 from engine.tiers.types import KVMove
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """Compute ``num_new_tokens`` tokens of ``request`` starting at
     ``request.num_computed_tokens``; ``block_ids`` is its whole block table

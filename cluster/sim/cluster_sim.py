@@ -235,20 +235,22 @@ class ClusterSim:
 
     # ---- node callbacks ------------------------------------------------------
     def on_tokens(self, node: SimNode, requests: list[Request], ends: np.ndarray) -> None:
-        self._frontend_work(float(ends[-1]), 0, len(requests) * len(ends))
-        first_gaps = []
+        first, last, k = float(ends[0]), float(ends[-1]), len(ends)
+        if self.config.interference is not None:
+            self._frontend_work(last, 0, len(requests) * k)
+        live, first_gaps = self.live, []
         for r in requests:
-            rec = self.live[r.request_id].rec
+            rec = live[r.request_id].rec
             if rec.first_token_s is None:
-                rec.first_token_s = float(ends[0])
+                rec.first_token_s = first
                 rec.cached_tokens = r.num_cached_tokens or 0
             else:
-                first_gaps.append(float(ends[0]) - rec.last_token_s)
-            rec.tokens_out += len(ends)
-            rec.last_token_s = float(ends[-1])
+                first_gaps.append(first - rec.last_token_s)
+            rec.tokens_out += k
+            rec.last_token_s = last
         if first_gaps:
             self.itl.add(np.asarray(first_gaps))
-        if len(ends) > 1:
+        if k > 1:
             self.itl.add(np.diff(ends), weight=len(requests))
 
     def on_finished(self, node: SimNode, request: Request, t: float) -> None:

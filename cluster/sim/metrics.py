@@ -52,18 +52,52 @@ class LogHistogram:
     """Weighted histogram on log-spaced bins (10 us .. 1000 s, ~0.5% wide) for
     token-level ITL percentiles without keeping every sample."""
 
-    def __init__(self, lo: float = 1e-5, hi: float = 1e3, bins: int = 4000) -> None:
+    def __init__(self, lo: float = 1e-5, hi: float = 1e3, bins: int = 4000, batch: int = 1 << 16) -> None:
         self.edges = np.geomspace(lo, hi, bins + 1)
-        self.counts = np.zeros(bins + 2)
-        self.total = 0.0
-        self.n = 0.0
+        self._counts = np.zeros(bins + 2)
+        self._total = 0.0
+        self._n = 0.0
+        # samples are binned in batches (one numpy pass per ~batch values, not per add)
+        self._batch = batch
+        self._values: list[np.ndarray] = []
+        self._weights: list[float] = []
+        self._lengths: list[int] = []
+        self._pending = 0
 
     def add(self, values: np.ndarray | float, weight: float = 1.0) -> None:
         v = np.atleast_1d(np.asarray(values, dtype=float))
+        self._values.append(v)
+        self._weights.append(weight)
+        self._lengths.append(len(v))
+        self._pending += len(v)
+        if self._pending >= self._batch:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._values:
+            return
+        v = np.concatenate(self._values)
+        w = np.repeat(np.asarray(self._weights, dtype=float), self._lengths)
         idx = np.searchsorted(self.edges, v, side="right")
-        np.add.at(self.counts, idx, weight)
-        self.total += float(v.sum()) * weight
-        self.n += len(v) * weight
+        self._counts += np.bincount(idx, weights=w, minlength=len(self._counts))
+        self._total += float(np.dot(v, w))
+        self._n += float(w.sum())
+        self._values, self._weights, self._lengths, self._pending = [], [], [], 0
+
+    @property
+    def counts(self) -> np.ndarray:
+        self._flush()
+        return self._counts
+
+    @property
+    def total(self) -> float:
+        self._flush()
+        return self._total
+
+    @property
+    def n(self) -> float:
+        self._flush()
+        return self._n
 
     def mean(self) -> float | None:
         return self.total / self.n if self.n else None

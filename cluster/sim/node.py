@@ -252,10 +252,9 @@ class SimNode:
         self._busy_changed()
 
     def _advance(self, r: Request, m: int) -> None:
-        """``m`` more decode steps of ``r``: what update_from_output does per step."""
-        kv = self.scheduler.kv
-        if kv.allocate_slots(r, m) is None:
-            raise AssertionError(f"{self.node_id}: collapsed run of {r.request_id} found no blocks")
+        """``m`` more decode steps of ``r``: what update_from_output does per step.
+        No allocation: a run ends at the step that fills a block, so its table
+        already holds every token the run computes."""
         r.num_computed_tokens += m
         r.output_token_ids.extend([self.output_token] * m)
-        kv.cache_blocks(r, r.num_computed_tokens)
+        self.scheduler.kv.cache_blocks(r, r.num_computed_tokens)
