@@ -66,12 +66,9 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self._len
 
-    def _assert_unlinked(self, block: KVBlock) -> None:
+    def append(self, block: KVBlock) -> None:
         assert block.prev_free is None and block.next_free is None and self._head is not block, \
             f"block {block.block_id} is already in the free queue"
-
-    def append(self, block: KVBlock) -> None:
-        self._assert_unlinked(block)
         block.prev_free = self._tail
         if self._tail is None:
             self._head = block
@@ -81,7 +78,8 @@ class FreeBlockQueue:
         self._len += 1
 
     def appendleft(self, block: KVBlock) -> None:
-        self._assert_unlinked(block)
+        assert block.prev_free is None and block.next_free is None and self._head is not block, \
+            f"block {block.block_id} is already in the free queue"
         block.next_free = self._head
         if self._head is None:
             self._tail = block
@@ -96,6 +94,25 @@ class FreeBlockQueue:
         block = self._head
         self.remove(block)
         return block
+
+    def popleft_n(self, n: int) -> list[KVBlock]:
+        """The first ``n`` blocks, unlinked in one walk (an allocation of many blocks)."""
+        if n > self._len:
+            raise IndexError(f"asked for {n} blocks from a free queue of {self._len}")
+        out = []
+        block = self._head
+        for _ in range(n):
+            out.append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        self._head = block
+        if block is None:
+            self._tail = None
+        else:
+            block.prev_free = None
+        self._len -= n
+        return out
 
     def remove(self, block: KVBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
@@ -157,14 +174,16 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks but only {self.num_free_blocks} are free; "
                              "check num_free_blocks before allocating")
-        blocks = [self.free_queue.popleft() for _ in range(n)]
-        cached = [b for b in blocks if b.block_hash is not None]
-        if cached:
-            self.lower.demote(cached)
-            self.cache.forget(cached)
+        blocks = self.free_queue.popleft_n(n)
+        cached = []
         for block in blocks:
             assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
             block.ref_cnt = 1
+            if block.block_hash is not None:
+                cached.append(block)
+        if cached:
+            self.lower.demote(cached)
+            self.cache.forget(cached)
         return blocks
 
     def page_in(self, entries: Sequence[TierEntry], keep: Sequence[bool]) -> list[KVBlock]:

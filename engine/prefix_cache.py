@@ -53,10 +53,11 @@ class PrefixCache:
 
     def forget(self, blocks: Sequence[KVBlock]) -> None:
         """Take blocks out of the map without an event (a lower tier took them)."""
+        by_hash = self._by_hash
         for block in blocks:
             if block.block_hash is not None:
-                del self._by_hash[block.block_hash]
-                block.forget_hash()
+                del by_hash[block.block_hash]
+                block.block_hash = block.parent_hash = block.token_ids = None     # block.forget_hash()
 
     def evict(self, blocks: Sequence[KVBlock]) -> None:
         """Take blocks out of the cache for good: one REMOVED event."""

@@ -109,6 +109,9 @@ class Router:
 
     def update_load(self, worker_id: str, load: WorkerLoad) -> None:
         slot = self._slot(worker_id)
+        if load == slot.reported and slot.pending_until is None and not (slot.pending_tokens or
+                                                                         slot.pending_running):
+            return      # the same report again, nothing optimistic to clear: the view stays
         slot.reported = load
         slot.clear_pending()
         self._refresh(slot)

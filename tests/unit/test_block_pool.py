@@ -49,6 +49,27 @@ def test_queue_rejects_double_insert_and_empty_pop():
         q.popleft()
 
 
+@pytest.mark.parametrize("n", [0, 1, 3, 5])
+def test_popleft_n_equals_n_poplefts(n):
+    """Popping n blocks in one walk leaves the queue and every block's links as n
+    single pops would (all of the queue, part of it, or nothing)."""
+    def state(q, blocks):
+        return q.block_ids(), len(q), [(b.prev_free, b.next_free) for b in blocks]
+
+    one, many = [KVBlock(i) for i in range(5)], [KVBlock(i) for i in range(5)]
+    q1, q2 = FreeBlockQueue(one), FreeBlockQueue(many)
+    popped = [q1.popleft() for _ in range(n)]
+    assert [b.block_id for b in q2.popleft_n(n)] == [b.block_id for b in popped]
+    assert q2.block_ids() == q1.block_ids() and len(q2) == len(q1) == 5 - n
+    assert [(p is None, x is None) for p, x in state(q2, many)[2]] == \
+        [(p is None, x is None) for p, x in state(q1, one)[2]]
+    q2.append(many[0]) if n else None                     # the queue still links correctly at both ends
+    q1.append(one[0]) if n else None
+    assert q2.block_ids() == q1.block_ids()
+    with pytest.raises(IndexError):
+        q2.popleft_n(len(q2) + 1)
+
+
 # ---- allocation and freeing ---------------------------------------------------
 
 def test_allocation_pops_head_in_order():
