@@ -143,6 +143,10 @@ class PromptBuilder:
         self.vocab_size, self.first_token, self.seed = vocab_size, first_token, seed
         self._id_tokens: dict[int, np.ndarray] = {}
         self._cache_entries = cache_entries
+        # a prompt's packed tokens by (hash ids, length): overlaid copies of one trace request
+        # arrive within one inter-arrival gap and differ only in salt (their hashes), so all
+        # but the first reuse the bytes (and share them in memory); at most 1024 prompts
+        self._prompts: dict[tuple[tuple[int, ...], int], bytes] = {}
         self._offsets = np.arange(tokens_per_id, dtype=np.uint64)
 
     def _mix(self, ids: np.ndarray) -> np.ndarray:
@@ -177,8 +181,12 @@ class PromptBuilder:
         """``tokens(req)`` (as `TokenBytes`: equal to the list, never unpacked by
         the simulated engines), ``hashes(req, tokens)`` and the packed tokens at
         once (hashing and the engine's prefix cache take the numpy bytes directly)."""
-        flat = self._flat(req)
-        packed = flat.tobytes()
+        key = (req.hash_ids, req.input_length)
+        packed = self._prompts.get(key)
+        if packed is None:
+            if len(self._prompts) >= 1024:
+                self._prompts.clear()
+            packed = self._prompts[key] = self._flat(req).tobytes()
         return Prompt(TokenBytes(packed), packed_block_hashes(packed, self.block_size, root_hash(req.salt)), packed)
 
     def hashes(self, req: TraceRequest, tokens: list[int]) -> list[int]:

@@ -83,3 +83,19 @@ def test_token_memo_bounded_gives_the_same_prompts():
     reqs = [TraceRequest(f"m{i}", 0.0, 64 * 3, 1, (i % 5, 7, (3 * i) % 11)) for i in range(30)]
     for r in reqs:
         assert small.tokens(r) == big.tokens(r) and small.prompt(r) == big.prompt(r)
+
+
+def test_overlaid_copies_share_one_prompt_and_keep_their_own_hashes():
+    """Copies of a trace request differ only in salt: the builder hands every copy the
+    same packed tokens (one bytes object) and each copy its own salted hashes, as a
+    fresh builder per copy would; the memo is bounded (1024 prompts) without effect."""
+    reqs = overlay([TraceRequest(f"o{i}", float(i), 64 * 2 + i, 1, (i, 1000 + i, 7)) for i in range(1100)], 3)
+    b = PromptBuilder(16, 64)
+    by_original: dict[str, bytes] = {}
+    for r in reqs:
+        p = b.prompt(r)
+        fresh = PromptBuilder(16, 64).prompt(r)
+        assert p == fresh and p.hashes == block_hashes(list(p.tokens), 16, r.salt)
+        first = by_original.setdefault(r.request_id.split("c")[0], p.packed)
+        assert p.packed is first or len(b._prompts) <= 1      # shared, unless the memo was just cleared
+    assert len({PromptBuilder(16, 64).prompt(r).hashes[0] for r in reqs[:3]}) == 3   # three salts
