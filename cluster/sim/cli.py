@@ -65,6 +65,8 @@ def register(subparsers) -> None:
                    help=f"sweep a parameter (repeatable; cartesian product); keys: {', '.join(SWEEP_KEYS)}; "
                         "pd=1:3 splits prefill+decode nodes 1:3")
     o.add_argument("--jobs", type=int, default=1, help="sweep runs simulated at once, one process each")
+    o.add_argument("--progress", type=float, default=0.0, metavar="SIM_S",
+                   help="every SIM_S simulated seconds print a progress line (JSON) to stderr; 0 = none")
     o.add_argument("--output", help="write all runs as JSON here")
     o.add_argument("--plot-dir", help="write PNG plots of the sweep here")
     p.set_defaults(func=run)
@@ -176,7 +178,8 @@ def simulate_one(params: dict, args, cost, base_reqs) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens or sched_meta.get("max_num_batched_tokens", 8192),
         max_num_seqs=args.max_num_seqs or sched_meta.get("max_num_seqs", 256),
         report_interval_s=args.report_interval, report_lag_s=args.report_lag,
-        collapse=not args.no_collapse, seed=args.seed, slo=Slo(args.slo_ttft, args.slo_itl))
+        collapse=not args.no_collapse, seed=args.seed, slo=Slo(args.slo_ttft, args.slo_itl),
+        progress_s=args.progress)
     builder = PromptBuilder(args.block_size, args.tokens_per_id, seed=args.seed)
     return ClusterSim(config, cost, reqs, builder).run()
 

@@ -16,7 +16,10 @@ load and drained KV events, which reach the router ``report_lag_s`` later
 from __future__ import annotations
 
 import gc
+import json
 import random
+import resource
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -56,6 +59,8 @@ class SimConfig:
     # every node on one shared host whose contention slows steps (measured in situ:
     # cluster/sim/insitu.py); None: each node has its hardware to itself
     interference: Interference | None = None
+    # every this many simulated seconds, one progress line to stderr (0: none); changes no result
+    progress_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.decode_nodes < 1 or self.prefill_nodes < 0:
@@ -63,6 +68,9 @@ class SimConfig:
                              "(0 = colocated: every node prefills and decodes)")
         if self.report_interval_s <= 0 or self.report_lag_s < 0:
             raise ValueError("report_interval_s must be > 0 and report_lag_s >= 0 seconds")
+        if self.progress_s < 0:
+            raise ValueError(f"progress_s must be >= 0 simulated seconds (0 = no progress lines), "
+                             f"got {self.progress_s}")
 
 
 class _Live:
@@ -174,6 +182,8 @@ class ClusterSim:
         if self.workload:
             self.loop.at(self.workload[0].arrival_s, self._arrive)
             self.loop.at(self.workload[0].arrival_s, self._tick)
+            if self.config.progress_s:
+                self.loop.at(self.workload[0].arrival_s + self.config.progress_s, self._progress, t0)
         # The nodes' block pools are millions of long-lived objects, and every live
         # prompt a list of thousands of ints: frozen, and with rarer young collections,
         # the cyclic collector stops re-scanning them (~15% of a loaded 1000-node run's
@@ -188,6 +198,19 @@ class ClusterSim:
             gc.unfreeze()
         self.wall_s = time.perf_counter() - t0
         return self.summary()
+
+    def _progress(self, t0: float) -> None:
+        wall = time.perf_counter() - t0
+        sim = self.loop.now - self.workload[0].arrival_s
+        done = len(self.records) - len(self.live)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # KiB on Linux
+        print(json.dumps({"progress": {"sim_s": round(sim, 1), "wall_s": round(wall, 1),
+                                       "sim_s_per_wall_s": round(sim / wall, 3) if wall else None,
+                                       "arrived": len(self.records), "finished": done, "live": len(self.live),
+                                       "of": len(self.workload), "peak_rss_gb": round(rss, 2)}}),
+              file=sys.stderr, flush=True)
+        if self.live or self._next < len(self.workload):
+            self.loop.after(self.config.progress_s, self._progress, t0)
 
     def summary(self) -> dict:
         start = self.workload[0].arrival_s if self.workload else 0.0

@@ -173,3 +173,22 @@ def test_run_leaves_the_garbage_collector_as_it_found_it():
         sim2.run()
     assert seen["threshold"][0] >= 100_000 and seen["frozen"] > 0
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_progress_lines_change_no_result(capsys):
+    """--progress: a JSON line on stderr every progress_s simulated seconds, the last
+    one with every request finished; the results are those of a run without it."""
+    import json
+
+    reqs = _workload(n=60, rate=20.0)
+    _, quiet = _run(reqs=reqs)
+    assert capsys.readouterr().err == ""
+    _, loud = _run(reqs=reqs, progress_s=0.5)
+    lines = [json.loads(line)["progress"] for line in capsys.readouterr().err.splitlines()]
+    assert len(lines) >= 3 and [p["sim_s"] for p in lines] == sorted(p["sim_s"] for p in lines)
+    assert lines[-1]["finished"] == lines[-1]["of"] == 60 and lines[-1]["live"] == 0
+    for s in (quiet, loud):
+        del s["sim"]["wall_s"], s["sim"]["sim_s_per_wall_s"], s["sim"]["events"]
+    assert loud == quiet
+    with pytest.raises(ValueError, match="progress_s"):
+        SimConfig(1, 1, progress_s=-1)
