@@ -106,9 +106,10 @@ class SimNode:
         waiting queue and reads nothing of the running sequences but the KV
         manager and their count (a hand-off reserving blocks). Inside a decode
         run it then runs at the end of the step in flight without ending the
-        run, when the KV manager is still as the run found it there; the run
-        is cut there after all if the blocks it goes on to need are no longer
-        free, or if the action did queue a request."""
+        run: no sequence of a run fills or needs a block before the run's last
+        step, so the KV manager there is as step-by-step simulation has it, and
+        taking free blocks cannot starve the run. If the action did queue a
+        request after all, the run is cut there."""
         self.dirty = True
         if self._run is not None:
             if not (keeps_batch and self._defer(action)):
