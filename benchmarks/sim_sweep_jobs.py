@@ -18,16 +18,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cluster.sim.cli import without_wall  # noqa: E402
+
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
-WALL = {"wall_s", "sim_s_per_wall_s"}
-
-
-def _without_wall(x):
-    if isinstance(x, dict):
-        return {k: _without_wall(v) for k, v in x.items() if k not in WALL}
-    if isinstance(x, list):
-        return [_without_wall(v) for v in x]
-    return x
 
 
 def main() -> None:
@@ -54,7 +49,7 @@ def main() -> None:
             out[f"wall_s_jobs{jobs}"] = round(time.perf_counter() - t0, 2)
             docs[jobs] = json.loads(path.read_text())
     out["speedup"] = round(out["wall_s_jobs1"] / out[f"wall_s_jobs{args.jobs}"], 3)
-    out["identical_apart_from_wall"] = _without_wall(docs[1]) == _without_wall(docs[args.jobs])
+    out["identical_apart_from_wall"] = without_wall(docs[1]) == without_wall(docs[args.jobs])
     out["runs"] = len(docs[1]["runs"])
     out["args"] = vars(args)
     print(json.dumps(out))

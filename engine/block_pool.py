@@ -66,9 +66,12 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self._len
 
-    def append(self, block: KVBlock) -> None:
+    def _assert_unlinked(self, block: KVBlock) -> None:
         assert block.prev_free is None and block.next_free is None and self._head is not block, \
             f"block {block.block_id} is already in the free queue"
+
+    def append(self, block: KVBlock) -> None:
+        self._assert_unlinked(block)
         block.prev_free = self._tail
         if self._tail is None:
             self._head = block
@@ -78,8 +81,7 @@ class FreeBlockQueue:
         self._len += 1
 
     def appendleft(self, block: KVBlock) -> None:
-        assert block.prev_free is None and block.next_free is None and self._head is not block, \
-            f"block {block.block_id} is already in the free queue"
+        self._assert_unlinked(block)
         block.next_free = self._head
         if self._head is None:
             self._tail = block

@@ -110,20 +110,15 @@ class Scheduler(RemoteKVMixin):
         return remaining if remaining <= budget.tokens else 0
 
     def _schedule_running(self, out: SchedulerOutput, budget: _StepBudget) -> None:
-        running, allocate, seqs = self.running, self.kv.allocate_slots, out.seqs
         i = 0
-        while i < len(running) and not budget.exhausted:
-            request = running[i]
-            num_tokens = request.num_tokens
-            n = self._chunk(num_tokens - request.num_computed_tokens, budget)
+        while i < len(self.running) and not budget.exhausted:
+            request = self.running[i]
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if n > 0:
-                # every decode step: the first allocation succeeds (mostly without a new block)
-                block_ids = allocate(request, n)
-                if block_ids is None:
-                    block_ids = self._allocate_or_preempt(request, n, out)
-                    if block_ids is None:      # it preempted itself: it was the last one
-                        return
-                seqs.append(ScheduledSeq(request, n, block_ids, request.num_computed_tokens + n == num_tokens))
+                block_ids = self._allocate_or_preempt(request, n, out)
+                if block_ids is None:      # it preempted itself: it was the last one
+                    return
+                out.seqs.append(self._seq(request, n, block_ids))
                 budget.take(n)
             i += 1
 

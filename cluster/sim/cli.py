@@ -26,6 +26,19 @@ SWEEP_KEYS = {"policy": str, "pd": str, "copies": int, "time_scale": float, "num
               "prefill_nodes": int, "decode_nodes": int, "local_prefill_threshold": int}
 
 
+WALL_FIELDS = {"wall_s", "sim_s_per_wall_s"}
+
+
+def without_wall(doc):
+    """A simulate output (or any part of it) without its wall-time fields: what
+    must not change between runs of the same inputs (e.g. ``--jobs 1`` vs ``N``)."""
+    if isinstance(doc, dict):
+        return {k: without_wall(v) for k, v in doc.items() if k not in WALL_FIELDS}
+    if isinstance(doc, list):
+        return [without_wall(v) for v in doc]
+    return doc
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="discrete-event fleet simulator (real router and schedulers)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

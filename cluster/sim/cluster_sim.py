@@ -259,8 +259,7 @@ class ClusterSim:
     # ---- node callbacks ------------------------------------------------------
     def on_tokens(self, node: SimNode, requests: list[Request], ends: np.ndarray) -> None:
         first, last, k = float(ends[0]), float(ends[-1]), len(ends)
-        if self.config.interference is not None:
-            self._frontend_work(last, 0, len(requests) * k)
+        self._frontend_work(last, 0, len(requests) * k)
         live, first_gaps = self.live, []
         for r in requests:
             rec = live[r.request_id].rec

@@ -61,14 +61,12 @@ class LogHistogram:
         self._batch = batch
         self._values: list[np.ndarray] = []
         self._weights: list[float] = []
-        self._lengths: list[int] = []
         self._pending = 0
 
     def add(self, values: np.ndarray | float, weight: float = 1.0) -> None:
         v = np.atleast_1d(np.asarray(values, dtype=float))
         self._values.append(v)
         self._weights.append(weight)
-        self._lengths.append(len(v))
         self._pending += len(v)
         if self._pending >= self._batch:
             self._flush()
@@ -77,12 +75,12 @@ class LogHistogram:
         if not self._values:
             return
         v = np.concatenate(self._values)
-        w = np.repeat(np.asarray(self._weights, dtype=float), self._lengths)
+        w = np.repeat(np.asarray(self._weights, dtype=float), [len(x) for x in self._values])
         idx = np.searchsorted(self.edges, v, side="right")
         self._counts += np.bincount(idx, weights=w, minlength=len(self._counts))
         self._total += float(np.dot(v, w))
         self._n += float(w.sum())
-        self._values, self._weights, self._lengths, self._pending = [], [], [], 0
+        self._values, self._weights, self._pending = [], [], 0
 
     @property
     def counts(self) -> np.ndarray:

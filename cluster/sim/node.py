@@ -121,9 +121,9 @@ class SimNode:
 
     def _defer(self, action: Action) -> bool:
         run = self._run
-        if self.inbox or len(run.ends) == 1:
+        if self.inbox:
             return False
-        j = int(np.searchsorted(run.ends, self.loop.now, side="left"))
+        j = self._in_flight(run)
         if j + 1 >= len(run.ends):
             return False
         self.deferred += 1
@@ -133,12 +133,8 @@ class SimNode:
     def _run_deferred(self, action: Action, run: "_Run", j: int) -> None:
         assert self._run is run, f"{self.node_id}: a deferred action outlived its run"
         action(self)
-        if self.inbox or len(run.ends) == j + 1:
-            return              # the run ends here anyway (cut by a later post, after this event)
         if self.scheduler.num_waiting:
-            run.ends = run.ends[:j + 1]
-            self._gen += 1
-            self.loop.at(self.loop.now, self._end, self._gen)
+            self._end_after(run, j)
 
     def post_retry(self, retry: Retry, *, keeps_batch: bool = False) -> None:
         """Like post, but ``retry(node)`` runs again at every run boundary until it
@@ -157,9 +153,15 @@ class SimNode:
 
     def _cut_run(self) -> None:
         run = self._run
-        if run is None or len(run.ends) == 1:
-            return
-        j = int(np.searchsorted(run.ends, self.loop.now, side="left"))
+        if run is not None and len(run.ends) > 1:
+            self._end_after(run, self._in_flight(run))
+
+    def _in_flight(self, run: _Run) -> int:
+        """Index of the step of ``run`` in flight now (the next to end)."""
+        return int(np.searchsorted(run.ends, self.loop.now, side="left"))
+
+    def _end_after(self, run: _Run, j: int) -> None:
+        """End ``run`` with its step ``j`` (nothing to do if it ends there already)."""
         if j + 1 < len(run.ends):
             run.ends = run.ends[:j + 1]
             self._gen += 1

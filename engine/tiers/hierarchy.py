@@ -94,8 +94,6 @@ class LowerTiers:
     def discard(self, hashes: Sequence[int]) -> None:
         """The device now caches these hashes: drop lower copies (no event: the
         device's STORED event already moved the router's entry)."""
-        if self.device_only:
-            return
         for h in hashes:
             for level in self.levels:
                 if level.discard(h):

@@ -7,19 +7,11 @@ import json
 import pytest
 
 from cluster.cli import main
+from cluster.sim.cli import without_wall
 
 ARGS = ["simulate", "--synthetic", "60", "--synthetic-rate", "20", "--prefill-nodes", "1", "--decode-nodes", "2",
         "--tokens-per-id", "16", "--block-size", "16", "--num-blocks", "64",
         "--sweep", "policy=prefix_aware,round_robin", "--sweep", "copies=1,2"]
-WALL = {"wall_s", "sim_s_per_wall_s"}
-
-
-def _without_wall(x):
-    if isinstance(x, dict):
-        return {k: _without_wall(v) for k, v in x.items() if k not in WALL}
-    if isinstance(x, list):
-        return [_without_wall(v) for v in x]
-    return x
 
 
 def _sweep(tmp_path, jobs: int) -> dict:
@@ -32,7 +24,7 @@ def test_parallel_sweep_matches_serial(tmp_path, capsys):
     serial, parallel = _sweep(tmp_path, 1), _sweep(tmp_path, 2)
     assert [r["params"] for r in parallel["runs"]] == [r["params"] for r in serial["runs"]]
     assert len(serial["runs"]) == 4 and all(r["summary"]["finished"] > 0 for r in serial["runs"])
-    assert _without_wall(parallel) == _without_wall(serial)
+    assert without_wall(parallel) == without_wall(serial)
     assert parallel["runs"][0]["summary"]["sim"]["wall_s"] > 0
     assert len(capsys.readouterr().out.strip().splitlines()) == 8     # one JSON line per run, twice
 
