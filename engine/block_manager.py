@@ -37,9 +37,7 @@ def packed_slice(request: Request, lo: int, hi: int) -> bytes:
     """Tokens ``lo:hi`` of prompt + output, packed (``packed_tokens``) without
     joining the two lists; the prompt's part is cut from ``request.prompt_packed``
     (packed once per request, on first use)."""
-    prompt = request.prompt_packed
-    if prompt is None:
-        prompt = request.prompt_packed = packed_tokens(request.prompt_token_ids)
+    prompt = _prompt_packed(request)
     p = request.num_prompt_tokens
     if hi <= p:
         return prompt[lo * 4:hi * 4]
@@ -47,6 +45,42 @@ def packed_slice(request: Request, lo: int, hi: int) -> bytes:
     if lo >= p:
         return packed_tokens(out[lo - p:hi - p])
     return prompt[lo * 4:] + packed_tokens(out[:hi - p])
+
+
+def packed_blocks(request: Request, first: int, end: int, block_size: int) -> list[bytes]:
+    """Blocks ``first:end`` of prompt + output, each packed (``packed_tokens``).
+    Prompt blocks come from ``prompt_blocks``: the same bytes objects every
+    time, so caching a block copies nothing."""
+    prompt = prompt_blocks(request, block_size)
+    in_prompt = min(end, len(prompt))
+    chunks = list(prompt[first:in_prompt])
+    if end > in_prompt:
+        lo, step = max(first, in_prompt), block_size * 4
+        rest = packed_slice(request, lo * block_size, end * block_size)
+        chunks += [rest[i * step:(i + 1) * step] for i in range(end - lo)]
+    return chunks
+
+
+def prompt_blocks(request: Request, block_size: int) -> tuple[bytes, ...]:
+    """``request.prompt_blocks``, cut from the packed prompt on first use."""
+    blocks = request.prompt_blocks
+    n = request.num_prompt_tokens // block_size
+    if blocks is None:
+        prompt, step = _prompt_packed(request), block_size * 4
+        blocks = request.prompt_blocks = tuple(prompt[i * step:(i + 1) * step] for i in range(n))
+    elif len(blocks) != n or (n and len(blocks[0]) != block_size * 4):
+        raise ValueError(f"request {request.request_id!r}: prompt_blocks holds {len(blocks)} blocks "
+                         f"of {len(blocks[0]) // 4 if blocks else 0} tokens; this KV manager's blocks "
+                         f"hold {block_size} tokens ({n} full blocks in the prompt): cut the packed "
+                         "prompt at the engine's block size, or leave it None")
+    return blocks
+
+
+def _prompt_packed(request: Request) -> bytes:
+    prompt = request.prompt_packed
+    if prompt is None:
+        prompt = request.prompt_packed = packed_tokens(request.prompt_token_ids)
+    return prompt
 
 
 class KVCacheManager:
@@ -77,13 +111,15 @@ class KVCacheManager:
         self.update_block_hashes(request)
         bs, hits = self.block_size, []
         parent = root_hash(request.cache_salt)
+        prompt = prompt_blocks(request, bs)
         for i, block_hash in enumerate(request.block_hashes):
             if i * bs >= limit:
                 break
             block = self.pool.lookup(block_hash) or self.pool.lookup_lower(block_hash)
             if block is None or block.parent_hash != parent:
                 break
-            if block.token_ids != packed_slice(request, i * bs, (i + 1) * bs):
+            tokens = prompt[i] if i < len(prompt) else packed_slice(request, i * bs, (i + 1) * bs)
+            if block.token_ids != tokens:
                 break
             hits.append(block)
             parent = block_hash
@@ -262,9 +298,8 @@ class KVCacheManager:
         assert len(table) >= end, f"request {rid}: caching {end} blocks of a {len(table)}-block table"
         bs = self.block_size
         parent = request.block_hashes[start - 1] if start else root_hash(request.cache_salt)
-        packed, step = packed_slice(request, start * bs, end * bs), bs * 4
         self.pool.cache_full_blocks(table[start:end], request.block_hashes[start:end],
-                                    [packed[i * step:(i + 1) * step] for i in range(end - start)], parent)
+                                    packed_blocks(request, start, end, bs), parent)
         self._num_cached[rid] = end
 
     # ---- queries -------------------------------------------------------------

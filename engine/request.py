@@ -60,6 +60,10 @@ class Request:
     # the prompt as native uint32 bytes (engine.block_hash.packed_tokens), for block
     # hashes and the prefix cache's token check: packed once, on first use, unless given
     prompt_packed: bytes | None = field(default=None, repr=False)
+    # prompt_packed cut into the KV manager's full blocks, one bytes object each: what the
+    # prefix cache keeps per cached block. Cut on first use, unless given (requests with one
+    # prompt then share the bytes: the simulator's overlaid copies)
+    prompt_blocks: tuple[bytes, ...] | None = field(default=None, repr=False)
     # len(prompt_token_ids), read on every scheduler step (the prompt never changes)
     _num_prompt: int = field(init=False, repr=False, compare=False, default=0)
 

@@ -74,11 +74,11 @@ class SimConfig:
 
 
 class _Live:
-    __slots__ = ("rec", "trace", "tokens", "hashes", "packed", "deadline", "no_room", "joining")
+    __slots__ = ("rec", "trace", "tokens", "hashes", "packed", "blocks", "deadline", "no_room", "joining")
 
     def __init__(self, rec: RequestRecord, trace: TraceRequest, prompt: Prompt) -> None:
         self.rec, self.trace = rec, trace
-        self.tokens, self.hashes, self.packed = prompt
+        self.tokens, self.hashes, self.packed, self.blocks = prompt
         self.deadline = 0.0
         self.no_room: tuple | None = None     # the decode node's room when the last join failed
         self.joining = False                  # its hand-off waits to join the decode node
@@ -254,7 +254,8 @@ class ClusterSim:
         return Request(live.rec.request_id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                        cache_salt=live.trace.salt, arrival_time=live.rec.arrival_s,
                        block_hashes=live.hashes[:n_hash], hold_kv_on_finish=hold,
-                       prompt_packed=live.packed if tokens is live.tokens else None)
+                       prompt_packed=live.packed if tokens is live.tokens else None,
+                       prompt_blocks=live.blocks if tokens is live.tokens else None)
 
     # ---- node callbacks ------------------------------------------------------
     def on_tokens(self, node: SimNode, requests: list[Request], ends: np.ndarray) -> None:

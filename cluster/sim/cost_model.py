@@ -51,6 +51,9 @@ class Table2D:
         self.floor = -np.inf if signed else 0.0
         self.xs, self.ys = [float(x) for x in xs], [float(y) for y in ys]
         self.v = np.asarray(values, dtype=float)
+        self._grid = np.asarray(self.ys)
+        self._span = np.diff(self._grid)
+        self._rows: dict[float, tuple[np.ndarray, np.ndarray]] = {}    # along_y's row per x (few: batch sizes)
         if self.v.shape != (len(self.xs), len(self.ys)):
             raise ValueError(f"table {name!r}: values must be {len(self.xs)} rows x {len(self.ys)} "
                              f"columns (one row per first-axis point), got shape {self.v.shape}")
@@ -81,15 +84,24 @@ class Table2D:
 
     def along_y(self, x: float, ys: np.ndarray) -> np.ndarray:
         """Values at fixed x for many y (vectorised; same rule as __call__)."""
-        i, wx = self._bracket(self.xs, x)
-        i1 = min(i + 1, len(self.xs) - 1)
-        row = self.v[i] + (self.v[i1] - self.v[i]) * wx
-        grid = np.asarray(self.ys)
-        if len(grid) == 1:
-            return np.maximum(np.full(ys.shape, row[0]), self.floor)
-        j = np.clip(np.searchsorted(grid, ys, side="right") - 1, 0, len(grid) - 2)
-        w = (ys - grid[j]) / (grid[j + 1] - grid[j])
-        return np.maximum(row[j] + (row[j + 1] - row[j]) * w, self.floor)
+        row = self._rows.get(x)
+        if row is None:
+            i, wx = self._bracket(self.xs, x)
+            i1 = min(i + 1, len(self.xs) - 1)
+            r = self.v[i] + (self.v[i1] - self.v[i]) * wx
+            # per segment j of the y grid: the value's and y's rise across it (a run asks per batch size)
+            if len(self._rows) >= 4096:
+                self._rows.clear()
+            row = self._rows[x] = (r, np.diff(r))
+        r, rise = row
+        grid = self._grid
+        if not len(rise):
+            return np.maximum(np.full(ys.shape, r[0]), self.floor)
+        j = np.searchsorted(grid, ys, side="right") - 1
+        np.minimum(j, len(grid) - 2, out=j)
+        np.maximum(j, 0, out=j)
+        out = r[j] + rise[j] * ((ys - grid[j]) / self._span[j])
+        return np.maximum(out, self.floor, out=out)
 
     def to_json(self, x_name: str, y_name: str) -> dict:
         return {x_name: self.xs, y_name: self.ys, "seconds": self.v.tolist()}

@@ -114,6 +114,7 @@ class Prompt(NamedTuple):
     tokens: TokenBytes         # reads like list[int]; unpacked only where read
     hashes: list[int]          # pdserve's chained block hashes (full blocks)
     packed: bytes              # the tokens as native uint32 (engine.block_hash.packed_tokens)
+    blocks: tuple[bytes, ...]  # ``packed`` cut into full blocks (Request.prompt_blocks; shared by copies)
 
 
 def _splitmix(x: np.ndarray) -> np.ndarray:
@@ -143,10 +144,11 @@ class PromptBuilder:
         self.vocab_size, self.first_token, self.seed = vocab_size, first_token, seed
         self._id_tokens: dict[int, np.ndarray] = {}
         self._cache_entries = cache_entries
-        # a prompt's packed tokens by (hash ids, length): overlaid copies of one trace request
-        # arrive within one inter-arrival gap and differ only in salt (their hashes), so all
-        # but the first reuse the bytes (and share them in memory); at most 1024 prompts
-        self._prompts: dict[tuple[tuple[int, ...], int], bytes] = {}
+        # a prompt's packed tokens (and its blocks) by (hash ids, length): overlaid copies of one
+        # trace request arrive within one inter-arrival gap and differ only in salt (their hashes),
+        # so all but the first reuse the bytes (and share them in memory, in every node's prefix
+        # cache too); at most 1024 prompts
+        self._prompts: dict[tuple[tuple[int, ...], int], tuple[bytes, tuple[bytes, ...]]] = {}
         self._offsets = np.arange(tokens_per_id, dtype=np.uint64)
 
     def _mix(self, ids: np.ndarray) -> np.ndarray:
@@ -182,12 +184,14 @@ class PromptBuilder:
         the simulated engines), ``hashes(req, tokens)`` and the packed tokens at
         once (hashing and the engine's prefix cache take the numpy bytes directly)."""
         key = (req.hash_ids, req.input_length)
-        packed = self._prompts.get(key)
-        if packed is None:
+        memo = self._prompts.get(key)
+        if memo is None:
             if len(self._prompts) >= 1024:
                 self._prompts.clear()
-            packed = self._prompts[key] = self._flat(req).tobytes()
-        return Prompt(TokenBytes(packed), packed_block_hashes(packed, self.block_size, root_hash(req.salt)), packed)
+            packed, step = self._flat(req).tobytes(), self.block_size * 4
+            memo = self._prompts[key] = packed, tuple(packed[i:i + step] for i in range(0, len(packed) - step + 1, step))
+        packed, blocks = memo
+        return Prompt(TokenBytes(packed), packed_block_hashes(packed, self.block_size, root_hash(req.salt)), packed, blocks)
 
     def hashes(self, req: TraceRequest, tokens: list[int]) -> list[int]:
         """pdserve's chained hashes of every full block of the prompt."""

@@ -2,7 +2,7 @@
 import pytest
 
 from engine.block_hash import block_hashes, packed_tokens, root_hash
-from engine.block_manager import KVCacheManager, packed_slice
+from engine.block_manager import KVCacheManager, packed_blocks, packed_slice, prompt_blocks
 from engine.block_pool import IntegrityError
 from engine.kv_events import KVEventKind
 from engine.request import Request
@@ -256,6 +256,45 @@ def test_packed_slice_spans_prompt_and_output_like_the_joined_list():
     for lo, hi in [(0, 4), (4, 10), (8, 12), (10, 13), (0, 13), (12, 13)]:
         assert packed_slice(r, lo, hi) == packed_tokens(joined[lo:hi]), (lo, hi)
     assert r.prompt_packed == packed_tokens(range(100, 110))            # packed once, kept
+
+
+@pytest.mark.parametrize("prompt_len", [8, 10, 12])
+def test_packed_blocks_are_the_joined_lists_blocks(prompt_len):
+    """Each block packed on its own, whether it lies in the prompt, in the
+    output, or across the two (a prompt that does not end on a block)."""
+    r = req("p", range(100, 100 + prompt_len))
+    for t in range(7, 7 + 9):
+        r.append_output_token(t)
+    joined = r.all_token_ids
+    full = len(joined) // BS
+    for first in range(full + 1):
+        for end in range(first, full + 1):
+            assert packed_blocks(r, first, end, BS) == \
+                [packed_tokens(joined[i * BS:(i + 1) * BS]) for i in range(first, end)], (first, end)
+
+
+def test_given_prompt_blocks_are_what_the_cache_keeps_and_checks():
+    """Blocks given with the request are stored as they are (no copy: requests
+    sharing them share the bytes), are the token check of a lookup, and must be
+    cut at the manager's block size."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    shared = tuple(packed_tokens(range(i * BS, (i + 1) * BS)) for i in range(2))
+    a = Request("a", list(range(10)), SamplingParams(max_tokens=8), prompt_blocks=shared)
+    admit(kv, a)
+    compute_all(kv, a)
+    cached = [kv.pool.lookup(h) for h in a.block_hashes]
+    assert [b.token_ids for b in cached] == list(shared) and all(b.token_ids is s for b, s in zip(cached, shared))
+    b = Request("b", list(range(10)), SamplingParams(max_tokens=8), prompt_blocks=shared)
+    assert kv.get_computed_blocks(b).num_computed_tokens == 8
+    lying = Request("c", list(range(10)), SamplingParams(max_tokens=8),
+                    prompt_blocks=(shared[0], packed_tokens([9, 9, 9, 9])))   # hashes say equal, tokens differ
+    assert kv.get_computed_blocks(lying).num_computed_tokens == 4
+    cut_wrong = Request("d", list(range(10)), SamplingParams(max_tokens=8),
+                        prompt_blocks=(packed_tokens(range(8)),))
+    with pytest.raises(ValueError, match="prompt_blocks holds 1 blocks of 8 tokens; this KV manager's blocks hold 4"):
+        kv.get_computed_blocks(cut_wrong)
+    fresh = req("e", range(10))
+    assert prompt_blocks(fresh, BS) == shared and fresh.prompt_blocks is prompt_blocks(fresh, BS)   # cut once
 
 
 def test_a_given_packed_prompt_is_checked_and_hits_like_a_computed_one():

@@ -32,6 +32,21 @@ def test_decode_run_matches_single_steps():
     assert np.allclose(run, single)
 
 
+@pytest.mark.parametrize("signed", [False, True])
+def test_along_y_is_the_pointwise_rule_everywhere(signed):
+    """The vectorised row (memoised per x) equals __call__ inside the grid, when
+    extrapolated on either axis, clamped (or not, signed), and for a one-column grid;
+    asking again for the same x (the memo) changes nothing."""
+    t = Table2D("t", [1, 4, 8], [0, 100, 1000], [[0.5, 0.2, 3.0], [1.0, 1.5, 2.0], [2.0, 0.1, 9.0]], signed=signed)
+    one = Table2D("one", [1, 4], [64], [[0.5], [2.0]])
+    ys = np.array([-500.0, 0.0, 37.0, 100.0, 550.0, 1000.0, 5000.0])
+    for x in (0.0, 1.0, 2.5, 4.0, 6.0, 8.0, 20.0, 2.5):
+        for table in (t, one):
+            got = table.along_y(x, ys)
+            assert np.allclose(got, [table(x, y) for y in ys], rtol=1e-12, atol=0.0), (table.name, x)
+    assert (t.along_y(20.0, ys) < 0).any() == signed        # far out, a signed table goes below zero
+
+
 def _seq(prompt_len, computed, n):
     r = Request("r%d" % computed, list(range(prompt_len)), SamplingParams(max_tokens=4))
     r.num_computed_tokens = computed

@@ -7,6 +7,9 @@ import pytest
 from cluster.sim.workload import (PromptBuilder, TraceRequest, compress_time, load_mooncake, overlay,
                                   synthetic_shared_prefix)
 from engine.block_hash import block_hashes, packed_tokens
+from engine.block_manager import prompt_blocks
+from engine.request import Request
+from engine.sampling_params import SamplingParams
 
 
 def _req(rid, ids, n, salt=None):
@@ -74,7 +77,8 @@ def test_memoised_hashes_equal_the_engine_on_random_shared_prompts(bs, tpi):
         r = TraceRequest(f"x{i}", 0.0, rng.randint(1, n * tpi), 1, ids, salt=rng.choice([None, "a"]))
         t = b.tokens(r)
         assert b.hashes(r, t) == block_hashes(t, bs, r.salt)
-        assert b.prompt(r) == (t, block_hashes(t, bs, r.salt), packed_tokens(t))   # memo hits or not
+        blocks = tuple(packed_tokens(t[k * bs:(k + 1) * bs]) for k in range(len(t) // bs))
+        assert b.prompt(r) == (t, block_hashes(t, bs, r.salt), packed_tokens(t), blocks)   # memo hits or not
 
 
 def test_token_memo_bounded_gives_the_same_prompts():
@@ -96,6 +100,8 @@ def test_overlaid_copies_share_one_prompt_and_keep_their_own_hashes():
         p = b.prompt(r)
         fresh = PromptBuilder(16, 64).prompt(r)
         assert p == fresh and p.hashes == block_hashes(list(p.tokens), 16, r.salt)
-        first = by_original.setdefault(r.request_id.split("c")[0], p.packed)
-        assert p.packed is first or len(b._prompts) <= 1      # shared, unless the memo was just cleared
+        first = by_original.setdefault(r.request_id.split("c")[0], p)
+        # shared, unless the memo was just cleared
+        assert (p.packed is first.packed and p.blocks is first.blocks) or len(b._prompts) <= 1
+        assert p.blocks == prompt_blocks(Request(r.request_id, list(p.tokens), SamplingParams(max_tokens=1)), 16)
     assert len({PromptBuilder(16, 64).prompt(r).hashes[0] for r in reqs[:3]}) == 3   # three salts
