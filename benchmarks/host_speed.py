@@ -16,7 +16,7 @@ second) with their median, min, max, spread ((max - min) / median) and
 coefficient of variation, plus the host's steal time over the run
 (``/proc/stat``), side by side for the matmul and the Python loop.
 
-    .venv/bin/python benchmarks/host_speed.py [--seconds 120] [--window 5] [--procs 2]
+    .venv/bin/python benchmarks/host_speed.py [--seconds 120] [--window 5] [--procs 2] [--kinds matmul,python]
 
 Bounded: stops by itself after ``--seconds``.
 """
@@ -86,12 +86,16 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120.0, help="per kind of work")
     ap.add_argument("--window", type=float, default=5.0)
     ap.add_argument("--procs", type=int, default=mp.cpu_count())
+    ap.add_argument("--kinds", default="matmul,python", help="comma-separated: matmul, python")
     args = ap.parse_args()
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or set(kinds) - {"matmul", "python"}:
+        raise SystemExit(f"--kinds takes matmul and/or python, got {args.kinds!r}")
     if args.seconds < args.window or args.window <= 0 or args.procs < 1:
         raise SystemExit("need --seconds >= --window > 0 and --procs >= 1")
     result: dict = {"bench": "host_speed", "procs": args.procs, "window_s": args.window}
     steal0, ticks = _steal(), 100.0
-    for kind in ("matmul", "python"):
+    for kind in kinds:
         q: mp.Queue = mp.Queue()
         procs = [mp.Process(target=_worker, args=(kind, args.seconds, args.window, q)) for _ in range(args.procs)]
         for p in procs:
