@@ -66,14 +66,19 @@ def prompt_blocks(request: Request, block_size: int) -> tuple[bytes, ...]:
     blocks = request.prompt_blocks
     n = request.num_prompt_tokens // block_size
     if blocks is None:
-        prompt, step = _prompt_packed(request), block_size * 4
-        blocks = request.prompt_blocks = tuple(prompt[i * step:(i + 1) * step] for i in range(n))
+        blocks = request.prompt_blocks = cut_blocks(_prompt_packed(request), block_size)
     elif len(blocks) != n or (n and len(blocks[0]) != block_size * 4):
-        raise ValueError(f"request {request.request_id!r}: prompt_blocks holds {len(blocks)} blocks "
+        raise ValueError(f"request {request.request_id!r}: prompt_blocks holds {len(blocks)} block(s) "
                          f"of {len(blocks[0]) // 4 if blocks else 0} tokens; this KV manager's blocks "
                          f"hold {block_size} tokens ({n} full blocks in the prompt): cut the packed "
                          "prompt at the engine's block size, or leave it None")
     return blocks
+
+
+def cut_blocks(packed: bytes, block_size: int) -> tuple[bytes, ...]:
+    """Packed tokens cut into their full blocks (a trailing partial block is left out)."""
+    step = block_size * 4
+    return tuple(packed[i:i + step] for i in range(0, len(packed) - step + 1, step))
 
 
 def _prompt_packed(request: Request) -> bytes:

@@ -23,6 +23,7 @@ from typing import Iterable, NamedTuple
 import numpy as np
 
 from engine.block_hash import packed_block_hashes, packed_tokens, root_hash
+from engine.block_manager import cut_blocks
 from engine.token_bytes import TokenBytes
 
 MOONCAKE_TOKENS_PER_ID = 512
@@ -188,10 +189,11 @@ class PromptBuilder:
         if memo is None:
             if len(self._prompts) >= 1024:
                 self._prompts.clear()
-            packed, step = self._flat(req).tobytes(), self.block_size * 4
-            memo = self._prompts[key] = packed, tuple(packed[i:i + step] for i in range(0, len(packed) - step + 1, step))
+            packed = self._flat(req).tobytes()
+            memo = self._prompts[key] = packed, cut_blocks(packed, self.block_size)
         packed, blocks = memo
-        return Prompt(TokenBytes(packed), packed_block_hashes(packed, self.block_size, root_hash(req.salt)), packed, blocks)
+        hashes = packed_block_hashes(packed, self.block_size, root_hash(req.salt))
+        return Prompt(TokenBytes(packed), hashes, packed, blocks)
 
     def hashes(self, req: TraceRequest, tokens: list[int]) -> list[int]:
         """pdserve's chained hashes of every full block of the prompt."""

@@ -291,7 +291,8 @@ def test_given_prompt_blocks_are_what_the_cache_keeps_and_checks():
     assert kv.get_computed_blocks(lying).num_computed_tokens == 4
     cut_wrong = Request("d", list(range(10)), SamplingParams(max_tokens=8),
                         prompt_blocks=(packed_tokens(range(8)),))
-    with pytest.raises(ValueError, match="prompt_blocks holds 1 blocks of 8 tokens; this KV manager's blocks hold 4"):
+    with pytest.raises(ValueError,
+                       match=r"prompt_blocks holds 1 block\(s\) of 8 tokens; this KV manager's blocks hold 4"):
         kv.get_computed_blocks(cut_wrong)
     fresh = req("e", range(10))
     assert prompt_blocks(fresh, BS) == shared and fresh.prompt_blocks is prompt_blocks(fresh, BS)   # cut once
