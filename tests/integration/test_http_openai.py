@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -261,14 +262,15 @@ async def _shrink_server_send_buffer(http_server, client_addr) -> None:
 def test_client_that_reads_nothing_is_dropped_after_stream_write_timeout(fe, model):
     """A client that keeps the connection but reads nothing: once the socket's buffers are
     full the server's send waits; after stream_write_timeout the server drops the
-    connection, aborts the request and frees its slot and blocks."""
+    connection, aborts the request and frees its slot and blocks.
+
+    The client pipelines the same request three times on its connection: if the buffers
+    ever absorb a whole response (it happened in full CI runs), the next one meets them
+    full. Exactly one request is cancelled and not every response completes."""
     baseline = fe.kv_used()
     cancelled = fe.sample("pdserve_requests_total", outcome="cancelled")
-    # the response must dwarf what the buffers can absorb (uvicorn's 64 KiB high-water mark plus
-    # the kernel's), however the tokens are chunked: 900 tokens with 20 top logprobs each (800
-    # tokens with 5 once came through whole, in a full CI run on a busy host)
-    body = json.dumps({"model": model, "prompt": LONG, "max_tokens": 900, "ignore_eos": True,
-                       "stream": True, "logprobs": 20}).encode()
+    body = json.dumps({"model": model, "prompt": LONG, "max_tokens": 800, "ignore_eos": True,
+                       "stream": True, "logprobs": 5}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n").encode()
     state = fe.http.state
@@ -278,7 +280,11 @@ def test_client_that_reads_nothing_is_dropped_after_stream_write_timeout(fe, mod
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # a small window, set before connect
             sock.connect(("127.0.0.1", fe.http.port))
             fe.loop.run(_shrink_server_send_buffer(fe.http, sock.getsockname()))
-            sock.sendall(head + body)
+            sock.sendall((head + body) * 3)
+            end = time.monotonic() + 120
+            while fe.sample("pdserve_requests_total", outcome="cancelled") < cancelled + 1:   # reading nothing
+                assert time.monotonic() < end, "no response was dropped: the server still waits on the client"
+                time.sleep(0.05)
             assert fe.loop.run(state.wait_idle(60)), "the response is still waiting on the client"
             fe.wait_idle(baseline)                        # aborted, blocks and admission freed
             sock.settimeout(60)
@@ -287,5 +293,5 @@ def test_client_that_reads_nothing_is_dropped_after_stream_write_timeout(fe, mod
                 received += chunk
     finally:
         state.write_timeout = old
-    assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+    assert received.startswith(b"HTTP/1.1 200") and received.count(b"data: [DONE]") < 3
     assert fe.sample("pdserve_requests_total", outcome="cancelled") == cancelled + 1
