@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 
@@ -94,7 +95,7 @@ def main() -> None:
     if args.seconds < args.window or args.window <= 0 or args.procs < 1:
         raise SystemExit("need --seconds >= --window > 0 and --procs >= 1")
     result: dict = {"bench": "host_speed", "procs": args.procs, "window_s": args.window}
-    steal0, ticks = _steal(), 100.0
+    steal0, ticks = _steal(), os.sysconf("SC_CLK_TCK")     # /proc/stat counts in clock ticks
     for kind in kinds:
         q: mp.Queue = mp.Queue()
         procs = [mp.Process(target=_worker, args=(kind, args.seconds, args.window, q)) for _ in range(args.procs)]
