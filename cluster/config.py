@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from cluster.log_levels import parse_log_levels
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
           "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20,
@@ -102,6 +104,7 @@ class ServeConfig:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
+        parse_log_levels(self.log_level)
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, "
                              f"got {self.router_policy!r}")

@@ -36,14 +36,11 @@ def engine_config(cfg: ServeConfig) -> EngineConfig:
 
 
 def transfer_settings(cfg: ServeConfig) -> TransferSettings:
-    host = cfg.host if cfg.host not in ("0.0.0.0", "::", "") else _node_ip()
-    return TransferSettings(backend=cfg.transfer_backend, host=host, lease_ttl=cfg.lease_ttl,
+    """No host: every worker binds its KV side channel to its own node's address (Ray's node
+    IP where it runs), which is what peers on other machines reach. `--host` is the head's
+    endpoints' address: a worker on another machine could not bind it."""
+    return TransferSettings(backend=cfg.transfer_backend, host="", lease_ttl=cfg.lease_ttl,
                             timeout=cfg.transfer_timeout)
-
-
-def _node_ip() -> str:
-    import ray.util
-    return ray.util.get_node_ip_address()
 
 
 def init_ray(cfg: ServeConfig) -> None:

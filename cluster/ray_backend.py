@@ -23,7 +23,7 @@ from cluster.launcher import WorkerRef, launch_workers
 from cluster.local_backend import next_delta
 from cluster.metrics import Metrics, TierStats, WorkerStats
 from cluster.ray_drain import DrainMixin
-from cluster.ray_recovery import Moved, Prefilled, RecoveryMixin, RecoveryState
+from cluster.ray_recovery import Moved, Prefilled, RecoveryMixin, RecoveryState, describe_decision
 from cluster.router.policy import DecisionKind, NoWorkerAvailable, RoutingRequest
 from cluster.router.router import Router, RouterConfig
 from engine.outputs import StepDelta
@@ -113,6 +113,7 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
         done = False
         try:
             decision = self._route(job, job.prompt_token_ids, job.block_hashes)
+            self._trace(rid, describe_decision(decision))
             self.metrics.routing.labels(kind=decision.kind.value).inc()
             remaining = job.sampling.n
             handle = None

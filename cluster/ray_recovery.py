@@ -32,6 +32,7 @@ from engine.block_hash import block_hashes
 
 log = logging.getLogger("pdserve.cluster")
 EVENT_LOG_LEN = 100_000
+trace_log = logging.getLogger("pdserve.requests")
 
 
 @dataclass
@@ -83,6 +84,22 @@ def attempt_id(request_id: str, attempt: int) -> str:
     return f"{client_id(request_id)} ~{attempt}"
 
 
+def describe_decision(decision) -> str:
+    return f"routed {decision.kind.value}, prefill {decision.prefill_worker_id}, decode {decision.decode_worker_id}"
+
+
+def describe_submit(sub) -> str:
+    parts = ["local prefill" if sub.local_prefill else f"{sub.cached_blocks} blocks cached, "
+             f"{sub.transferred_blocks} pulled", f"blocks {list(sub.block_ids)}"]
+    if sub.recomputed:
+        parts.append("recomputed")
+    if sub.moved:
+        parts.append("moved")
+    if sub.error:
+        parts.append(f"error {sub.error!r}")
+    return ", ".join(parts)
+
+
 def client_id(request_id: str) -> str:
     return request_id.split(" ", 1)[0]
 
@@ -95,6 +112,13 @@ class RecoveryMixin:
         c = self.recovery.counters
         setattr(c, kind, getattr(c, kind) + 1)
         self.recovery.events.append((client_id(rid), kind))
+
+    def _trace(self, rid: str, text: str) -> None:
+        """What the cluster did with a request (route, hand-off, join), for explaining one
+        afterwards: kept with the recovery events and logged on `pdserve.requests` at DEBUG
+        (`--log-level INFO,pdserve.requests=DEBUG`)."""
+        self.recovery.events.append((client_id(rid), text))
+        trace_log.debug("%s: %s", rid, text)
 
     def request_events(self, request_id: str) -> list[str]:
         """What happened to a request (recent ones): migrations, moves, recomputes..."""
@@ -142,6 +166,9 @@ class RecoveryMixin:
                 tried.append(prefill_id)
                 prefill_id = self._other_prefill(tried)
                 continue
+            h = result.handle
+            self._trace(job.request_id, f"prefilled on {prefill_id}: first token {result.first.new_token_ids}"
+                        + (f", hands off {h.num_tokens} tokens in blocks {list(h.block_ids)}" if h else ""))
             if result.handle is None:
                 state.prefill_id = None
             elif self.recovery.hooks.after_prefill is not None:
@@ -198,6 +225,7 @@ class RecoveryMixin:
             if decode_id == moved_from:
                 raise BackendError("UNAVAILABLE", f"decode worker {decode_id} is draining and no other "
                                    "one is live; retry the request", retry_after_s=1.0)
+        self._trace(rid, f"joined {decode_id}: {describe_submit(sub)}")
         if handle is None:
             return
         self._observe_transfer(sub)
@@ -253,6 +281,7 @@ class RecoveryMixin:
         if old is not None:   # best effort: it may be unreachable rather than dead
             self._background(old.actor.abort.remote(state.wid), self.config.transfer_timeout)
         log.warning("migrating %s after %d tokens", job.request_id, len(state.emitted))
+        self._trace(job.request_id, f"migrating from {state.decode_id} after {len(state.emitted)} tokens")
         await self._continue(job, state, "route")
 
     async def _continue(self, job: GenerateJob, state, mode: str, exclude: list[str] = ()) -> None:
@@ -271,6 +300,8 @@ class RecoveryMixin:
         cont = replace(job, request_id=state.wid, prompt_token_ids=prompt, sampling=params, block_hashes=hashes)
         state.continued = True
         decision = self._route(cont, prompt, hashes)
+        self._trace(job.request_id, f"continues as {state.wid!r} ({mode}) after {len(state.emitted)} tokens: "
+                    f"{describe_decision(decision)}")
         prefill_id = None
         if mode == "reprefill":
             prefill_id = self._other_prefill(list(exclude))

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 import signal
 import sys
 
 from cluster.config import ServeConfig
+from cluster.log_levels import configure_logging
 
 HELP = {
     "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)",
@@ -70,7 +70,8 @@ HELP = {
     "address": "existing Ray cluster to join ('auto', 'ray://...', host:port); empty = start one",
     "ray": "use Ray (--no-ray: one colocated engine in this process, for a laptop or debugging)",
     "ray_temp_dir": "Ray's temp/session directory",
-    "log_level": "DEBUG, INFO, WARNING ...",
+    "log_level": "DEBUG, INFO, WARNING ...; per logger after a comma, e.g. INFO,pdserve.requests=DEBUG "
+                 "(each request's route, hand-off and join)",
 }
 
 
@@ -98,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(cfg.log_level)
     return asyncio.run(serve(cfg))
 
 

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, replace
 
@@ -48,6 +49,7 @@ class SubmitResult:
     joined: bool = True      # False: not in this engine (pull failed with "report", or moved)
     moved: bool = False      # the worker is draining: submit it elsewhere (the handle is still good)
     busy: bool = False       # with `moved`: its queue was full (SchedulerConfig.max_waiting)
+    block_ids: tuple[int, ...] = ()   # the request's blocks here after the pull (for explaining it)
 
 
 class DecodeWorker:
@@ -58,6 +60,7 @@ class DecodeWorker:
         torch.set_num_threads(max(1, torch_threads))
         self.worker_id = worker_id
         self.pool = pool
+        transfer = transfer.on_node(_node_address()) if not transfer.host else transfer
         self.settings = transfer
         self.engine = LLMEngine(engine_config)
         self.aengine = AsyncEngine(self.engine, batch_stream=True)
@@ -75,7 +78,8 @@ class DecodeWorker:
 
     async def ready(self) -> dict:
         await self.aengine.start()
-        return {"worker_id": self.worker_id, "pid": os.getpid(), "niceness": os.nice(0), "pool": self.pool,
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "niceness": os.nice(0),
+                "address": self.settings.host, "hostname": socket.gethostname(), "pool": self.pool,
                 "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.engine.block_size}
 
     async def output_stream(self):
@@ -170,7 +174,8 @@ class DecodeWorker:
             return SubmitResult(False, error="aborted while its KV arrived", joined=False)
         if status is TransferStatus.DONE:
             await self.aengine.call(lambda e: e.remote_kv_ready(request_id))
-            return SubmitResult(False, alloc.num_cached_blocks, len(dst), nbytes, ndesc, seconds)
+            return SubmitResult(False, alloc.num_cached_blocks, len(dst), nbytes, ndesc, seconds,
+                                block_ids=tuple(alloc.block_ids))
         if on_pull_failure == "report":
             log.warning("KV pull of %s failed (%s): handing it back", request_id, err or status.value)
             await self.aengine.call(lambda e: e.abort_request(request_id))
@@ -232,3 +237,9 @@ def _add_with_first_token(engine: LLMEngine, request_id, prompt, params, salt, f
     if params.max_tokens > 1:
         params = replace(params, max_tokens=params.max_tokens - 1)
     engine.add_request(request_id, list(prompt) + [first_token], params, salt, bounded=False)
+
+
+def _node_address() -> str:
+    """The address of the Ray node this worker runs on (what peers on other machines reach)."""
+    import ray
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

@@ -1,7 +1,7 @@
 """Transfer settings a worker is started with."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtransfer.registry import available_backends, create_engine
@@ -11,10 +11,15 @@ from kvtransfer.engine import TransferEngine
 @dataclass(frozen=True)
 class TransferSettings:
     backend: str = "auto"          # "auto" = the fastest installed
-    host: str = "127.0.0.1"        # this node's address: side channels bind here only
+    host: str = "127.0.0.1"        # this node's address: side channels bind here only ("" = on_node())
     side_channel_port: int = 0     # nixl metadata side channel / tcp data socket; 0 = any free port
     lease_ttl: float = 30.0
     timeout: float = 10.0
+
+    def on_node(self, node_address: str) -> "TransferSettings":
+        """These settings for a worker on the node with `node_address`: a cluster's settings
+        leave `host` empty, since each worker binds (and advertises) its own node's address."""
+        return self if self.host else replace(self, host=node_address)
 
     def resolved_backend(self) -> str:
         if self.backend != "auto":
@@ -22,6 +27,8 @@ class TransferSettings:
         return available_backends()[0]
 
     def create(self, name: str) -> TransferEngine:
+        if not self.host:
+            raise ValueError("TransferSettings.host is empty: call on_node(<this node's address>) first")
         backend = self.resolved_backend()
         return create_engine(backend, name, _backend_config(backend, self.host, self.side_channel_port))
 

@@ -14,8 +14,12 @@ Defaults (measured on a 2-core host, see docs/kvtransfer.md):
   rendezvous control) and gives peer-failure detection; self for loopback.
   Skipping the probe of every other transport (ib, cuda, ...) also makes
   start-up quicker. On a GPU/RDMA fleet set ``UCX_TLS`` yourself (e.g. ``rc,cuda_copy,cuda_ipc``).
-- ``UCX_NET_DEVICES=lo`` when the engine's host is a loopback address, so UCX's
-  tcp transport listens on 127.0.0.1 only instead of every interface.
+- ``UCX_NET_DEVICES``: the interface that holds the engine's host address (``lo``
+  for a loopback host), so UCX's tcp transport listens on the cluster network only,
+  not on every interface, and the address peers on other machines reach is the one
+  it advertises. cma stays in the list for peers on the same machine: UCX counts
+  it reachable only for a process of the same machine and PID namespace, so a
+  peer on another host (or test host) is reached over tcp.
 """
 from __future__ import annotations
 
@@ -36,10 +40,32 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds IPv4 `address`, if any."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:   # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
 def ucx_defaults(host: str) -> dict[str, str]:
     defaults = {"UCX_TLS": DEFAULT_TLS}
     if is_loopback(host):
         defaults["UCX_NET_DEVICES"] = "lo"
+    else:
+        dev = interface_of(host)
+        if dev is not None:
+            defaults["UCX_NET_DEVICES"] = dev
     return defaults
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, replace
 
@@ -60,6 +61,7 @@ class PrefillWorker:
 
         torch.set_num_threads(max(1, torch_threads))
         self.worker_id = worker_id
+        transfer = transfer.on_node(_node_address()) if not transfer.host else transfer
         self.settings = transfer
         self.engine = LLMEngine(engine_config)
         self.aengine = AsyncEngine(self.engine)
@@ -80,6 +82,7 @@ class PrefillWorker:
         if self._maintenance is None:
             self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
         return {"worker_id": self.worker_id, "pid": os.getpid(), "niceness": os.nice(0),
+                "address": self.settings.host, "hostname": socket.gethostname(),
                 "backend": self.transfer.backend_name,
                 "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.engine.block_size}
 
@@ -204,3 +207,9 @@ def abort_unstarted(engine: LLMEngine) -> list[str]:
     for rid in ids:
         engine.abort_request(rid)
     return ids
+
+
+def _node_address() -> str:
+    """The address of the Ray node this worker runs on (what peers on other machines reach)."""
+    import ray
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

@@ -48,7 +48,9 @@ class ChaosCluster(Cluster):
         return fn()
 
     def explain(self, rid: str) -> str:
-        """A request's recovery events and every prefill worker's lease counters."""
+        """A request's trace (route, prefill worker and the blocks it handed off, decode
+        worker and its blocks, migrations, moves, recomputes) and every prefill worker's
+        lease counters."""
         events = self.loop.run(self.on_loop_sync(lambda: self.backend.request_events(rid)))
         return f"events {events}; leases {self.lease_counters()}"
 
@@ -113,8 +115,10 @@ def check_outcomes(outs: dict[str, Outcome], refs: dict[str, list[int]], allowed
     errors: Counter = Counter()
     for rid, o in outs.items():
         if o.finished:
-            assert o.tokens == refs[rid], (f"{rid}: tokens differ from the undisturbed run:\n{o.tokens}\n{refs[rid]}"
-                                           f"\n{explain(rid) if explain else ''}")
+            assert o.tokens == refs[rid], (
+                f"{rid}: tokens differ from the undisturbed run:\ngot  {o.tokens}\nwant {refs[rid]}\n"
+                + (refs.divergence(rid, o.tokens) + "\n" if hasattr(refs, "divergence") else "")
+                + (f"cluster: {explain(rid)}" if explain else "cluster: nothing recorded"))
         else:
             assert o.code, f"{rid}: no terminal state"
             assert o.code in allowed, f"{rid}: {o.code} ({o.details}) is not an allowed outcome {allowed}"

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from chaos_lib import check_outcomes, trials
-from chaos_load import Outcome, make_requests, references, run_load, stream_one
+from chaos_load import Outcome, draw_requests, run_load, stream_one
 from cluster.client import GenerationClient
 
 pytestmark = pytest.mark.ray
@@ -54,8 +54,7 @@ def run_disconnects(c, hf, report, n_trials: int, n_clients: int, seed: int) -> 
     rng = random.Random(seed)
     for t in range(n_trials):
         c.settle()
-        reqs = make_requests(rng, n_clients, f"dc{seed}-{t}", max_tokens=32)
-        refs = references(hf, reqs)
+        reqs, refs = draw_requests(rng, hf, n_clients, f"dc{seed}-{t}", max_tokens=32)
         plans = {r.rid: rng.choice(PLANS) for r in reqs}
         seen0 = {o: c.sample("pdserve_requests_total", outcome=o) for o in OUTCOMES}
 
@@ -64,7 +63,8 @@ def run_disconnects(c, hf, report, n_trials: int, n_clients: int, seed: int) -> 
                                           for r in reqs])
 
         outs = {o.rid: o for o in asyncio.run(go())}
-        errors = check_outcomes(outs, refs, allowed={"CANCELLED_BY_CLIENT", "CANCELLED", "DEADLINE_EXCEEDED"})
+        errors = check_outcomes(outs, refs, allowed={"CANCELLED_BY_CLIENT", "CANCELLED", "DEADLINE_EXCEEDED"},
+                                explain=c.explain)
         assert all(outs[rid].finished for rid, p in plans.items() if p == "complete")
         leaked = c.settle()
         seen = {o: c.sample("pdserve_requests_total", outcome=o) - seen0[o] for o in OUTCOMES}
@@ -90,12 +90,14 @@ def run_overload(c, hf, report, n_trials: int, capacity: int, seed: int) -> None
         for t in range(n_trials):
             c.settle()
             peak[0] = 0
-            big = make_requests(rng, capacity * 3 // 2, f"ovA{seed}-{t}", max_tokens=24, salts=("alpha/1", "alpha/2"))
-            small = make_requests(rng, capacity // 2, f"ovB{seed}-{t}", max_tokens=24, salts=("beta/1",))
+            big, refs = draw_requests(rng, hf, capacity * 3 // 2, f"ovA{seed}-{t}", max_tokens=24,
+                                      salts=("alpha/1", "alpha/2"))
+            small, refs_small = draw_requests(rng, hf, capacity // 2, f"ovB{seed}-{t}", max_tokens=24,
+                                              salts=("beta/1",))
             reqs = big + small
-            refs = references(hf, reqs)
+            refs.merge(refs_small)
             outs = asyncio.run(run_load(c.target, reqs, retries=500))
-            errors = check_outcomes(outs, refs, allowed=set())
+            errors = check_outcomes(outs, refs, allowed=set(), explain=c.explain)
             refusals = sum(o.refusals for o in outs.values())
             assert refusals >= 1, "2x the capacity at once must be refused in part"
             assert all(h > 0 for o in outs.values() for h in o.hints_ms), "every refusal carries retry-after-ms"

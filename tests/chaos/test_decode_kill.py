@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from chaos_lib import check_leases, check_outcomes, trials
-from chaos_load import TokenCount, make_requests, references, run_load
+from chaos_load import TokenCount, draw_requests, run_load
 
 pytestmark = pytest.mark.ray
 
@@ -20,8 +20,7 @@ def run_decode_kill(c, hf, report, n_trials: int, n_requests: int, seed: int) ->
     rng = random.Random(seed)
     for t in range(n_trials):
         c.settle()
-        reqs = make_requests(rng, n_requests, f"dk{seed}-{t}", max_tokens=32)
-        refs = references(hf, reqs)
+        reqs, refs = draw_requests(rng, hf, n_requests, f"dk{seed}-{t}", max_tokens=32)
         before, leases0 = c.counters(), c.lease_counters()
         metric0 = c.sample("pdserve_request_migrations_total")
         threshold = rng.uniform(0.05, 0.6) * sum(r.max_tokens for r in reqs)

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from chaos_lib import check_leases, check_outcomes, trials
-from chaos_load import TokenCount, make_requests, references, run_load
+from chaos_load import TokenCount, draw_requests, run_load
 from kv_peer import listening_sockets
 
 pytestmark = pytest.mark.ray
@@ -34,8 +34,7 @@ def run_drain(c, hf, report, n_trials: int, n_requests: int, seed: int) -> int:
         c.settle()
         on_queue = t == 0
         victim = rng.choice(c.pool("decode") if on_queue else c.pool("decode") + c.pool("prefill"))
-        reqs = make_requests(rng, n_requests, f"dr{seed}-{t}", max_tokens=32)
-        refs = references(hf, reqs)
+        reqs, refs = draw_requests(rng, hf, n_requests, f"dr{seed}-{t}", max_tokens=32)
         before = c.counters()
         threshold = 0.0 if on_queue else rng.uniform(0.0, 0.3) * sum(r.max_tokens for r in reqs)
         streamed, drained = TokenCount(), {}
@@ -55,8 +54,8 @@ def run_drain(c, hf, report, n_trials: int, n_requests: int, seed: int) -> int:
             assert rep.idle and rep.in_flight == 0, rep
             # drained: new requests never touch it
             queried = c.call(victim, "report").stats.prefix_queried_tokens
-            more = make_requests(rng, 6, f"dr{seed}-{t}-after", max_tokens=4)
-            check_outcomes(asyncio.run(run_load(c.target, more)), references(hf, more), allowed=set())
+            more, more_refs = draw_requests(rng, hf, 6, f"dr{seed}-{t}-after", max_tokens=4)
+            check_outcomes(asyncio.run(run_load(c.target, more)), more_refs, allowed=set(), explain=c.explain)
             assert c.call(victim, "report").stats.prefix_queried_tokens == queried, f"{victim} got work while drained"
         finally:   # a failed trial must not leave the worker unrouted for the tests after it
             c.loop.run(c.backend.undrain_worker(victim))
@@ -88,8 +87,7 @@ def test_drain_worker_full(chaos_cluster, hf_model, chaos_report):
 def test_leases_renewed_while_decode_queues_none_expire(chaos_cluster, hf_model, chaos_report):
     c = chaos_cluster
     c.settle()
-    reqs = make_requests(random.Random(8), 40, "renew", max_tokens=48)
-    refs = references(hf_model, reqs)
+    reqs, refs = draw_requests(random.Random(8), hf_model, 40, "renew", max_tokens=48)
     before, leases0 = c.counters(), c.lease_counters()
     outs = asyncio.run(run_load(c.target, reqs))
     errors = check_outcomes(outs, refs, allowed=set(), explain=c.explain)

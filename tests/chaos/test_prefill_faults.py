@@ -24,7 +24,7 @@ import pytest
 import ray
 
 from chaos_lib import check_leases, check_outcomes, process_gone, trials
-from chaos_load import make_requests, references, run_load
+from chaos_load import draw_requests, run_load
 
 pytestmark = pytest.mark.ray
 FAULTS = {"kill": "2 kill prefill after KV, before pull", "stop": "3 transfer timeout (SIGSTOP prefill)"}
@@ -38,8 +38,7 @@ def run_prefill_fault(c, hf, report, kind: str, n_trials: int, n_requests: int, 
         policy = ("recompute", "reprefill")[t % 2]
         c.backend.config = dataclasses.replace(base, prefill_failure_policy=policy)
         tag = f"pf{kind}{seed}-{t}-"
-        reqs = make_requests(rng, n_requests, tag.rstrip("-"), max_tokens=24)
-        refs = references(hf, reqs)
+        reqs, refs = draw_requests(rng, hf, n_requests, tag.rstrip("-"), max_tokens=24)
         before, leases0 = c.counters(), c.lease_counters()
         metric0 = c.sample("pdserve_transfer_failures_total")
         pids = {w: c.pid(w) for w in c.pool("prefill")}

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from chaos_lib import check_outcomes, trials
-from chaos_load import TokenCount, make_requests, references, run_load
+from chaos_load import TokenCount, draw_requests, run_load
 from cluster.client import GenerationClient
 
 pytestmark = pytest.mark.ray
@@ -31,7 +31,8 @@ DRAIN_TIMEOUT = 120.0
 def start_server(model_dir, tmp: Path) -> tuple[subprocess.Popen, str, Path]:
     cfg = dict(model=str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_seqs=8, grpc_port=0,
                metrics_port=0, http_port=0, prefill_workers=1, decode_workers=1, transfer_backend="tcp",
-               drain_timeout=DRAIN_TIMEOUT, ray_temp_dir=str(tmp / "ray"), local_prefill_threshold=0)
+               drain_timeout=DRAIN_TIMEOUT, ray_temp_dir=str(tmp / "ray"), local_prefill_threshold=0,
+               log_level="INFO,pdserve.requests=DEBUG")   # each request's trace, for explain_from_log
     (tmp / "serve.yaml").write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -67,14 +68,23 @@ async def _after_sigterm(target: str) -> tuple[str, str]:
     return status, code
 
 
+def explain_from_log(log: Path):
+    """The server's trace of a request (route, hand-off blocks, join), as in-process
+    clusters give it from the backend: this server runs in its own process."""
+    def explain(rid: str) -> str:
+        lines = [line.split("pdserve.requests: ", 1)[-1] for line in log.read_text().splitlines()
+                 if f"{rid}" in line and ("pdserve.requests" in line or "WARNING" in line)]
+        return "; ".join(lines) or f"no line of {log} names {rid}"
+    return explain
+
+
 def run_sigterm(model_dir, hf, report, tmp_path_factory, n_trials: int, n_requests: int, seed: int) -> None:
     rng = random.Random(seed)
     for t in range(n_trials):
         tmp = tmp_path_factory.mktemp(f"sigterm{t}")
         proc, target, log = start_server(model_dir, tmp)
         try:
-            reqs = make_requests(rng, n_requests, f"st{seed}-{t}", max_tokens=48)
-            refs = references(hf, reqs)
+            reqs, refs = draw_requests(rng, hf, n_requests, f"st{seed}-{t}", max_tokens=48)
             threshold = rng.uniform(0.05, 0.5) * sum(r.max_tokens for r in reqs)
             streamed, seen = TokenCount(), {}
 
@@ -92,7 +102,7 @@ def run_sigterm(model_dir, hf, report, tmp_path_factory, n_trials: int, n_reques
                 proc.kill()
                 proc.wait()
         text = log.read_text()
-        errors = check_outcomes(outs, refs, allowed=set())
+        errors = check_outcomes(outs, refs, allowed=set(), explain=explain_from_log(log))
         assert rc == 0, f"exit code {rc}: {text[-3000:]}"
         # readiness is NOT_SERVING at once and stays so while requests finish; the server
         # stops listening only after that (a probe then sees UNAVAILABLE): never SERVING,

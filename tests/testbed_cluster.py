@@ -1,0 +1,105 @@
+"""pdserve across test hosts (cluster/testbed): a Ray head with the frontend on h1,
+Ray worker nodes carrying the pools' resources on the other hosts, as
+docs/deploy.md describes for real machines."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cluster.testbed import TestBed, TestHost
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+RAY_PORT = 6379
+
+
+def host_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "UCX_"))}
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_AUTO_CONNECT="0",
+               PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def ray_start(host: TestHost, *, head: TestHost | None = None, resources: dict | None = None,
+              num_cpus: int = 2) -> None:
+    argv = [str(BIN / "ray"), "start", "--node-ip-address", host.address, "--num-cpus", str(num_cpus),
+            "--object-store-memory", str(150 * 2**20), "--disable-usage-stats"]
+    if head is None:
+        argv += ["--head", "--port", str(RAY_PORT), "--include-dashboard=false"]
+    else:
+        argv += ["--address", f"{head.address}:{RAY_PORT}"]
+    if resources:
+        argv += ["--resources", json.dumps(resources)]
+    res = host.run(argv, timeout=180, env=host_env())
+    if res.returncode != 0:
+        raise RuntimeError(f"ray start on {host.name} failed: {res.stdout[-2000:]} {res.stderr[-2000:]}")
+
+
+class MultiHostServe:
+    """`pdserve serve --address HEAD:6379` on h1 with prefill actors on the hosts given
+    `pdserve_prefill` and decode actors on those given `pdserve_decode`."""
+
+    def __init__(self, bed: TestBed, model_dir: Path, *, prefill_hosts=("h2",), decode_hosts=("h3",),
+                 prefill_workers: int = 1, decode_workers: int = 1, **serve) -> None:
+        self.bed, self.head = bed, bed.host("h1")
+        model = bed.shared_dir / "model"
+        if not model.exists():
+            shutil.copytree(model_dir, model)
+        ray_start(self.head, num_cpus=1)
+        for name in prefill_hosts:
+            ray_start(bed.host(name), head=self.head, resources={"pdserve_prefill": 1000})
+        for name in decode_hosts:
+            ray_start(bed.host(name), head=self.head, resources={"pdserve_decode": 1000})
+        cfg = dict(model=str(model), address=f"{self.head.address}:{RAY_PORT}", host=self.head.address,
+                   prefill_resource="pdserve_prefill", decode_resource="pdserve_decode",
+                   prefill_workers=prefill_workers, decode_workers=decode_workers, num_kv_blocks=128,
+                   max_model_len=512, max_num_seqs=8, grpc_port=0, http_port=0, metrics_port=0,
+                   transfer_backend="tcp", local_prefill_threshold=0, local_prefill_hit_ratio=1.0,
+                   log_level="INFO,pdserve.requests=DEBUG")
+        cfg.update(serve)
+        self.log_path = bed.shared_dir / f"serve-{os.getpid()}-{time.monotonic_ns()}.log"
+        conf = bed.shared_dir / "serve.json"
+        conf.write_text(json.dumps(cfg))
+        self.proc = self.head.popen([str(BIN / "pdserve"), "serve", "--config", str(conf)], env=host_env(),
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True)
+        self.grpc_target = self.http_url = self.metrics_url = ""
+        end = time.monotonic() + 300
+        for line in self.proc.stdout:
+            if m := re.search(r"gRPC\s+(\S+:\d+)", line):
+                self.grpc_target = m.group(1)
+            if m := re.search(r"HTTP\s+(http://\S+)", line):
+                self.http_url = m.group(1)
+            if m := re.search(r"metrics\s+(http://\S+)", line):
+                self.metrics_url = m.group(1)
+                break
+            if time.monotonic() > end:
+                break
+        if not self.metrics_url:
+            raise RuntimeError(f"pdserve serve did not come up ({self.proc.poll()}): {self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def workers(self) -> dict[str, dict]:
+        """worker id -> what it said when ready (address, hostname, pid ...), from the log."""
+        out = {}
+        for m in re.finditer(r"worker (\S+) ready: (\{.*\})", self.log()):
+            import ast
+            out[m.group(1)] = ast.literal_eval(m.group(2))
+        return out
+
+    def stop(self, timeout: float = 60) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.poll()
