@@ -47,20 +47,21 @@ class MultiHostServe:
     `pdserve_prefill` and decode actors on those given `pdserve_decode`."""
 
     def __init__(self, bed: TestBed, model_dir: Path, *, prefill_hosts=("h2",), decode_hosts=("h3",),
-                 prefill_workers: int = 1, decode_workers: int = 1, **serve) -> None:
+                 prefill_workers: int = 1, decode_workers: int = 1, slots_per_host: int = 1000, **serve) -> None:
         self.bed, self.head = bed, bed.host("h1")
         model = bed.shared_dir / "model"
         if not model.exists():
             shutil.copytree(model_dir, model)
         ray_start(self.head, num_cpus=1)
         for name in prefill_hosts:
-            ray_start(bed.host(name), head=self.head, resources={"pdserve_prefill": 1000})
+            ray_start(bed.host(name), head=self.head, resources={"pdserve_prefill": slots_per_host})
         for name in decode_hosts:
-            ray_start(bed.host(name), head=self.head, resources={"pdserve_decode": 1000})
+            ray_start(bed.host(name), head=self.head, resources={"pdserve_decode": slots_per_host})
         cfg = dict(model=str(model), address=f"{self.head.address}:{RAY_PORT}", host=self.head.address,
                    prefill_resource="pdserve_prefill", decode_resource="pdserve_decode",
                    prefill_workers=prefill_workers, decode_workers=decode_workers, num_kv_blocks=128,
-                   max_model_len=512, max_num_seqs=8, grpc_port=0, http_port=0, metrics_port=0,
+                   max_model_len=512, max_num_seqs=8, grpc_port=0, metrics_port=0,
+                   http_port=8000,   # the head host's own network namespace: nothing else binds it
                    transfer_backend="tcp", local_prefill_threshold=0, local_prefill_hit_ratio=1.0,
                    log_level="INFO,pdserve.requests=DEBUG")
         cfg.update(serve)
@@ -94,6 +95,29 @@ class MultiHostServe:
             import ast
             out[m.group(1)] = ast.literal_eval(m.group(2))
         return out
+
+    def trace(self, rid: str) -> list[str]:
+        """The server's trace lines of request `rid` (route, prefill, join, migration)."""
+        return [line.split(": ", 2)[-1] for line in self.log().splitlines()
+                if "pdserve.requests" in line and f" {rid}:" in line]
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            text = r.read().decode()
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return None
+
+    def ray_active_nodes(self) -> int:
+        res = self.head.run([str(BIN / "ray"), "status", "--address", f"{self.head.address}:{RAY_PORT}"],
+                            env=host_env(), timeout=60)
+        block = res.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
+        return len(re.findall(r"node_", block))
 
     def stop(self, timeout: float = 60) -> int | None:
         if self.proc.poll() is None:

@@ -20,6 +20,8 @@ MAX_HOSTS = 200
 
 @dataclass
 class TestBed:
+    __test__ = False   # not a pytest test class
+
     run_id: str
     subnet: int                  # the bed is 198.18.<subnet>.0/24
     hosts: list[TestHost] = field(default_factory=list)

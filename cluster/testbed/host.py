@@ -31,6 +31,8 @@ exec sleep infinity
 
 @dataclass
 class TestHost:
+    __test__ = False   # not a pytest test class
+
     name: str              # hostname inside, e.g. "h1"
     netns: str             # ip netns name
     address: str           # its address on the bed's network (198.18.0.0/15)
