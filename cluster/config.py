@@ -102,6 +102,7 @@ class ServeConfig:
     ray: bool = True                      # False (--no-ray): one colocated engine in this process
     ray_temp_dir: str = ""
     log_level: str = "INFO"
+    cluster_secret_file: str = ""         # the KV side channels' shared secret ("" = a random one per deployment)
 
     def __post_init__(self) -> None:
         parse_log_levels(self.log_level)

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cluster.config import ServeConfig, parse_size
@@ -40,7 +41,25 @@ def transfer_settings(cfg: ServeConfig) -> TransferSettings:
     IP where it runs), which is what peers on other machines reach. `--host` is the head's
     endpoints' address: a worker on another machine could not bind it."""
     return TransferSettings(backend=cfg.transfer_backend, host="", lease_ttl=cfg.lease_ttl,
-                            timeout=cfg.transfer_timeout)
+                            timeout=cfg.transfer_timeout, secret=cluster_secret(cfg))
+
+
+def cluster_secret(cfg: ServeConfig) -> str:
+    """The secret every worker of this deployment proves membership with on the KV side
+    channels: the file's contents (e.g. a mounted Kubernetes Secret: every node's workers then
+    share it across restarts of the head), or a random one that only this launch's workers get
+    (through Ray, in their constructor arguments)."""
+    if not cfg.cluster_secret_file:
+        return os.urandom(32).hex()
+    try:
+        secret = Path(cfg.cluster_secret_file).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cluster_secret_file {cfg.cluster_secret_file!r} cannot be read ({e.strerror}): "
+                         "point it at a file holding the cluster's secret") from None
+    if len(secret) < 16:
+        raise ValueError(f"cluster_secret_file {cfg.cluster_secret_file!r} holds {len(secret)} characters: "
+                         "use at least 16 (e.g. `openssl rand -hex 32`)")
+    return secret
 
 
 def init_ray(cfg: ServeConfig) -> None:

@@ -70,6 +70,8 @@ HELP = {
     "address": "existing Ray cluster to join ('auto', 'ray://...', host:port); empty = start one",
     "ray": "use Ray (--no-ray: one colocated engine in this process, for a laptop or debugging)",
     "ray_temp_dir": "Ray's temp/session directory",
+    "cluster_secret_file": "file holding the secret workers prove on the KV side channels (HMAC); every node "
+                           "must see the same one (a Kubernetes Secret); empty = a random one per deployment",
     "log_level": "DEBUG, INFO, WARNING ...; per logger after a comma, e.g. INFO,pdserve.requests=DEBUG "
                  "(each request's route, hand-off and join)",
 }

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -62,6 +62,7 @@ class NixlConfig:
     side_channel_timeout_s: float = 5.0
     num_workers: int = 1
     error_handling: Optional[str] = None  # None: "peer", or "none" for shared-memory-only UCX_TLS
+    secret: bytes = field(default=b"", repr=False)   # the cluster's shared secret (peer_auth)
 
     def __post_init__(self) -> None:
         if self.progress_thread and self.progress_delay_us <= 0:
@@ -167,7 +168,7 @@ class NixlEngine(TransferEngine):
         self._stop = threading.Event()
         self._poller: Optional[threading.Thread] = None
         self._side = side_channel.MetadataServer(config.bind_host, config.side_channel_port, name,
-                                                 self.incarnation, self._local_metadata)
+                                                 self.incarnation, self._local_metadata, secret=config.secret)
         if not config.progress_thread:
             self._poller = threading.Thread(target=self._passive_progress, daemon=True,
                                             name=f"nixl-progress-{name}")
@@ -226,7 +227,8 @@ class NixlEngine(TransferEngine):
         name = peer.agent_name
         if self._peers.get(name) == peer.incarnation and name not in self._stale:
             return
-        reply = side_channel.fetch_metadata(peer.host, peer.port, name, self.config.side_channel_timeout_s)
+        reply = side_channel.fetch_metadata(peer.host, peer.port, name, self.config.side_channel_timeout_s,
+                                            secret=self.config.secret)
         if reply.incarnation != peer.incarnation:
             raise ConnectionError(f"NIXL peer {name!r} at {peer.host}:{peer.port} restarted "
                                   f"(incarnation {reply.incarnation}, PeerInfo has {peer.incarnation}): "

@@ -1,7 +1,7 @@
 """Transfer settings a worker is started with."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtransfer.registry import available_backends, create_engine
@@ -15,6 +15,8 @@ class TransferSettings:
     side_channel_port: int = 0     # nixl metadata side channel / tcp data socket; 0 = any free port
     lease_ttl: float = 30.0
     timeout: float = 10.0
+    # the cluster's shared secret for the side channels (kvtransfer/peer_auth.py); never printed
+    secret: str = field(default="", repr=False)
 
     def on_node(self, node_address: str) -> "TransferSettings":
         """These settings for a worker on the node with `node_address`: a cluster's settings
@@ -30,16 +32,17 @@ class TransferSettings:
         if not self.host:
             raise ValueError("TransferSettings.host is empty: call on_node(<this node's address>) first")
         backend = self.resolved_backend()
-        return create_engine(backend, name, _backend_config(backend, self.host, self.side_channel_port))
+        return create_engine(backend, name, _backend_config(backend, self.host, self.side_channel_port,
+                                                            self.secret.encode()))
 
 
-def _backend_config(backend: str, host: str, port: int) -> Any:
+def _backend_config(backend: str, host: str, port: int, secret: bytes) -> Any:
     if backend == "nixl":
         from kvtransfer.nixl_backend import NixlConfig
-        return NixlConfig(host=host, side_channel_port=port)
+        return NixlConfig(host=host, side_channel_port=port, secret=secret)
     if backend == "tcp":
         from kvtransfer.tcp_backend import TcpConfig
-        return TcpConfig(host=host, port=port)
+        return TcpConfig(host=host, port=port, secret=secret)
     if backend == "ucxx":
         from kvtransfer.ucxx_backend import UcxxConfig
         return UcxxConfig(host=host)

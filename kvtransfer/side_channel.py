@@ -5,7 +5,8 @@ and cannot be given an address, so the NIXL backend starts this small
 threaded TCP server instead, bound to exactly the configured host (never a
 wildcard address; port 0 = any free port, reported by ``address``).
 
-Protocol (one request per connection):
+Protocol (one request per connection), after the membership check of
+``peer_auth`` (a reader without the cluster's secret gets nothing):
 
     reader -> source   b"PDMD1 " + agent_name + b"\\n"
     source -> reader   b"PDMD" | u16 status | u16 len(incarnation) | u32 len(metadata)
@@ -29,6 +30,8 @@ import struct
 import threading
 from dataclasses import dataclass
 from typing import Callable
+
+from kvtransfer.peer_auth import PeerAuthError, accept_peer, join_peer
 
 _REQUEST = b"PDMD1 "
 _MAGIC = b"PDMD"
@@ -76,6 +79,8 @@ class _Handler(socketserver.BaseRequestHandler):
         sock: socket.socket = self.request
         sock.settimeout(self.server.io_timeout_s)
         try:
+            if not accept_peer(sock, self.server.owner.secret):
+                return
             line = _read_line(sock)
         except (OSError, ValueError):
             return
@@ -103,11 +108,12 @@ class MetadataServer:
     """Serves ``metadata_fn()`` (called per request, so it is always current)."""
 
     def __init__(self, host: str, port: int, agent_name: str, incarnation: str,
-                 metadata_fn: Callable[[], bytes], io_timeout_s: float = 5.0) -> None:
+                 metadata_fn: Callable[[], bytes], io_timeout_s: float = 5.0, secret: bytes = b"") -> None:
         check_bind_host(host)
         if not 0 <= port < 65536:
             raise ValueError(f"side channel port must be in [0, 65536) (0 = any free port), got {port}")
         self.agent_name, self.incarnation, self.metadata_fn = agent_name, incarnation, metadata_fn
+        self.secret = secret
         family, sockaddr = _resolve(host, port)
         server_cls = type("_BoundServer", (_Server,), {"address_family": family})
         self._server = server_cls(sockaddr, _Handler)
@@ -132,7 +138,8 @@ class MetadataServer:
         self._thread = None
 
 
-def fetch_metadata(host: str, port: int, agent_name: str, timeout: float = 5.0) -> SideChannelReply:
+def fetch_metadata(host: str, port: int, agent_name: str, timeout: float = 5.0,
+                   secret: bytes = b"") -> SideChannelReply:
     """Ask the side channel at host:port for ``agent_name``'s metadata.
 
     Raises ConnectionError when the peer is unreachable, is not ``agent_name``
@@ -141,6 +148,7 @@ def fetch_metadata(host: str, port: int, agent_name: str, timeout: float = 5.0) 
         raise ValueError(f"peer {agent_name!r} has no side channel address (host={host!r}, port={port})")
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
+            join_peer(sock, secret, f"the side channel of {agent_name!r} at {host}:{port}")
             sock.sendall(_REQUEST + agent_name.encode() + b"\n")
             magic, status, inc_len, md_len = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
             if magic != _MAGIC:
@@ -151,7 +159,7 @@ def fetch_metadata(host: str, port: int, agent_name: str, timeout: float = 5.0) 
                 raise SideChannelError(f"bad side channel reply from {host}:{port} (status {status})")
             incarnation = _recv_exact(sock, inc_len).decode()
             return SideChannelReply(agent_name, incarnation, _recv_exact(sock, md_len))
-    except SideChannelError:
+    except (SideChannelError, PeerAuthError):
         raise
     except OSError as exc:  # refused, timed out, reset
         raise SideChannelError(f"cannot fetch metadata of {agent_name!r} from {host}:{port}: {exc!r}") from exc

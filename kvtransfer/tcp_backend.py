@@ -14,8 +14,10 @@ table), a read carrying a notify message is served only while the guard
 holds it (status ``GONE`` otherwise: the lease ended, the blocks may be
 reused), and the guard keeps the blocks until the bytes are out.
 
-The source checks that every requested range lies inside its pool. DRAM
-pools only (a VRAM pool would need staging: use the nixl backend).
+Every connection starts with the membership check of ``peer_auth`` (HMAC
+over ``TcpConfig.secret``): a reader without the cluster's secret gets no
+byte. The source checks that every requested range lies inside its pool.
+DRAM pools only (a VRAM pool would need staging: use the nixl backend).
 """
 from __future__ import annotations
 
@@ -24,13 +26,14 @@ import ctypes
 import socket
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from kvtransfer.descriptors import Descriptor, build_descriptors
 from kvtransfer.engine import (Notification, PeerInfo, ReadGuard, TransferEngine, TransferHandle,
                                TransferStatus)
 from kvtransfer.layout import KVPoolLayout
+from kvtransfer.peer_auth import accept_peer, join_peer
 
 _HDR = struct.Struct("!4sHII")  # magic, name len, descriptor count, notify len
 _DESC = struct.Struct("!QQ")
@@ -44,6 +47,7 @@ class TcpConfig:
     port: int = 0
     io_timeout_s: float = 10.0
     socket_buffer_bytes: int = 4 << 20
+    secret: bytes = field(default=b"", repr=False)   # the cluster's shared secret (peer_auth)
 
     def __post_init__(self) -> None:
         if self.host in ("0.0.0.0", "::", ""):
@@ -185,6 +189,10 @@ class TcpEngine(TransferEngine):
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
+                conn.settimeout(self.config.io_timeout_s)   # a silent stranger cannot hold a thread
+                if not accept_peer(conn, self.config.secret):
+                    return
+                conn.settimeout(None)
                 while self._serve_one(conn):
                     pass
             except (OSError, ConnectionError, struct.error):
@@ -235,6 +243,11 @@ class TcpEngine(TransferEngine):
                 return
         sock = socket.create_connection(key, timeout=self.config.io_timeout_s)
         _tune(sock, self.config)
+        try:
+            join_peer(sock, self.config.secret, f"KV source {peer.agent_name!r} at {peer.host}:{peer.port}")
+        except BaseException:
+            sock.close()
+            raise
         with self._lock:
             self._idle[key].append(sock)
 

@@ -83,7 +83,7 @@ class PrefillWorker:
             self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
         return {"worker_id": self.worker_id, "pid": os.getpid(), "niceness": os.nice(0),
                 "address": self.settings.host, "hostname": socket.gethostname(),
-                "backend": self.transfer.backend_name,
+                "backend": self.transfer.backend_name, "kv_port": self.transfer.peer_info().port,
                 "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.engine.block_size}
 
     def peer_info(self):

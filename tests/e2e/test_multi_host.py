@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
 import urllib.request
 
@@ -19,7 +20,7 @@ import pytest
 from cluster.client import GenerationClient, build_request
 from cluster.testbed import TestBed
 from cluster.testbed.sys_cmd import need_root
-from testbed_cluster import MultiHostServe
+from testbed_cluster import MultiHostServe, host_env
 from tiny_models import hf_greedy, load_hf_model
 
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(bool(need_root()), reason=need_root() or "root")]
@@ -94,6 +95,66 @@ def test_greedy_over_grpc_and_http_equals_transformers_and_kv_crosses_the_link(b
     with urllib.request.urlopen(req, timeout=120) as r:
         tokens = json.loads(r.read())["choices"][0]["logprobs"]["tokens"]
     assert [int(t.removeprefix("token_id:")) for t in tokens] == hf_greedy(hf, prompt[:40], 8)
+
+
+_STRANGER = """
+import sys, torch
+from kvtransfer.engine import PeerInfo
+from kvtransfer.layout import KVPoolLayout
+from kvtransfer.tcp_backend import TcpConfig, TcpEngine
+from kvtransfer import side_channel
+host, port, backend, secret = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4].encode()
+if backend == "tcp":
+    dst = torch.zeros(2, 4096, dtype=torch.uint8)
+    me = TcpEngine("stranger", TcpConfig(host="127.0.0.1", secret=secret, io_timeout_s=5))
+    me.register_pool(KVPoolLayout.from_tensor(dst))
+    h = me.read(PeerInfo("tcp", "prefill-0", KVPoolLayout.from_tensor(dst), host=host, port=port), [0], [1])
+    print(h.wait(10).value, h.error, int(dst.sum()))
+else:
+    try:
+        side_channel.fetch_metadata(host, port, "prefill-0", timeout=5, secret=secret)
+        print("done metadata")
+    except ConnectionError as e:
+        print("failed", e)
+"""
+
+
+def test_a_stranger_on_another_host_gets_nothing_from_the_kv_side_channel(bed_serve):
+    bed, serve = bed_serve
+    info = serve.workers()["prefill-0"]
+    for secret in ("", "a-guessed-secret-0123456789"):
+        res = bed.host("h1").run([sys.executable, "-c", _STRANGER, info["address"], str(info["kv_port"]), BACKEND,
+                                  secret], env=host_env(), timeout=60)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert res.stdout.startswith("failed") and "does not hold the cluster's secret" in res.stdout, res.stdout
+
+
+def test_the_head_binds_its_endpoints_to_its_own_address_only(bed_serve):
+    bed, serve = bed_serve
+    head = bed.host("h1")
+    listening = _listening(head)
+    from urllib.parse import urlsplit
+    for url in (serve.grpc_target, serve.http_url, serve.metrics_url):
+        port = urlsplit(url if "//" in url else f"//{url}").port
+        assert listening.get(port) == {head.address}, (url, listening.get(port))
+
+
+def _listening(host) -> dict[int, set[str]]:
+    """port -> the addresses its listening TCP sockets bind (IPv4 and IPv6), inside `host`."""
+    import ipaddress
+    out: dict[int, set[str]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in host.run(["cat", table]).stdout.splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state != "0A":
+                continue
+            addr, port = local.split(":")
+            raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] for i in range(0, len(addr), 8))
+            ip = ipaddress.ip_address(raw)
+            if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+                ip = ip.ipv4_mapped
+            out.setdefault(int(port, 16), set()).add(str(ip))
+    return out
 
 
 def test_partition_of_the_prefill_host_hangs_nothing_and_it_rejoins(bed_serve, hf):

@@ -54,15 +54,15 @@ def test_garbage_peer_is_a_connection_error():
     port = listener.getsockname()[1]
     import threading
 
-    def answer():
+    def answer():   # a source speaks first (the membership challenge): this one answers in HTTP
         conn, _ = listener.accept()
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
         conn.recv(100)
-        conn.sendall(b"HTTP/1.1 400 Bad\r\n\r\n")
         conn.close()
     t = threading.Thread(target=answer, daemon=True)
     t.start()
     try:
-        with pytest.raises(ConnectionError, match="not a pdserve metadata side channel"):
+        with pytest.raises(ConnectionError, match="does not speak pdserve's KV side-channel protocol"):
             side_channel.fetch_metadata("127.0.0.1", port, "agent-a", timeout=5)
     finally:
         t.join(5)

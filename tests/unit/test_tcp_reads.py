@@ -21,6 +21,7 @@ import torch
 from kvtransfer.engine import PeerInfo, TransferStatus
 from kvtransfer.layout import KVPoolLayout
 from kvtransfer.leases import LeaseTable
+from kvtransfer.peer_auth import accept_peer
 from kvtransfer.tcp_backend import TcpConfig, TcpEngine
 
 BLOCKS, BLOCK_BYTES = 4, 4096
@@ -42,6 +43,7 @@ class StallingSource:
     def _run(self) -> None:
         conn, _ = self.server.accept()
         with conn:
+            assert accept_peer(conn, b"")   # the membership check (both sides without a secret)
             conn.recv(4096)             # the request header and descriptors
             conn.sendall(b"\x00")       # OK: the reader now blocks in recv for data
             self.release.wait(10)
