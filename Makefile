@@ -7,7 +7,7 @@ PIP_EXTRA ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: install serve test test-fast proto bench clean chaos
+.PHONY: install serve test test-fast proto bench clean chaos chaos-hosts
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,14 +25,18 @@ serve: $(STAMP)
 	$(BIN)/pdserve serve $(ARGS)
 
 test: $(STAMP) $(BIN)/helm
-	$(BIN)/python -m pytest -q tests -m "not chaos_full" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests -m "not chaos_full and not chaos_hosts" $(PYTEST_ARGS)
 
 # The chaos suite's full counts (>= 20 trials per fault, 10,000 fuzzed requests); prints the summary table.
 chaos: $(STAMP)
 	$(BIN)/python -m pytest -q tests/chaos -m chaos_full $(PYTEST_ARGS)
 
+# Faults across test hosts (Linux namespaces; needs root) at full counts: 10 trials per fault.
+chaos-hosts: $(STAMP)
+	$(BIN)/python -m pytest -q -s tests/chaos/test_multi_host_faults.py -m chaos_hosts $(PYTEST_ARGS)
+
 test-fast: $(STAMP) $(BIN)/helm
-	$(BIN)/python -m pytest -q tests -m "not slow and not smollm2 and not chaos_full" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests -m "not slow and not smollm2 and not chaos_full and not chaos_hosts" $(PYTEST_ARGS)
 
 # Generates cluster/pb/pdserve/v1/*; the sed makes the *_grpc.py import its
 # sibling relatively, so it works from the repo and from an installed wheel.

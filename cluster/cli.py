@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve | generate | bench | plan | simulate.
+"""`pdserve` command line: serve | generate | bench | plan | simulate | testbed.
 
 Each subcommand lives in its own module exposing `register(subparsers)`,
 which adds its parser and sets `func(args) -> int`. Modules are imported
@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "bench": "cluster.bench.cli",
     "plan": "cluster.planner.cli",
     "simulate": "cluster.sim.cli",
+    "testbed": "cluster.testbed.cli",
 }
 
 

@@ -53,10 +53,10 @@ class MultiHostServe:
         if not model.exists():
             shutil.copytree(model_dir, model)
         ray_start(self.head, num_cpus=1)
-        for name in prefill_hosts:
-            ray_start(bed.host(name), head=self.head, resources={"pdserve_prefill": slots_per_host})
-        for name in decode_hosts:
-            ray_start(bed.host(name), head=self.head, resources={"pdserve_decode": slots_per_host})
+        self.roles = {**{n: {"pdserve_prefill": slots_per_host} for n in prefill_hosts},
+                      **{n: {"pdserve_decode": slots_per_host} for n in decode_hosts}}
+        for name, resources in self.roles.items():
+            ray_start(bed.host(name), head=self.head, resources=resources)
         cfg = dict(model=str(model), address=f"{self.head.address}:{RAY_PORT}", host=self.head.address,
                    prefill_resource="pdserve_prefill", decode_resource="pdserve_decode",
                    prefill_workers=prefill_workers, decode_workers=decode_workers, num_kv_blocks=128,
@@ -96,21 +96,55 @@ class MultiHostServe:
             out[m.group(1)] = ast.literal_eval(m.group(2))
         return out
 
+    def restart_host(self, name: str) -> None:
+        """Boot a killed worker host again and rejoin it to Ray with its pool's resource:
+        Ray then restarts the actors it lost there (max_restarts=-1)."""
+        ray_start(self.bed.reboot(name), head=self.head, resources=self.roles[name])
+
+    def worker_on(self, hostname: str) -> str:
+        """The worker id whose latest incarnation runs on `hostname`."""
+        return [w for w, i in self.workers().items() if i["hostname"] == hostname][-1]
+
+    def wait_routable(self, worker_id: str, timeout: float = 180) -> None:
+        """Until the frontend reports the worker again (its load reports reach the router)."""
+        end = time.monotonic() + timeout
+        while self.metric("pdserve_kv_blocks_total", worker=worker_id) is None:
+            if time.monotonic() > end:
+                raise AssertionError(f"{worker_id} is not back after {timeout}s: {self.log()[-3000:]}")
+            time.sleep(0.5)
+
+    def wait_idle(self, timeout: float = 90) -> None:
+        """Until no lease is held and no live worker holds a KV block (what leaked, if not)."""
+        end = time.monotonic() + timeout
+        while True:
+            held = self.metric_values("pdserve_leases_active") + self.metric_values("pdserve_kv_blocks_used")
+            if not any(held.values()):
+                return
+            if time.monotonic() > end:
+                raise AssertionError(f"not idle after {timeout}s: {held}")
+            time.sleep(0.5)
+
+    def metric_values(self, name: str) -> dict[str, float]:
+        """worker -> value of a per-worker gauge."""
+        return {f"{name}{{{s.labels.get('worker')}}}": s.value for s in self._samples() if s.name == name}
+
+    def _samples(self):
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            text = r.read().decode()
+        return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
     def trace(self, rid: str) -> list[str]:
         """The server's trace lines of request `rid` (route, prefill, join, migration)."""
         return [line.split(": ", 2)[-1] for line in self.log().splitlines()
                 if "pdserve.requests" in line and f" {rid}:" in line]
 
     def metric(self, name: str, **labels: str) -> float | None:
-        import urllib.request
-
-        from prometheus_client.parser import text_string_to_metric_families
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
-            text = r.read().decode()
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return s.value
+        for s in self._samples():
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
         return None
 
     def ray_active_nodes(self) -> int:

@@ -26,6 +26,7 @@ class TestBed:
     subnet: int                  # the bed is 198.18.<subnet>.0/24
     hosts: list[TestHost] = field(default_factory=list)
     owner_pid: int = 0           # 0: kept until `pdserve testbed down` (the CLI's beds)
+    keep: list[str] = field(default_factory=list)   # paths under /tmp the hosts still see
 
     @property
     def bridge(self) -> str:
@@ -73,9 +74,9 @@ class TestBed:
             sh("ip", "link", "add", bed.bridge, "type", "bridge")
             sh("ip", "addr", "add", f"{bed.gateway}/24", "dev", bed.bridge)
             sh("ip", "link", "set", bed.bridge, "up")
-            keep = sorted({*keep, *_default_keep()})
+            bed.keep = sorted({*keep, *_default_keep()})
             for i in range(1, num_hosts + 1):
-                bed.hosts.append(bed._add_host(i, keep))
+                bed.hosts.append(bed._add_host(i, bed.keep))
                 if link_gbit:
                     bed.hosts[-1].limit(link_gbit)
                 bed._save()
@@ -102,6 +103,15 @@ class TestBed:
         h.boot(keep)
         return h
 
+    def reboot(self, name: str) -> TestHost:
+        """Start a killed host again (fresh namespaces, same address and link), as a
+        machine that comes back: nothing that ran on it runs any more."""
+        h = self.host(name)
+        h.kill()
+        h.boot(self.keep)
+        self._save()
+        return h
+
     def down(self) -> None:
         """Kill every host and remove every namespace, link and file of the bed."""
         _teardown(self.run_id, [h.init_pid for h in self.hosts])
@@ -109,7 +119,7 @@ class TestBed:
     def _save(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "bed.json").write_text(json.dumps({
-            "run_id": self.run_id, "subnet": self.subnet, "owner_pid": self.owner_pid,
+            "run_id": self.run_id, "subnet": self.subnet, "owner_pid": self.owner_pid, "keep": self.keep,
             "hosts": [{"name": h.name, "netns": h.netns, "address": h.address, "veth": h.veth,
                        "init_pid": h.init_pid, "unshare_pid": h.unshare_pid} for h in self.hosts]}))
 
@@ -119,7 +129,7 @@ class TestBed:
         if not path.exists():
             raise ValueError(f"no test bed {run_id!r} (see `pdserve testbed status`)")
         d = json.loads(path.read_text())
-        bed = cls(run_id=d["run_id"], subnet=d["subnet"], owner_pid=d["owner_pid"])
+        bed = cls(run_id=d["run_id"], subnet=d["subnet"], owner_pid=d["owner_pid"], keep=d.get("keep", []))
         bed.hosts = [TestHost(name=h["name"], netns=h["netns"], address=h["address"], veth=h["veth"],
                               state_dir=bed.state_dir / h["name"], init_pid=h["init_pid"],
                               unshare_pid=h["unshare_pid"]) for h in d["hosts"]]

@@ -11,16 +11,14 @@ import asyncio
 import json
 import os
 import sys
-import time
 import urllib.request
 
-import grpc
 import pytest
 
-from cluster.client import GenerationClient, build_request
 from cluster.testbed import TestBed
 from cluster.testbed.sys_cmd import need_root
 from testbed_cluster import MultiHostServe, host_env
+from testbed_faults import Tally, decode_host_kill, prefill_host_kill, prefill_host_partition, prompt_of, stream
 from tiny_models import hf_greedy, load_hf_model
 
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(bool(need_root()), reason=need_root() or "root")]
@@ -43,25 +41,7 @@ def hf(tiny_llama_dir):
     return load_hf_model(tiny_llama_dir)
 
 
-async def _stream(target: str, rid: str, prompt: list[int], max_tokens: int, timeout: float,
-                  on_token=None) -> tuple[list[int], str, float]:
-    """(tokens, gRPC code name or '' when finished, seconds taken)."""
-    t0, tokens = time.monotonic(), []
-    async with GenerationClient(target) as c:
-        req = build_request(prompt_token_ids=prompt, request_id=rid, max_tokens=max_tokens, temperature=0.0,
-                            ignore_eos=True)
-        try:
-            async for r in c.generate(req, timeout=timeout):
-                tokens.extend(r.token_ids)
-                if on_token:
-                    on_token(len(r.token_ids))
-            return tokens, "", time.monotonic() - t0
-        except grpc.aio.AioRpcError as e:
-            return tokens, e.code().name, time.monotonic() - t0
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 31 + 7 * i * i + 3 * i) % 370 + 5 for i in range(n)]
+_stream, _prompt = stream, prompt_of
 
 
 def test_pools_land_on_their_hosts_and_bind_their_own_addresses(bed_serve):
@@ -159,75 +139,18 @@ def _listening(host) -> dict[int, set[str]]:
 
 def test_partition_of_the_prefill_host_hangs_nothing_and_it_rejoins(bed_serve, hf):
     bed, serve = bed_serve
-    h2 = bed.host("h2")
-    prompts = {f"cut-{i}": _prompt(10 + i, 60) for i in range(4)}
-
-    async def during_cut():
-        h2.cut()
-        try:
-            tasks = [asyncio.create_task(_stream(serve.grpc_target, rid, p, 16, 30)) for rid, p in prompts.items()]
-            await asyncio.sleep(10)
-        finally:
-            h2.restore()
-        return await asyncio.gather(*tasks)
-
-    outs = asyncio.run(during_cut())
-    for (rid, p), (tokens, code, took) in zip(prompts.items(), outs):
-        assert took < 30 + 10, f"{rid} took {took:.1f}s past its 30 s deadline"
-        if not code:
-            assert tokens == hf_greedy(hf, p, 16), (rid, serve.trace(rid))
-        else:
-            assert code in ("DEADLINE_EXCEEDED", "UNAVAILABLE"), (rid, code)
-    # the link is back: the prefill host takes hand-offs again, and Ray sees all four nodes
-    end, n = time.monotonic() + 90, 0
-    while True:
-        n += 1
-        rid, p = f"back-{n}", _prompt(100 + n, 48)
-        tokens, code, _ = asyncio.run(_stream(serve.grpc_target, rid, p, 8, 60))
-        assert (tokens, code) == (hf_greedy(hf, p, 8), ""), (rid, code, serve.trace(rid))
-        if any(t.startswith("prefilled on prefill-0") for t in serve.trace(rid)):
-            break
-        assert time.monotonic() < end, f"prefill-0 never took a request after the partition: {serve.trace(rid)}"
-        time.sleep(1)
-    assert serve.ray_active_nodes() == 4
+    prefill_host_partition(bed, serve, hf, 0, Tally())
 
 
-def test_losing_a_whole_decode_host_migrates_or_ends_every_request(bed_serve, hf):
-    """Last in this module: the host stays dead."""
+def test_killing_the_prefill_host_mid_transfer_recomputes_every_request(bed_serve, hf):
     bed, serve = bed_serve
-    victim_id = next(w for w, i in serve.workers().items() if i["hostname"] == "h3")
-    prompts = {f"kill-{i}": _prompt(200 + i, 40) for i in range(16)}
-    streamed = [0]
-    migrations_before = serve.metric("pdserve_request_migrations_total") or 0.0
+    tally = Tally()
+    prefill_host_kill(bed, serve, hf, 0, tally)
+    assert tally.finished == tally.requests and tally.recomputed >= 1, tally
 
-    async def load():
-        killed = asyncio.Event()
 
-        def on_token(n):
-            streamed[0] += n
-            if streamed[0] >= 16 * 20 and not killed.is_set():
-                killed.set()
-                bed.host("h3").kill()
-        return await asyncio.gather(*[_stream(serve.grpc_target, rid, p, 160, 120, on_token)
-                                      for rid, p in prompts.items()])
-
-    outs = asyncio.run(load())
-    assert not bed.host("h3").alive
-    finished = 0
-    for (rid, p), (tokens, code, took) in zip(prompts.items(), outs):
-        assert took < 120 + 10, f"{rid} hung: {took:.1f}s"
-        if not code:
-            finished += 1
-            assert tokens == hf_greedy(hf, p, 160), (rid, serve.trace(rid))
-        else:
-            assert code == "UNAVAILABLE", (rid, code, serve.trace(rid))
-    migrated = (serve.metric("pdserve_request_migrations_total") or 0.0) - migrations_before
-    assert finished == len(prompts) and migrated >= 1, (finished, migrated, victim_id)
-    # the prefill host's leases all end; the surviving decode worker frees every block
-    survivor = "decode-1" if victim_id == "decode-0" else "decode-0"
-    end = time.monotonic() + 60
-    while (serve.metric("pdserve_leases_active", worker="prefill-0"),
-           serve.metric("pdserve_kv_blocks_used", worker=survivor)) != (0.0, 0.0):
-        assert time.monotonic() < end, (serve.metric("pdserve_leases_active", worker="prefill-0"),
-                                        serve.metric("pdserve_kv_blocks_used", worker=survivor))
-        time.sleep(0.5)
+def test_losing_a_whole_decode_host_migrates_every_request(bed_serve, hf):
+    bed, serve = bed_serve
+    tally = Tally()
+    decode_host_kill(bed, serve, hf, 0, tally)
+    assert tally.finished == tally.requests and tally.migrated >= 1, tally
