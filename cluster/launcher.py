@@ -37,11 +37,15 @@ def engine_config(cfg: ServeConfig) -> EngineConfig:
 
 
 def transfer_settings(cfg: ServeConfig) -> TransferSettings:
-    """No host: every worker binds its KV side channel to its own node's address (Ray's node
-    IP where it runs), which is what peers on other machines reach. `--host` is the head's
-    endpoints' address: a worker on another machine could not bind it."""
-    return TransferSettings(backend=cfg.transfer_backend, host="", lease_ttl=cfg.lease_ttl,
-                            timeout=cfg.transfer_timeout, secret=cluster_secret(cfg))
+    """Where each worker binds (and advertises) its KV side channel. Joining a cluster
+    (`--address`), or asked for every interface (a wildcard `host`): no host, so each worker
+    binds its own node's address (Ray's node IP where it runs), which is what peers on other
+    machines reach; `--host` is the head's address there, which a worker on another machine
+    could not bind. A local cluster started here with a concrete `host` (127.0.0.1 by
+    default): that address, since every worker runs on this machine."""
+    local = not cfg.address and cfg.host not in ("0.0.0.0", "::", "")
+    return TransferSettings(backend=cfg.transfer_backend, host=cfg.host if local else "",
+                            lease_ttl=cfg.lease_ttl, timeout=cfg.transfer_timeout, secret=cluster_secret(cfg))
 
 
 def cluster_secret(cfg: ServeConfig) -> str:

@@ -1,5 +1,6 @@
-"""What the launcher hands every worker for KV transfer: no host (each worker binds
-its own node's address, which is what lets workers on other machines start) and
+"""What the launcher hands every worker for KV transfer: in a cluster of several
+machines no host (each worker binds its own node's address, which is what lets
+workers on other machines start), on a local cluster the configured address, and
 the deployment's side-channel secret."""
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from kvtransfer.settings import TransferSettings
 
 
 def test_workers_bind_their_own_node_not_the_heads_host():
-    s = transfer_settings(ServeConfig(host="10.1.2.3", transfer_backend="tcp"))
+    s = transfer_settings(ServeConfig(host="10.1.2.3", address="10.1.2.3:6379", transfer_backend="tcp"))
     assert s.host == ""
+    assert transfer_settings(ServeConfig(host="0.0.0.0")).host == ""       # every interface: the node's IP
+    assert transfer_settings(ServeConfig()).host == "127.0.0.1"            # a local cluster on loopback
     assert s.on_node("10.9.9.9").host == "10.9.9.9"
     assert TransferSettings(host="127.0.0.1").on_node("10.9.9.9").host == "127.0.0.1"   # a set host stays
     with pytest.raises(ValueError, match=r"call on_node"):
