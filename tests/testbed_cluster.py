@@ -117,7 +117,7 @@ class MultiHostServe:
         """Until no lease is held and no live worker holds a KV block (what leaked, if not)."""
         end = time.monotonic() + timeout
         while True:
-            held = self.metric_values("pdserve_leases_active") + self.metric_values("pdserve_kv_blocks_used")
+            held = {**self.metric_values("pdserve_leases_active"), **self.metric_values("pdserve_kv_blocks_used")}
             if not any(held.values()):
                 return
             if time.monotonic() > end:
