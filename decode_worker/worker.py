@@ -60,7 +60,8 @@ class DecodeWorker:
         torch.set_num_threads(max(1, torch_threads))
         self.worker_id = worker_id
         self.pool = pool
-        transfer = transfer.on_node(_node_address()) if not transfer.host else transfer
+        if not transfer.host:   # a cluster's settings: bind this worker's own node address
+            transfer = transfer.on_node(_node_address())
         self.settings = transfer
         self.engine = LLMEngine(engine_config)
         self.aengine = AsyncEngine(self.engine, batch_stream=True)

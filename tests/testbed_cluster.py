@@ -3,6 +3,7 @@ Ray worker nodes carrying the pools' resources on the other hosts, as
 docs/deploy.md describes for real machines."""
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -90,11 +91,8 @@ class MultiHostServe:
 
     def workers(self) -> dict[str, dict]:
         """worker id -> what it said when ready (address, hostname, pid ...), from the log."""
-        out = {}
-        for m in re.finditer(r"worker (\S+) ready: (\{.*\})", self.log()):
-            import ast
-            out[m.group(1)] = ast.literal_eval(m.group(2))
-        return out
+        return {m.group(1): ast.literal_eval(m.group(2))
+                for m in re.finditer(r"worker (\S+) ready: (\{.*\})", self.log())}
 
     def restart_host(self, name: str) -> None:
         """Boot a killed worker host again and rejoin it to Ray with its pool's resource:

@@ -10,6 +10,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from cluster.testbed.host import TestHost
 from cluster.testbed.sys_cmd import TestBedError, need_root, pid_alive, sh, try_sh
@@ -66,7 +67,9 @@ class TestBed:
         if link_gbit < 0:
             raise ValueError(f"--link-gbit must be >= 0 (0 = no cap), got {link_gbit}")
         sweep_stale()
-        bed = cls(run_id=os.urandom(2).hex(), subnet=_free_subnet(),
+        taken = {b.run_id for b in list_beds()}
+        run_id = next(r for r in iter(lambda: os.urandom(2).hex(), None) if r not in taken)
+        bed = cls(run_id=run_id, subnet=_free_subnet(),
                   owner_pid=os.getpid() if owner_pid is None else owner_pid)
         bed.shared_dir.mkdir(parents=True, exist_ok=True)
         bed._save()
@@ -114,7 +117,7 @@ class TestBed:
 
     def down(self) -> None:
         """Kill every host and remove every namespace, link and file of the bed."""
-        _teardown(self.run_id, [h.init_pid for h in self.hosts])
+        _teardown(self)
 
     def _save(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -167,47 +170,35 @@ def list_beds() -> list[TestBed]:
     return beds
 
 
-def _teardown(run_id: str, init_pids: list[int]) -> None:
-    import signal
-    import time
+def _teardown(bed: TestBed) -> None:
+    for h in bed.hosts:
+        h.kill()
+    _remove_net(lambda run_id: run_id == bed.run_id)
+    shutil.rmtree(STATE_ROOT / bed.run_id, ignore_errors=True)
 
-    for pid in init_pids:
-        if pid and pid_alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    end = time.monotonic() + 10
-    while any(p and pid_alive(p) for p in init_pids) and time.monotonic() < end:
-        time.sleep(0.02)
-    for ns in sh("ip", "netns", "list").split("\n"):
-        name = ns.split(" ", 1)[0]
-        if name.startswith(f"pdtb-{run_id}-"):
+
+def _remove_net(owned: Callable[[str], bool]) -> None:
+    """Delete every pdtb namespace (`pdtb-<run>-h<i>`) and link (`pdtb<run>...`) whose run id
+    `owned` says to; a namespace's deletion also deletes the veth end inside it."""
+    for line in sh("ip", "netns", "list").splitlines():
+        name = line.split(" ", 1)[0]
+        if name.startswith("pdtb-") and owned(name[5:9]):
             try_sh("ip", "netns", "del", name)
     for line in sh("ip", "-o", "link", "show").splitlines():
         dev = line.split(":", 2)[1].strip().split("@", 1)[0]
-        if dev.startswith(f"pdtb{run_id}"):
+        if dev.startswith("pdtb") and len(dev) >= 8 and owned(dev[4:8]):
             try_sh("ip", "link", "del", dev)
-    shutil.rmtree(STATE_ROOT / run_id, ignore_errors=True)
 
 
 def sweep_stale() -> list[str]:
     """Remove the beds whose owner process is gone (a crashed test run); returns their ids.
     Also removes pdtb interfaces and namespaces that no bed's state names any more."""
-    swept = []
-    known = set()
+    swept, known = [], set()
     for bed in list_beds():
         if bed.owner_pid and not pid_alive(bed.owner_pid):
-            _teardown(bed.run_id, [h.init_pid for h in bed.hosts])
+            _teardown(bed)
             swept.append(bed.run_id)
         else:
             known.add(bed.run_id)
-    for ns in sh("ip", "netns", "list").split("\n"):
-        name = ns.split(" ", 1)[0]
-        if name.startswith("pdtb-") and name.split("-")[1] not in known:
-            try_sh("ip", "netns", "del", name)
-    for line in sh("ip", "-o", "link", "show").splitlines():
-        dev = line.split(":", 2)[1].strip().split("@", 1)[0]
-        if dev.startswith("pdtb") and len(dev) >= 8 and dev[4:8] not in known:
-            try_sh("ip", "link", "del", dev)
+    _remove_net(lambda run_id: run_id not in known)
     return swept

@@ -49,10 +49,11 @@ class TestHost:
         ready.unlink(missing_ok=True)
         env = dict(os.environ, PDTB_HOSTNAME=self.name, PDTB_STATE=str(self.state_dir),
                    PDTB_KEEP=" ".join(p for p in keep if p.startswith("/tmp/")))
-        proc = subprocess.Popen(["ip", "netns", "exec", self.netns, "unshare", "--pid", "--fork", "--ipc",
-                                 "--uts", "--mount", "--mount-proc", "--kill-child", "sh", "-c", _INIT],
-                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=open(self.state_dir / "init.log", "w"), start_new_session=True)
+        with open(self.state_dir / "init.log", "w") as log:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.netns, "unshare", "--pid", "--fork", "--ipc",
+                                     "--uts", "--mount", "--mount-proc", "--kill-child", "sh", "-c", _INIT],
+                                    env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                    start_new_session=True)
         end = time.monotonic() + 20
         while not ready.exists():
             if proc.poll() is not None or time.monotonic() > end:
