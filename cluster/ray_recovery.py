@@ -216,10 +216,17 @@ class RecoveryMixin:
         state.reservation = state.reserved_on = None
         if task is None:
             return
-        with contextlib.suppress(Exception):
+        free, reserved = on != decode_id, False
+        try:
             reserved = await task
+        except asyncio.CancelledError:   # no submit follows: free whatever was reserved
+            free = reserved = True
+            raise
+        except Exception:
+            pass
+        finally:
             ref = self.workers.get(on or "")
-            if reserved and on != decode_id and ref is not None and ref.alive:
+            if free and reserved and ref is not None and ref.alive:
                 self._background(ref.actor.abort.remote(state.wid), self.config.transfer_timeout)
 
     async def _submit(self, job: GenerateJob, state, decode_id: str, handle) -> None:
