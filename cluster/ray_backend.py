@@ -11,6 +11,7 @@ one worker: ray_drain.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -125,27 +126,31 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
             raise BackendError("ALREADY_EXISTS", f"request id {rid!r} is in flight; use a unique id")
         state = self._inflight[rid] = self._by_wid[rid] = _Inflight(wid=rid, job=job)
         done = False
+        joining: asyncio.Future | None = None   # the hand-off's submit, started before the first token's yield
         try:
             decision = self._route(job, job.prompt_token_ids, job.block_hashes)
             self._trace(rid, describe_decision(decision))
             self.metrics.routing.labels(kind=decision.kind.value).inc()
             remaining = job.sampling.n
-            handle = None
             result = None
             if decision.kind is DecisionKind.REMOTE_PREFILL and job.sampling.n == 1:
                 self._reserve_ahead(job, state, decision.decode_worker_id)
                 result = await self._prefill(job, state, decision.prefill_worker_id)
-            if result is not None:   # None: the decode node prefills (policy, or no prefill node left)
+            if result is None:   # the decode node prefills (policy, or no prefill node left)
+                await self._submit(job, state, decision.decode_worker_id, None)
+            else:
                 if result.first.finish_reason:
                     remaining -= 1
                 done = remaining == 0
-                yield result.first
                 state.emitted.extend(result.first.new_token_ids)
+                if not done:   # the decode node joins while the first token streams to the client
+                    state.handoff = HandoffClock(time.monotonic())
+                    joining = asyncio.ensure_future(self._submit(job, state, decision.decode_worker_id,
+                                                                 result.handle))
+                yield result.first
                 if done:
                     return
-                handle = result.handle
-                state.handoff = HandoffClock(time.monotonic())
-            await self._submit(job, state, decision.decode_worker_id, handle)
+                await joining
             while remaining:
                 item = await next_delta(state.queue, job.deadline)
                 if isinstance(item, BackendError):
@@ -170,6 +175,10 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
                 done = remaining == 0
                 yield item
         finally:
+            if joining is not None and not joining.done():   # the client left at the first token
+                joining.cancel()
+                with contextlib.suppress(BaseException):
+                    await joining
             self._inflight.pop(rid, None)
             self._by_wid.pop(state.wid, None)
             if not done:
