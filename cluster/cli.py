@@ -11,6 +11,8 @@ import importlib
 import os
 import sys
 
+from cluster.version import version
+
 SUBCOMMANDS = {
     "serve": "cluster.serve_cli",
     "generate": "cluster.generate_cli",
@@ -23,6 +25,7 @@ SUBCOMMANDS = {
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser.add_argument("--version", action="version", version=f"pdserve {version()}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, module in SUBCOMMANDS.items():
         if only is not None and name != only:
