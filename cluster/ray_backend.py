@@ -47,13 +47,14 @@ class _Inflight:
 class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
     def __init__(self, config: ServeConfig, metrics: Metrics, *, report_interval: float = 0.1,
                  tokenizer=None) -> None:
-        from engine.loader.load import resolve_model_path
+        from engine.loader.load import load_model_config, resolve_model_path
         from engine.tokenizer import Tokenizer
 
         self.config = config
         self.metrics = metrics
         self.model_path = resolve_model_path(config.model or None)
         self._tokenizer = tokenizer or Tokenizer.load(self.model_path)
+        self._vocab_size = load_model_config(self.model_path).vocab_size   # the model's ids (>= the tokenizer's)
         self.router = Router(RouterConfig.from_serve_config(config), rng=random.Random(0), clock=time.monotonic)
         self.workers: dict[str, WorkerRef] = {}
         self._inflight: dict[str, _Inflight] = {}
@@ -280,8 +281,9 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
         pools: dict[str, int] = {}
         for ref in self.workers.values():
             pools[ref.pool] = pools.get(ref.pool, 0) + 1
-        return ModelInfoData(self.model_path.name, self.config.max_model_len, self.config.block_size,
-                             self._tokenizer.vocab_size, pools)
+        name = self.config.served_model_name[0] if self.config.served_model_name else self.model_path.name
+        return ModelInfoData(name, self.config.max_model_len, self.config.block_size,
+                             self._vocab_size, pools, tokenizer_vocab_size=self._tokenizer.vocab_size)
 
     def tokenizer(self):
         return self._tokenizer

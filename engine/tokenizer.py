@@ -146,8 +146,11 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    def validate_token_ids(self, ids: Iterable[int]) -> list[int]:
-        """Return ``ids`` as a list of ints, or raise ValueError naming the bad id."""
+    def validate_token_ids(self, ids: Iterable[int], vocab_size: int | None = None) -> list[int]:
+        """Return ``ids`` as a list of ints, or raise ValueError naming the bad id. ``vocab_size``:
+        the range to check against when it is not the tokenizer's own (the model's embedding
+        rows, which can outnumber the tokenizer's tokens)."""
+        limit = self.vocab_size if vocab_size is None else vocab_size
         out: list[int] = []
         for pos, t in enumerate(ids):
             if isinstance(t, bool):
@@ -157,9 +160,9 @@ class Tokenizer:
             except TypeError:
                 raise ValueError(f"token id at position {pos} is {t!r} ({type(t).__name__}); "
                                  "give integer token ids") from None
-            if not 0 <= v < self.vocab_size:
+            if not 0 <= v < limit:
                 raise ValueError(f"token id {v} at position {pos} is out of range: the vocabulary has "
-                                 f"{self.vocab_size} tokens (valid ids are 0..{self.vocab_size - 1})")
+                                 f"{limit} tokens (valid ids are 0..{limit - 1})")
             out.append(v)
         return out
 
