@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve | generate | bench | plan | simulate | testbed.
+"""`pdserve` command line: serve | generate | bench | plan | simulate | testbed | export-tokenizer.
 
 Each subcommand lives in its own module exposing `register(subparsers)`,
 which adds its parser and sets `func(args) -> int`. Modules are imported
@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "plan": "cluster.planner.cli",
     "simulate": "cluster.sim.cli",
     "testbed": "cluster.testbed.cli",
+    "export-tokenizer": "cluster.export_tokenizer_cli",
 }
 
 

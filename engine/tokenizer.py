@@ -136,6 +136,10 @@ class Tokenizer:
         """Hot path (the detokenizer calls it per token): ids are not validated."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` definition (tokenizer.json) of this tokenizer (engine/tokenizer_export.py)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
