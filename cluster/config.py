@@ -184,7 +184,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the config file must be a mapping of key: value")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    data = {str(k).replace("-", "_"): v for k, v in data.items() if v is not None}   # `key:` alone = default
     unknown = sorted(set(data) - set(ServeConfig.keys()))
     if unknown:
         raise ValueError(f"{path}: unknown config keys {unknown}; valid keys: {', '.join(ServeConfig.keys())}")
