@@ -85,6 +85,8 @@ class ServeConfig:
     transfer_backend: str = "auto"
     lease_ttl: float = 30.0               # seconds a prefill node pins handed-off blocks
     transfer_timeout: float = 10.0
+    reserve_decode_blocks: bool = True    # reserve the decode node's KV blocks while the prompt is prefilled
+    pipelined_handoff: bool = True        # ... and read the prompt's blocks as prefill chunks complete them
     # admission
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1_000_000

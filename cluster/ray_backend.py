@@ -42,6 +42,20 @@ class _Inflight:
     wid: str = ""                # the id workers know this attempt by (see ray_recovery.attempt_id)
     attempts: int = 0
     job: GenerateJob | None = None   # as the client sent it: every continuation starts from it
+    handoff: HandoffClock | None = None   # set while the first decode token after a hand-off is awaited
+    reservation: asyncio.Task | None = None   # decode blocks being reserved while the prompt is prefilled
+    reserved_on: str | None = None   # the decode worker holding them until a submit claims them
+
+
+@dataclass
+class HandoffClock:
+    """When a request's first token left the prefill node, when the decode node joined it,
+    and what that join cost: the second token then closes the hand-off gap."""
+    first_token_at: float
+    joined_at: float = 0.0
+    room_s: float = 0.0
+    pull_s: float = 0.0
+    reserved: bool = False   # the decode blocks were reserved during the prefill
 
 
 class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
@@ -122,6 +136,7 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
             handle = None
             result = None
             if decision.kind is DecisionKind.REMOTE_PREFILL and job.sampling.n == 1:
+                self._reserve_ahead(job, state, decision.decode_worker_id)
                 result = await self._prefill(job, state, decision.prefill_worker_id)
             if result is not None:   # None: the decode node prefills (policy, or no prefill node left)
                 if result.first.finish_reason:
@@ -132,6 +147,7 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
                 if done:
                     return
                 handle = result.handle
+                state.handoff = HandoffClock(time.monotonic())
             await self._submit(job, state, decision.decode_worker_id, handle)
             while remaining:
                 item = await next_delta(state.queue, job.deadline)
@@ -147,6 +163,9 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
                     item = item.delta
                 else:
                     state.emitted.extend(item.new_token_ids)
+                    if state.handoff is not None:
+                        self._observe_handoff(rid, state.handoff)
+                        state.handoff = None
                 if state.continued:
                     item = replace(item, num_prompt_tokens=len(job.prompt_token_ids))
                 if item.finish_reason:
@@ -158,6 +177,8 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
             self._by_wid.pop(state.wid, None)
             if not done:
                 await self._abort_state(state.wid, state)
+            elif state.reserved_on is not None:   # finished with the first token: free the reservation
+                await self._settle_reservation(state, None)
 
     def _route(self, job: GenerateJob, prompt, hashes):
         try:
@@ -189,6 +210,8 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
             await self._abort_state(state.wid, state)
 
     async def _abort_state(self, rid: str, state: _Inflight) -> None:
+        if state.reserved_on is not None and state.reserved_on != state.decode_id:
+            await self._settle_reservation(state, None)
         calls = []
         if state.decode_id and self.workers[state.decode_id].alive:
             calls.append(self.workers[state.decode_id].actor.abort.remote(rid))
@@ -199,6 +222,18 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
                 await asyncio.wait_for(c, self.config.transfer_timeout)
             except Exception:   # a dead worker frees everything anyway
                 pass
+
+    def _observe_handoff(self, rid: str, clock: HandoffClock) -> None:
+        """The first decode token after a hand-off arrived: record the gap and its stages."""
+        if not clock.joined_at:   # the submit did not pull (recomputed, moved): no clean breakdown
+            return
+        now = time.monotonic()
+        stages = {"join": clock.joined_at - clock.first_token_at, "room": clock.room_s, "pull": clock.pull_s,
+                  "first_step": now - clock.joined_at, "total": now - clock.first_token_at}
+        for stage, seconds in stages.items():
+            self.metrics.handoff.labels(stage=stage).observe(max(0.0, seconds))
+        self._trace(rid, "second token " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stages.items())
+                    + (" (blocks reserved ahead)" if clock.reserved else ""))
 
     def _observe_transfer(self, sub) -> None:
         if sub.error and not sub.local_prefill:   # a failed or timed-out pull (not "no KV room")

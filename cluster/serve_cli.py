@@ -54,6 +54,10 @@ HELP = {
     "transfer_backend": "KV transfer backend: auto, nixl, ucxx or tcp",
     "lease_ttl": "seconds a prefill node keeps handed-off blocks pinned for the reader",
     "transfer_timeout": "seconds a KV pull may take before the decode node recomputes",
+    "reserve_decode_blocks": "reserve the decode node's KV blocks while the prompt is prefilled, so the "
+                             "hand-off pulls at once (--no-reserve-decode-blocks: allocate after the prefill)",
+    "pipelined_handoff": "with reserved decode blocks, read each prompt block as soon as the prefill node "
+                         "completes it (chunked prefill), not all after the first token",
     "max_queued_requests": "requests admitted at once; more get RESOURCE_EXHAUSTED",
     "max_queued_tokens": "prompt + output tokens admitted at once; more get RESOURCE_EXHAUSTED",
     "max_worker_queue": "requests one worker queues before refusing more (sent to another worker; "
