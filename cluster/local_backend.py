@@ -66,8 +66,8 @@ class LocalEngineBackend(GenerationBackend):
 
     def model_info(self) -> ModelInfoData:
         e = self.engine
-        return ModelInfoData(self._model_name, e.max_model_len, e.block_size, e.tokenizer.vocab_size,
-                             {"colocated": 1})
+        return ModelInfoData(self._model_name, e.max_model_len, e.block_size, e.vocab_size,
+                             {"colocated": 1}, tokenizer_vocab_size=e.tokenizer.vocab_size)
 
     def tokenizer(self):
         return self.engine.tokenizer

@@ -62,13 +62,16 @@ class HandoffClock:
 class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
     def __init__(self, config: ServeConfig, metrics: Metrics, *, report_interval: float = 0.1,
                  tokenizer=None) -> None:
-        from engine.loader.load import resolve_model_path
+        from engine.loader.load import load_model_config, resolve_model_path
         from engine.tokenizer import Tokenizer
 
         self.config = config
         self.metrics = metrics
         self.model_path = resolve_model_path(config.model or None)
         self._tokenizer = tokenizer or Tokenizer.load(self.model_path)
+        model = load_model_config(self.model_path)
+        self._vocab_size = model.vocab_size                 # ids the model accepts (>= the tokenizer's)
+        self._max_model_len = config.max_model_len or model.max_position_embeddings   # 0 = the model's
         self.router = Router(RouterConfig.from_serve_config(config), rng=random.Random(0), clock=time.monotonic)
         self.workers: dict[str, WorkerRef] = {}
         self._inflight: dict[str, _Inflight] = {}
@@ -324,8 +327,9 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
         pools: dict[str, int] = {}
         for ref in self.workers.values():
             pools[ref.pool] = pools.get(ref.pool, 0) + 1
-        return ModelInfoData(self.model_path.name, self.config.max_model_len, self.config.block_size,
-                             self._tokenizer.vocab_size, pools)
+        name = self.config.served_model_name[0] if self.config.served_model_name else self.model_path.name
+        return ModelInfoData(name, self._max_model_len, self.config.block_size,
+                             self._vocab_size, pools, tokenizer_vocab_size=self._tokenizer.vocab_size)
 
     def tokenizer(self):
         return self._tokenizer

@@ -18,13 +18,17 @@ from cluster.config import ServeConfig
 from cluster.log_levels import configure_logging
 
 HELP = {
-    "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)",
+    "model": "HF model directory, .gguf file, or a Hugging Face model id already in the local HF cache "
+             "($HF_HOME; read offline) (default: the bundled SmolLM2-135M-Instruct GGUF)",
+    "served_model_name": "names requests may give as \"model\" (aliases); the first is the one /v1/models "
+                         "and ModelInfo report (default: the model id, or the directory's / .gguf's name "
+                         "without extension; SmolLM2-135M-Instruct for the bundled model)",
     "device": "torch device of the workers: cpu, cuda, cuda:1 ...",
     "dtype": "weights and KV dtype: float32, bfloat16 or float16",
     "block_size": "tokens per KV block (power of two)",
     "kv_cache_memory": "KV pool size per worker, e.g. 512MiB, 4GiB",
     "num_kv_blocks": "KV blocks per worker; > 0 overrides --kv-cache-memory",
-    "max_model_len": "longest prompt + output in tokens",
+    "max_model_len": "longest prompt + output in tokens (0 = the model's own context length)",
     "max_num_seqs": "sequences a worker runs at once",
     "max_num_batched_tokens": "token budget of one engine step (chunked prefill above it)",
     "host": "address the endpoints (and KV side channels) bind to",
@@ -92,6 +96,8 @@ def register(subparsers) -> None:
         text = f"{HELP.get(f.name, '')} (default: {default!r})"
         if f.type == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif f.type.startswith("tuple"):
+            p.add_argument(flag, nargs="+", metavar="NAME", default=None, help=text)
         else:
             kind = {"int": int, "float": float}.get(f.type, str)
             p.add_argument(flag, type=kind, default=None, help=text)

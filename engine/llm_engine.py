@@ -54,6 +54,12 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer or Tokenizer.load(self.model_path)
         self.max_model_len = runner.max_model_len
+        # ids a prompt may hold: the model's embedding rows, which can outnumber the tokenizer's
+        # tokens (padded vocabularies, as Qwen2 checkpoints have). The model samples from them
+        # too, so a continuation (prompt + ids it produced) must pass. vLLM likewise accepts ids
+        # up to max(tokenizer, model) - 1; we take the model's, since an id past the embedding
+        # cannot be run (there are no placeholder ids swapped out before the embedding here).
+        self.vocab_size = runner.model_config.vocab_size
         self.block_size = runner.block_size
         # preemption: swap vs recompute at measured host bandwidth / prefill speed
         self.prefill_speed = ThroughputMeter()
@@ -116,7 +122,7 @@ class LLMEngine:
         group = self._new_group(request_id, prompt_token_ids, params, cache_salt, False, arrival_time)
         seq = group.seqs[0]
         if first_token is not None:
-            self.tokenizer.validate_token_ids([first_token])
+            self.tokenizer.validate_token_ids([first_token], self.vocab_size)   # the model's, not the tokenizer's
         alloc = self.scheduler.add_remote_request(seq.request)
         if alloc is None:
             return None
@@ -135,7 +141,7 @@ class LLMEngine:
         if seq is None:
             return False
         if first_token is not None:
-            self.tokenizer.validate_token_ids([first_token])
+            self.tokenizer.validate_token_ids([first_token], self.vocab_size)   # the model produced it
             self._set_first_token(seq, first_token)
         if seq.pending_first_token is None:
             raise ValueError(f"request {request_id!r}: its KV is ready but no first token was given; "
@@ -306,7 +312,7 @@ class LLMEngine:
             raise ValueError("params must be an engine.SamplingParams")
         if request_id in self._groups or request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
-        prompt = self.tokenizer.validate_token_ids(list(prompt_token_ids))
+        prompt = self.tokenizer.validate_token_ids(list(prompt_token_ids), self.vocab_size)
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token or a non-empty string")
         if len(prompt) >= self.max_model_len:
