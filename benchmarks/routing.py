@@ -53,13 +53,13 @@ from disagg_vs_colocated import machine  # noqa: E402
 
 
 def prefill_counters(stack) -> tuple[float, float]:
-    """(hit, queried) prompt tokens summed over the prefill workers (cumulative gauges)."""
+    """(hit, queried) prompt tokens summed over the prefill workers (counters)."""
     reg, hit, queried = stack.metrics.registry, 0.0, 0.0
     for wid, ref in stack.backend.workers.items():
         if ref.pool == "prefill":
             lbl = {"worker": wid, "pool": "prefill"}
-            hit += reg.get_sample_value("pdserve_prefix_cache_hit_tokens", lbl) or 0.0
-            queried += reg.get_sample_value("pdserve_prefix_cache_queried_tokens", lbl) or 0.0
+            hit += reg.get_sample_value("pdserve_prefix_cache_hit_tokens_total", lbl) or 0.0
+            queried += reg.get_sample_value("pdserve_prefix_cache_queried_tokens_total", lbl) or 0.0
     return hit, queried
 
 

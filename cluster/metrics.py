@@ -4,59 +4,24 @@ One `Metrics` object per process owns its own CollectorRegistry (no global
 registry). Per-worker figures (running / waiting requests, KV usage, prefix
 cache and lease counters) are pulled from the worker actors by the frontend
 once per `stats_interval` and exported here with `worker` and `pool` labels,
-so a single scrape of the frontend's metrics port sees the whole cluster.
+so a single scrape of the frontend's metrics port sees the whole cluster
+(cluster/metrics_workers.py: gauges for occupancy, `*_total` counters for what
+a worker counts). Cumulative figures are counters, exported as `*_total`.
+`export_vllm_names` adds the vLLM-named series Kubernetes inference gateways
+read (cluster/metrics_vllm.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from cluster.metrics_vllm import VllmNames
+from cluster.metrics_workers import PREEMPTION_MODES, TIERS, TierStats, WorkerSeries, WorkerStats
+
+__all__ = ["Metrics", "TierStats", "WorkerStats", "TIERS", "PREEMPTION_MODES", "LATENCY_BUCKETS"]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 BYTES_BUCKETS = tuple(float(2 ** i) for i in range(10, 34, 2))
-
-
-TIERS = ("device", "host", "disk")
-PREEMPTION_MODES = ("swap", "recompute")
-
-
-@dataclass(frozen=True)
-class TierStats:
-    """A worker's KV tiers (engine/tiers/): occupancy now, movements cumulative."""
-    host_blocks_used: int = 0
-    host_blocks_total: int = 0
-    disk_blocks_used: int = 0
-    disk_blocks_total: int = 0
-    page_ins: int = 0              # cached blocks paged back into the device on a prefix hit
-    page_outs: int = 0             # cached blocks moved down a tier
-    bytes_moved: int = 0           # between tiers, swaps included
-    swap_preemptions: int = 0
-    recompute_preemptions: int = 0
-
-    @classmethod
-    def from_engine(cls, s) -> "TierStats":
-        """From an engine.llm_engine.EngineStats."""
-        return cls(s.kv_host_blocks_used, s.kv_host_blocks_total, s.kv_disk_blocks_used,
-                   s.kv_disk_blocks_total, s.kv_page_ins, s.kv_page_outs, s.kv_bytes_moved,
-                   s.swap_preemptions, s.recompute_preemptions)
-
-
-@dataclass
-class WorkerStats:
-    """What a worker reports about itself (one Ray call per stats interval)."""
-    worker_id: str
-    pool: str                      # "prefill" | "decode" | "colocated"
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_queried_tokens: int     # cumulative
-    prefix_hit_tokens: int         # cumulative
-    lease_expiries: int = 0        # cumulative
-    leases_active: int = 0
-    preemptions: int = 0           # cumulative
-    tiers: TierStats = field(default_factory=TierStats)
 
 
 class Metrics:
@@ -91,72 +56,19 @@ class Metrics:
         self.transfer_failures = C("pdserve_transfer_failures", "KV transfers that failed", registry=r)
         self.frontend_queue = G("pdserve_frontend_queue_depth", "Requests admitted and not finished",
                                 registry=r)
-        labels = ["worker", "pool"]
-        self.running = G("pdserve_requests_running", "Running requests per worker", labels, registry=r)
-        self.waiting = G("pdserve_requests_waiting", "Waiting requests per worker", labels, registry=r)
-        self.kv_used = G("pdserve_kv_blocks_used", "KV blocks in use per worker", labels, registry=r)
-        self.kv_total = G("pdserve_kv_blocks_total", "KV blocks per worker", labels, registry=r)
-        self.kv_usage = G("pdserve_kv_usage_ratio", "KV block usage per worker (0-1)", labels, registry=r)
-        self.prefix_queried = G("pdserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the "
-                                "prefix cache (cumulative, per worker)", labels, registry=r)
-        self.prefix_hit = G("pdserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache "
-                            "(cumulative, per worker)", labels, registry=r)
-        self.lease_expiries = G("pdserve_lease_expiries", "KV leases that expired unread (cumulative, "
-                                "per worker)", labels, registry=r)
-        self.leases_active = G("pdserve_leases_active", "KV leases held per worker", labels, registry=r)
-        self.preemptions = G("pdserve_preemptions", "Preemptions (cumulative, per worker)", labels,
-                             registry=r)
+        self.workers = WorkerSeries()
+        r.register(self.workers)
+        self._vllm: VllmNames | None = None
 
-        tier_labels = labels + ["tier"]
-        self.tier_blocks_used = G("pdserve_kv_tier_blocks_used", "KV blocks held per tier (device, host, "
-                                  "disk) per worker", tier_labels, registry=r)
-        self.tier_blocks_total = G("pdserve_kv_tier_blocks_total", "KV block capacity per tier per worker",
-                                   tier_labels, registry=r)
-        self.page_ins = G("pdserve_kv_page_ins", "Cached KV blocks paged back into the device from host or "
-                          "disk (cumulative, per worker)", labels, registry=r)
-        self.page_outs = G("pdserve_kv_page_outs", "Cached KV blocks moved down a tier instead of being "
-                           "dropped (cumulative, per worker)", labels, registry=r)
-        self.tier_bytes = G("pdserve_kv_tier_bytes_moved", "Bytes moved between KV tiers, swaps included "
-                            "(cumulative, per worker)", labels, registry=r)
-        self.preemptions_by_mode = G("pdserve_preemptions_by_mode", "Preemptions by swap or by recompute "
-                                     "(cumulative, per worker)", labels + ["mode"], registry=r)
+    def export_vllm_names(self, model_name: str, block_size: int) -> None:
+        """Also export the vllm:* series gateways read (cluster/metrics_vllm.py), labelled model_name."""
+        if self._vllm is not None:
+            self.registry.unregister(self._vllm)
+        self._vllm = VllmNames(self, model_name, block_size)
+        self.registry.register(self._vllm)
 
     def observe_worker(self, s: WorkerStats) -> None:
-        lbl = dict(worker=s.worker_id, pool=s.pool)
-        self.running.labels(**lbl).set(s.running)
-        self.waiting.labels(**lbl).set(s.waiting)
-        self.kv_used.labels(**lbl).set(s.kv_blocks_used)
-        self.kv_total.labels(**lbl).set(s.kv_blocks_total)
-        self.kv_usage.labels(**lbl).set(s.kv_blocks_used / max(1, s.kv_blocks_total))
-        self.prefix_queried.labels(**lbl).set(s.prefix_queried_tokens)
-        self.prefix_hit.labels(**lbl).set(s.prefix_hit_tokens)
-        self.lease_expiries.labels(**lbl).set(s.lease_expiries)
-        self.leases_active.labels(**lbl).set(s.leases_active)
-        self.preemptions.labels(**lbl).set(s.preemptions)
-        t = s.tiers
-        for tier, used, total in (("device", s.kv_blocks_used, s.kv_blocks_total),
-                                  ("host", t.host_blocks_used, t.host_blocks_total),
-                                  ("disk", t.disk_blocks_used, t.disk_blocks_total)):
-            self.tier_blocks_used.labels(**lbl, tier=tier).set(used)
-            self.tier_blocks_total.labels(**lbl, tier=tier).set(total)
-        self.page_ins.labels(**lbl).set(t.page_ins)
-        self.page_outs.labels(**lbl).set(t.page_outs)
-        self.tier_bytes.labels(**lbl).set(t.bytes_moved)
-        self.preemptions_by_mode.labels(**lbl, mode="swap").set(t.swap_preemptions)
-        self.preemptions_by_mode.labels(**lbl, mode="recompute").set(t.recompute_preemptions)
+        self.workers.observe(s)
 
     def forget_worker(self, worker_id: str, pool: str) -> None:
-        for g in (self.running, self.waiting, self.kv_used, self.kv_total, self.kv_usage,
-                  self.prefix_queried, self.prefix_hit, self.lease_expiries, self.leases_active,
-                  self.preemptions, self.page_ins, self.page_outs, self.tier_bytes):
-            try:
-                g.remove(worker_id, pool)
-            except KeyError:
-                pass
-        for g, extra in ((self.tier_blocks_used, TIERS), (self.tier_blocks_total, TIERS),
-                         (self.preemptions_by_mode, PREEMPTION_MODES)):
-            for value in extra:
-                try:
-                    g.remove(worker_id, pool, value)
-                except KeyError:
-                    pass
+        self.workers.forget(worker_id)

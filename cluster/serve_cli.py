@@ -72,7 +72,7 @@ HELP = {
     "prefill_failure_policy": "a prefill node lost before its KV was read: 'recompute' on the decode node, "
                               "or 'reprefill' on another prefill node",
     "api_keys_file": "file of 'key tenant' lines; requests then need authorization: Bearer <key>",
-    "tls_cert_file": "server certificate (PEM): turns TLS on",
+    "tls_cert_file": "server certificate (PEM): turns TLS on for the gRPC and the HTTP port",
     "tls_key_file": "server private key (PEM)",
     "tls_client_ca_file": "CA (PEM) client certificates must chain to: turns mutual TLS on",
     "address": "existing Ray cluster to join ('auto', 'ray://...', host:port); empty = start one",

@@ -60,6 +60,8 @@ async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None
     metrics = Metrics()
     backend = backend or make_backend(cfg, metrics)
     await backend.start()
+    info = backend.model_info()
+    metrics.export_vllm_names(info.model_name, info.block_size)   # what inference gateways scrape
     keys = ApiKeys.from_file(cfg.api_keys_file) if cfg.api_keys_file else ApiKeys.from_env()
     tls = (TlsConfig(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file or None)
            if cfg.tls_cert_file else None)
@@ -70,6 +72,6 @@ async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None
     if cfg.http_port != 0:
         from cluster.http import serve_http
         http = await serve_http(grpc_server.runner, cfg, metrics, api_keys=keys,   # shares admission
-                                model_names=cfg.served_model_name)
+                                model_names=cfg.served_model_name, tls=tls)
     msrv = start_metrics_server(metrics, cfg.host, cfg.metrics_port)
     return ServerStack(cfg, metrics, backend, grpc_server, msrv, http)

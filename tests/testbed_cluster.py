@@ -106,7 +106,7 @@ class MultiHostServe:
     def wait_routable(self, worker_id: str, timeout: float = 180) -> None:
         """Until the frontend reports the worker again (its load reports reach the router)."""
         end = time.monotonic() + timeout
-        while self.metric("pdserve_kv_blocks_total", worker=worker_id) is None:
+        while self.metric("pdserve_kv_blocks_capacity", worker=worker_id) is None:
             if time.monotonic() > end:
                 raise AssertionError(f"{worker_id} is not back after {timeout}s: {self.log()[-3000:]}")
             time.sleep(0.5)

@@ -71,7 +71,7 @@ def _check(serve, hf, prompts: dict, outs, max_tokens: int, deadline: float, all
 
 def _wait_gone(serve, worker_id: str, timeout: float = 60) -> None:
     end = time.monotonic() + timeout
-    while serve.metric("pdserve_kv_blocks_total", worker=worker_id) is not None:
+    while serve.metric("pdserve_kv_blocks_capacity", worker=worker_id) is not None:
         assert time.monotonic() < end, f"the frontend still routes to {worker_id} after its host died"
         time.sleep(0.2)
 

@@ -7,6 +7,10 @@ bounded by the number of requests and, optionally, by a duration after which
 nothing new is sent. Requests still running when none has finished for
 `drain_timeout_s` (or `drain_timeout_s` after the duration) are cancelled and
 reported as INCOMPLETE.
+
+Requests go out through a `Sender`: `GrpcSender` (pdserve's gRPC API, the
+default for a `host:port` target) or `OpenAiSender` (cluster/bench/openai_sender.py,
+any OpenAI-compatible HTTP server).
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import grpc
 
@@ -80,13 +84,38 @@ class RunResult:
     not_sent: int = 0                # scheduled after --duration
 
 
-async def run_load(target: str, requests: Sequence[BenchRequest], offsets: Sequence[float],
+class Sender(Protocol):
+    """Sends one request and fills in its result (times, token counts, or an error code)."""
+    async def send(self, req: BenchRequest, request_id: str, res: RequestResult, loop, start: float) -> None: ...
+    async def close(self) -> None: ...
+
+
+class GrpcSender:
+    """pdserve's gRPC Generate stream, the requests spread over cfg.channels connections."""
+
+    def __init__(self, target: str, cfg: RunnerConfig) -> None:
+        opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20)]
+        self.cfg = cfg
+        self._clients = [GenerationClient(target, api_key=cfg.api_key, options=opts) for _ in range(cfg.channels)]
+        self._next = 0
+
+    async def send(self, req: BenchRequest, request_id: str, res: RequestResult, loop, start: float) -> None:
+        self._next += 1
+        await _send(self._clients[self._next % len(self._clients)], _request(req, self.cfg, request_id), res,
+                    loop, start)
+
+    async def close(self) -> None:
+        for c in self._clients:
+            await c.close()
+
+
+async def run_load(target: str | Sender, requests: Sequence[BenchRequest], offsets: Sequence[float],
                    cfg: RunnerConfig, *, tag: str | None = None) -> RunResult:
+    """Send `requests` at `offsets` seconds from the start; `target` is a gRPC host:port or a Sender."""
     if len(offsets) != len(requests):
         raise ValueError(f"{len(requests)} requests but {len(offsets)} send times")
     tag = tag or os.urandom(4).hex()
-    opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20)]
-    clients = [GenerationClient(target, api_key=cfg.api_key, options=opts) for _ in range(cfg.channels)]
+    sender = GrpcSender(target, cfg) if isinstance(target, str) else target
     loop = asyncio.get_running_loop()
     cap = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     bar = _progress(len(requests), cfg.progress)
@@ -104,7 +133,7 @@ async def run_load(target: str, requests: Sequence[BenchRequest], offsets: Seque
             res.cap_wait_s, res.sent_s = now - due, now - start
             results.append(res)
             try:
-                await _send(clients[i % len(clients)], _request(req, cfg, f"bench-{tag}-{i}"), res, loop, start)
+                await sender.send(req, f"bench-{tag}-{i}", res, loop, start)
             except asyncio.CancelledError:
                 res.error_code, res.error = INCOMPLETE, "still running at the drain timeout"
                 raise
@@ -128,8 +157,7 @@ async def run_load(target: str, requests: Sequence[BenchRequest], offsets: Seque
         await asyncio.gather(*pending, return_exceptions=True)
     finally:
         bar.close()
-        for c in clients:
-            await c.close()
+        await sender.close()
     results.sort(key=lambda r: r.index)
     not_sent += len(tasks) - len(results)
     return RunResult(results, max(0.0, last_end[0] - start), not_sent)

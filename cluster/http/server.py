@@ -7,6 +7,9 @@ Port 0 binds any free port (tests); the bound port is returned. uvicorn does
 not install signal handlers here (the serve process owns SIGTERM/SIGINT and
 drains every endpoint itself). Every accepted connection gets TCP_NODELAY so
 each SSE chunk leaves at once instead of waiting on Nagle's algorithm.
+With `tls` (the gRPC port's certificate flags: tls_cert_file, tls_key_file,
+tls_client_ca_file) the port speaks HTTPS only, mutual TLS when a client CA is
+given, so API keys never cross the network in the clear.
 """
 from __future__ import annotations
 
@@ -14,12 +17,13 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from dataclasses import dataclass
 
 import uvicorn
 
 from cluster.config import ServeConfig
-from cluster.grpc_auth import ApiKeys
+from cluster.grpc_auth import ApiKeys, TlsConfig
 from cluster.http.app import create_app
 from cluster.http.state import EndpointState
 from cluster.metrics import Metrics
@@ -66,6 +70,23 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_tls(tls: TlsConfig | None) -> dict:
+    """uvicorn.Config's TLS settings from the gRPC port's: one context, its files read (and checked) here."""
+    if tls is None:
+        return {}
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+        if tls.client_ca_file:
+            ctx.load_verify_locations(tls.client_ca_file)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"cannot use the TLS files for the HTTP endpoint (cert {tls.cert_file}, key "
+                         f"{tls.key_file}, client CA {tls.client_ca_file or '-'}): {e}; give PEM files whose "
+                         "key matches the certificate") from e
+    return dict(ssl_context_factory=lambda config, default: ctx)
+
+
 @dataclass
 class HttpServer:
     host: str
@@ -73,11 +94,12 @@ class HttpServer:
     state: EndpointState
     _server: uvicorn.Server
     _task: asyncio.Task
+    tls: bool = False
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     @property
     def serving(self) -> bool:
@@ -102,16 +124,16 @@ class HttpServer:
 
 async def serve_http(runner: RequestRunner, config: ServeConfig, metrics: Metrics, *,
                      api_keys: ApiKeys | None = None, model_name: str | None = None,
-                     model_names: tuple[str, ...] = ()) -> HttpServer:
+                     model_names: tuple[str, ...] = (), tls: TlsConfig | None = None) -> HttpServer:
     """Start the OpenAI-compatible endpoint on config.host:config.http_port (0 = any free port)
-    over `runner` (pass the gRPC endpoint's runner to share admission and metrics). `model_names`:
-    the served names (aliases, the first listed); default: `model_name`, else the backend's."""
+    over `runner` (pass the gRPC endpoint's runner to share admission and metrics); HTTPS with `tls`.
+    `model_names`: the served names (aliases, the first listed); default: `model_name`, else the backend's."""
     app = create_app(runner, metrics, model_names=model_names or ((model_name,) if model_name else ()),
                      api_keys=api_keys,
                      request_timeout=config.request_timeout, write_timeout=config.stream_write_timeout)
     sock = bind(config.host, config.http_port)
     cfg = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, http=nodelay_protocol(),
-                         timeout_keep_alive=30, ws="none")
+                         timeout_keep_alive=30, ws="none", **uvicorn_tls(tls))
     server = _Server(cfg)
     port = sock.getsockname()[1]
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -121,6 +143,7 @@ async def serve_http(runner: RequestRunner, config: ServeConfig, metrics: Metric
             task.result()    # raises the startup error
             raise RuntimeError(f"the HTTP endpoint on {config.host}:{port} did not start")
         await asyncio.sleep(0.01)
-    out = HttpServer(config.host, port, app.state.pdserve, server, task)
-    log.info("OpenAI-compatible HTTP endpoint on %s (api keys=%s)", out.url, api_keys is not None)
+    out = HttpServer(config.host, port, app.state.pdserve, server, task, tls=tls is not None)
+    log.info("OpenAI-compatible HTTP endpoint on %s (api keys=%s, tls=%s)", out.url, api_keys is not None,
+             "mutual" if tls and tls.client_ca_file else tls is not None)
     return out

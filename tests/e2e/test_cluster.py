@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import urllib.request
 
 import grpc
 import pytest
@@ -132,6 +133,54 @@ def test_health_model_info_and_metrics(cluster):
                  "pdserve_queue_time_seconds", "pdserve_lease_expiries", "pdserve_transfer_failures",
                  "pdserve_requests_waiting", "pdserve_kv_usage_ratio", "pdserve_prefix_cache_queried_tokens"):
         assert name in names, name
+
+
+def test_gateway_metrics_under_vllm_names_while_requests_run(cluster):
+    """What a Kubernetes inference gateway scrapes (vllm:* beside pdserve_*), from the running
+    cluster's metrics port, taken while requests stream."""
+    def families(url: str) -> dict:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+
+    def one(fams, name, sample=None):
+        (v,) = [s.value for s in fams[name].samples if s.name == (sample or name)]
+        return v
+
+    async def scrape_while_streaming(n=4):
+        async with GenerationClient(cluster.target) as c:
+            streams = [c.generate(prompt_token_ids=list(range(3 + i, 60 + i)), max_tokens=300, temperature=0.0,
+                                  ignore_eos=True) for i in range(n)]
+            for s in streams:
+                await anext(s)   # every request has its first token: all are held by the frontend
+            loop = asyncio.get_running_loop()
+            out = await loop.run_in_executor(None, families, cluster.stack.metrics_server.url)
+            for s in streams:
+                await s.aclose()
+            return out
+
+    model = cluster.backend.model_info().model_name
+    f = asyncio.run(scrape_while_streaming())
+    assert {f[n].type for n in ("vllm:num_requests_waiting", "vllm:num_requests_running",
+                                "vllm:kv_cache_usage_perc", "vllm:cache_config_info")} == {"gauge"}
+    held = one(f, "pdserve_frontend_queue_depth")
+    assert held >= 4
+    waiting, running = one(f, "vllm:num_requests_waiting"), one(f, "vllm:num_requests_running")
+    assert waiting == min(held, sum(s.value for s in f["pdserve_requests_waiting"].samples))
+    assert waiting + running == held
+    used = sum(s.value for s in f["pdserve_kv_blocks_used"].samples)
+    capacity = sum(s.value for s in f["pdserve_kv_blocks_capacity"].samples)
+    assert one(f, "vllm:kv_cache_usage_perc") == pytest.approx(used / capacity)
+    (info,) = f["vllm:cache_config_info"].samples
+    assert info.labels == {"block_size": str(BS), "num_gpu_blocks": str(int(capacity)), "model_name": model}
+    assert f["vllm:prompt_tokens"].type == "counter"
+    assert one(f, "vllm:prompt_tokens", "vllm:prompt_tokens_total") == one(f, "pdserve_prompt_tokens",
+                                                                            "pdserve_prompt_tokens_total")
+    ttft = [s for s in f["vllm:time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    assert [s.labels for s in ttft] == [{"model_name": model}]
+    assert ttft[0].value == one(f, "pdserve_time_to_first_token_seconds",
+                                "pdserve_time_to_first_token_seconds_count")
+    assert f["pdserve_prefix_cache_hit_tokens"].type == "counter"
+    cluster.wait_idle()
 
 
 def test_dead_decode_worker_fails_requests_with_unavailable_then_recovers(cluster, hf):

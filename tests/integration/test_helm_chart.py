@@ -9,6 +9,7 @@ rendered pdserve config against cluster/config.py ServeConfig.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shlex
 import shutil
@@ -25,6 +26,8 @@ from cluster.config import ServeConfig
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "pdserve"
 KUBERAY_SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay"
+INFERENCEPOOL_CRD = Path(__file__).resolve().parent / "schemas" / "inference.networking.k8s.io_inferencepools.yaml"
+DASHBOARD = CHART / "dashboards" / "pdserve.json"
 RELEASE, NAMESPACE = "demo", "serving"
 KUBE_VERSIONS = ("1.27.0", "1.35.0")     # the chart's minimum (gRPC probes GA) and current
 POOLS = ("prefill", "decode")
@@ -43,6 +46,9 @@ SCENARIOS: dict[str, list[str]] = {
                   "--set", "config.model=/models/smollm2", "--set", "config.colocated=true",
                   "--set", "workerGroups.prefill.replicas=0", "--set", "workerGroups.prefill.minReplicas=0",
                   "--set", "config.decode_workers=3", "--set", "networkPolicy.enabled=true"],
+    # Gateway API Inference Extension: InferencePool + endpoint picker; Grafana dashboard ConfigMap
+    "gateway": ["--set", "inferencePool.enabled=true", "--set", "grafanaDashboard.enabled=true",
+                "--set", "grafanaDashboard.namespace=monitoring", "--set", "networkPolicy.enabled=true"],
 }
 
 
@@ -81,6 +87,13 @@ def one(docs, kind: str, name_suffix: str = "") -> dict:
     found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(name_suffix)]
     assert len(found) == 1, f"expected one {kind}*{name_suffix}, got {[d['metadata']['name'] for d in found]}"
     return found[0]
+
+
+def frontend_service(docs) -> dict:
+    """The head's Service (the endpoint picker, when deployed, has one too)."""
+    (svc,) = [d for d in docs if d["kind"] == "Service"
+              and d["metadata"]["labels"].get("app.kubernetes.io/component") == "frontend"]
+    return svc
 
 
 def rendered_config(docs) -> dict:
@@ -128,14 +141,16 @@ def test_template_renders_expected_objects(scenario):
     docs = render(scenario)
     kinds = sorted(d["kind"] for d in docs)
     for kind in ("ConfigMap", "RayCluster", "Service"):
-        assert kinds.count(kind) == 1, kinds
+        assert kinds.count(kind) == 1 + (scenario == "gateway") * {"ConfigMap": 2, "Service": 1}.get(kind, 0), kinds
     pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
     groups = {d["spec"]["selector"]["matchLabels"].get("ray.io/group") for d in pdbs}
     rc = one(docs, "RayCluster")
     live = {g["groupName"] for g in rc["spec"]["workerGroupSpecs"] if g["replicas"] > 0}
     assert live <= groups
     assert ("ServiceMonitor" in kinds) == (scenario in ("gpu", "copy"))
-    assert ("NetworkPolicy" in kinds) == (scenario in ("gpu", "colocated"))
+    assert ("NetworkPolicy" in kinds) == (scenario in ("gpu", "colocated", "gateway"))
+    for kind in ("InferencePool", "Deployment", "Role", "RoleBinding", "ServiceAccount"):
+        assert kinds.count(kind) == (scenario == "gateway"), (kind, kinds)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -168,9 +183,11 @@ def test_manifests_validate_against_kubernetes_schemas(scenario, kube_version, o
                        "metadata": {"name": "x", **t.get("metadata", {})}, "spec": t["spec"]}
                 kv.validate(pod, kube_version, strict=True)
                 checked += 1
+        elif doc["apiVersion"].startswith("inference.networking.k8s.io/"):
+            continue   # a CRD: test_inferencepool_validates_against_its_crd
         elif doc["apiVersion"].startswith("monitoring.coreos.com/"):
             # Prometheus Operator CRD: no schema shipped here; check what the chart relies on.
-            svc_ports = {p["name"] for p in one(render(scenario), "Service")["spec"]["ports"]}
+            svc_ports = {p["name"] for p in frontend_service(render(scenario))["spec"]["ports"]}
             assert {e["port"] for e in doc["spec"]["endpoints"]} <= svc_ports
         else:
             kv.validate(doc, kube_version, strict=True)
@@ -264,7 +281,7 @@ def test_ports_agree_between_config_service_probes_and_container(scenario):
     cfg = ServeConfig(**{k: v for k, v in rendered_config(docs).items() if k in ServeConfig.keys()})
     head = dict(ray_containers(docs))["head"]
     container_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
-    service_ports = {p["name"]: p for p in one(docs, "Service")["spec"]["ports"]}
+    service_ports = {p["name"]: p for p in frontend_service(docs)["spec"]["ports"]}
     assert container_ports["grpc"] == cfg.grpc_port == service_ports["grpc"]["port"]
     assert container_ports["pdserve-metrics"] == cfg.metrics_port == service_ports["metrics"]["port"]
     if cfg.http_port:
@@ -355,7 +372,7 @@ def test_pools_are_pinned_by_ray_resources_and_share_transfer_env(scenario):
 def test_selectors_match_what_kuberay_labels(scenario):
     docs = render(scenario)
     name = one(docs, "RayCluster")["metadata"]["name"]
-    selector = one(docs, "Service")["spec"]["selector"]
+    selector = frontend_service(docs)["spec"]["selector"]
     assert selector == {"ray.io/cluster": name, "ray.io/node-type": "head"}
     for pdb in (d for d in docs if d["kind"] == "PodDisruptionBudget"):
         labels = pdb["spec"]["selector"]["matchLabels"]
@@ -380,3 +397,141 @@ def test_model_storage_mounts_reach_every_ray_pod():
             else:
                 assert volumes["model"]["hostPath"]["path"] == "/data/models"
                 assert mounts["model"]["readOnly"] is True
+
+
+# ---- Kubernetes inference gateways and Grafana --------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def inferencepool_schema() -> dict:
+    crd = yaml.safe_load(INFERENCEPOOL_CRD.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def inferencepool_errors(pool: dict) -> list[str]:
+    """What an API server with the InferencePool CRD would refuse or prune: the structural
+    schema (jsonschema), unknown fields, and the CRD's two CEL rules (evaluated here)."""
+    import jsonschema
+
+    schema = inferencepool_schema()
+    errors = [f"{'/'.join(map(str, e.path))}: {e.message}"
+              for e in jsonschema.Draft7Validator(schema).iter_errors(pool)]
+    errors += [f"unknown field {f}" for f in unknown_fields(pool["spec"], schema["properties"]["spec"], "spec")]
+    ref = pool["spec"].get("endpointPickerRef", {})
+    if ref.get("kind", "Service") == "Service" and "port" not in ref:
+        errors.append("endpointPickerRef: port is required when kind is 'Service'")
+    numbers = [p.get("number") for p in pool["spec"].get("targetPorts", [])]
+    if len(numbers) != len(set(numbers)):
+        errors.append("targetPorts: port number must be unique")
+    return errors
+
+
+def test_inferencepool_validates_against_its_crd():
+    pool = one(render("gateway"), "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert inferencepool_errors(pool) == []
+
+
+@pytest.mark.parametrize("mutate, error", [
+    (lambda s: s.update(targetPortNumber=8000), "unknown field spec.targetPortNumber"),   # the v1alpha2 shape
+    (lambda s: s["endpointPickerRef"].pop("port"), "port is required"),
+    (lambda s: s["targetPorts"].append(dict(s["targetPorts"][0])), "must be unique"),
+    (lambda s: s["endpointPickerRef"].update(failureMode="Open"), "is not one of"),
+], ids=["old-field", "no-picker-port", "duplicate-port", "bad-failure-mode"])
+def test_inferencepool_check_is_not_vacuous(mutate, error):
+    import copy
+    pool = copy.deepcopy(one(render("gateway"), "InferencePool"))
+    mutate(pool["spec"])
+    assert any(error in e for e in inferencepool_errors(pool)), inferencepool_errors(pool)
+
+
+def test_inferencepool_selects_the_head_on_its_http_port_and_names_the_deployed_picker():
+    docs = render("gateway")
+    pool = one(docs, "InferencePool")
+    rc = one(docs, "RayCluster")
+    head = dict(ray_containers(docs))["head"]
+    # KubeRay adds ray.io/cluster and ray.io/node-type to the head pod's own labels
+    head_labels = {**rc["spec"]["headGroupSpec"]["template"]["metadata"]["labels"],
+                   "ray.io/cluster": rc["metadata"]["name"], "ray.io/node-type": "head"}
+    selector = pool["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= head_labels.items()
+    for group in rc["spec"]["workerGroupSpecs"]:   # never a worker pod
+        worker_labels = {**group["template"]["metadata"].get("labels", {}),
+                         "ray.io/cluster": rc["metadata"]["name"], "ray.io/node-type": "worker"}
+        assert not selector.items() <= worker_labels.items()
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert pool["spec"]["targetPorts"] == [{"number": ports["http"]}] == [{"number": rendered_config(docs)["http_port"]}]
+
+    ref = pool["spec"]["endpointPickerRef"]
+    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == ref["name"]]
+    (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert ref["port"]["number"] in {p["port"] for p in svc["spec"]["ports"]}
+    assert svc["spec"]["selector"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+    pod = deploy["spec"]["template"]["spec"]
+    (epp,) = pod["containers"]
+    args = dict(a[2:].split("=", 1) for a in epp["args"])
+    assert args["pool-name"] == pool["metadata"]["name"] and args["pool-namespace"] == NAMESPACE
+    assert args["pool-group"] == "inference.networking.k8s.io"
+    assert args["model-server-metrics-scheme"] == "http" and args["model-server-metrics-path"] == "/metrics"
+    svc_target = next(p["targetPort"] for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"])
+    assert {p["name"]: p["containerPort"] for p in epp["ports"]}[svc_target] == int(args["grpc-port"])
+    # its config file is the mounted ConfigMap's, and it is an EndpointPickerConfig
+    mount = next(m for m in epp["volumeMounts"])
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    config_map = one(docs, "ConfigMap", volume["configMap"]["name"])
+    filename = Path(args["config-file"]).relative_to(mount["mountPath"])
+    picker = yaml.safe_load(config_map["data"][str(filename)])
+    assert picker["kind"] == "EndpointPickerConfig"
+    names = {p.get("name", p["type"]) for p in picker["plugins"]}
+    assert {r["pluginRef"] for prof in picker["schedulingProfiles"] for r in prof["plugins"]} <= names
+    # RBAC: it may read its pool and the pods, nothing more
+    role = one(docs, "Role")
+    readable = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert {("inference.networking.k8s.io", "inferencepools"), ("", "pods")} <= readable
+    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in role["rules"])
+    binding = one(docs, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
+
+
+def test_endpoint_picker_scrapes_https_when_the_http_port_serves_tls():
+    out = helm("template", RELEASE, str(CHART), "--set", "inferencePool.enabled=true",
+               "--set", "config.tls_cert_file=/tls/tls.crt", "--set", "config.tls_key_file=/tls/tls.key").stdout
+    (deploy,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"]
+    assert "--model-server-metrics-scheme=https" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_inferencepool_with_an_existing_picker_deploys_none():
+    out = helm("template", RELEASE, str(CHART), "--set", "inferencePool.enabled=true",
+               "--set", "inferencePool.endpointPicker.deploy=false",
+               "--set", "inferencePool.endpointPicker.serviceName=shared-epp").stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    assert not [d for d in docs if d["kind"] in ("Deployment", "Role", "ServiceAccount")]
+    assert one(docs, "InferencePool")["spec"]["endpointPickerRef"]["name"] == "shared-epp"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "inferencePool.enabled=true", "--set", "config.http_port=0"], "set config.http_port"),
+    (["--set", "inferencePool.enabled=true", "--set", "inferencePool.endpointPicker.deploy=false"],
+     "endpointPicker.serviceName"),
+    (["--set", "inferencePool.enabled=true", "--set", "inferencePool.endpointPicker.failureMode=Open"],
+     "failureMode"),
+], ids=["http-off", "no-picker", "bad-failure-mode"])
+def test_bad_gateway_values_fail_with_a_message(args, message):
+    run = helm("template", RELEASE, str(CHART), *args, check=False)
+    assert run.returncode != 0 and message in run.stderr, run.stderr
+
+
+def test_helm_lint_strict_with_gateway_and_dashboard():
+    run = helm("lint", "--strict", str(CHART), *SCENARIOS["gateway"])
+    assert "0 chart(s) failed" in run.stdout
+
+
+def test_grafana_dashboard_configmap_carries_the_dashboard():
+    docs = render("gateway")
+    cm = one(docs, "ConfigMap", "-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert json.loads(cm["data"]["pdserve.json"]) == json.loads(DASHBOARD.read_text())
+    assert (ROOT / "deploy" / "grafana" / "pdserve.json").resolve() == DASHBOARD.resolve()
+    assert not [d for d in render("default") if d["metadata"]["name"].endswith("-dashboard")]

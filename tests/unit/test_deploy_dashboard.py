@@ -26,9 +26,9 @@ REQUIRED = {
     "KV usage": "pdserve_kv_blocks_used",
     "transfer bytes": "pdserve_kv_transfer_bytes_sum",
     "transfer seconds": "pdserve_kv_transfer_seconds_bucket",
-    "prefix hits": "pdserve_prefix_cache_hit_tokens",
-    "prefix queries": "pdserve_prefix_cache_queried_tokens",
-    "lease expiries": "pdserve_lease_expiries",
+    "prefix hits": "pdserve_prefix_cache_hit_tokens_total",
+    "prefix queries": "pdserve_prefix_cache_queried_tokens_total",
+    "lease expiries": "pdserve_lease_expiries_total",
     "requests by outcome": "pdserve_requests_total",
     "routing decisions": "pdserve_routing_decisions_total",
 }
@@ -95,6 +95,24 @@ def test_histogram_buckets_only_inside_histogram_quantile_by_le(dashboard):
     for expr in expressions(dashboard):
         if "_bucket" in expr:
             assert "histogram_quantile(" in expr and re.search(r"by \(le\b", expr), expr
+
+
+def test_rate_and_increase_only_read_counters(dashboard):
+    """rate() of a gauge is meaningless (and of a cumulative gauge wrong after a restart):
+    every series under rate()/increase()/irate() is a counter or a histogram's counters."""
+    kinds = {}
+    for family in Metrics().registry.collect():
+        if family.type == "counter":
+            kinds[family.name + "_total"] = "counter"
+        elif family.type == "histogram":
+            kinds.update({family.name + s: "counter" for s in ("_bucket", "_sum", "_count")})
+        else:
+            kinds[family.name] = family.type
+    rated = [(fn, name) for e in expressions(dashboard)
+             for fn, name in re.findall(r"\b(rate|irate|increase)\(\s*(pdserve_[A-Za-z0-9_]+)", e)]
+    assert rated
+    wrong = sorted({name for fn, name in rated if kinds.get(name) != "counter"})
+    assert not wrong, f"{wrong} are not counters: apply rate()/increase() to counters only"
 
 
 def test_promtool_parses_every_expression(dashboard, tmp_path):

@@ -40,10 +40,10 @@ def test_tier_figures_are_exported_per_worker_and_forgotten():
         return m.registry.get_sample_value(name, dict(worker="d0", pool="decode", **labels))
 
     assert [value("pdserve_kv_tier_blocks_used", tier=t) for t in ("device", "host", "disk")] == [3, 7, 2]
-    assert [value("pdserve_kv_tier_blocks_total", tier=t) for t in ("device", "host", "disk")] == [10, 40, 80]
-    assert (value("pdserve_kv_page_ins"), value("pdserve_kv_page_outs"), value("pdserve_kv_tier_bytes_moved")) \
+    assert [value("pdserve_kv_tier_blocks_capacity", tier=t) for t in ("device", "host", "disk")] == [10, 40, 80]
+    assert (value("pdserve_kv_page_ins_total"), value("pdserve_kv_page_outs_total"), value("pdserve_kv_tier_bytes_moved_total")) \
         == (11, 13, 4096)
-    assert (value("pdserve_preemptions_by_mode", mode="swap"),
-            value("pdserve_preemptions_by_mode", mode="recompute")) == (4, 1)
+    assert (value("pdserve_preemptions_by_mode_total", mode="swap"),
+            value("pdserve_preemptions_by_mode_total", mode="recompute")) == (4, 1)
     m.forget_worker("d0", "decode")
-    assert value("pdserve_kv_tier_blocks_used", tier="host") is None and value("pdserve_kv_page_ins") is None
+    assert value("pdserve_kv_tier_blocks_used", tier="host") is None and value("pdserve_kv_page_ins_total") is None

@@ -154,3 +154,32 @@ failureThreshold: {{ .probe.failureThreshold }}
 timeoutSeconds: {{ . }}
 {{- end }}
 {{- end }}
+
+{{/* The InferencePool's name: inferencePool.name or the release's full name. */}}
+{{- define "pdserve.inferencePoolName" -}}
+{{- .Values.inferencePool.name | default (include "pdserve.fullname" .) }}
+{{- end }}
+
+{{/* The endpoint picker's Service: an existing one (endpointPicker.serviceName) or the chart's. */}}
+{{- define "pdserve.eppServiceName" -}}
+{{- $epp := .Values.inferencePool.endpointPicker -}}
+{{- if $epp.deploy }}
+{{- printf "%s-epp" (include "pdserve.inferencePoolName" .) | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- if not $epp.serviceName }}{{ fail "inferencePool.endpointPicker.deploy=false needs inferencePool.endpointPicker.serviceName, the Service of your endpoint picker" }}{{ end }}
+{{- $epp.serviceName }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.eppSelector" -}}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/component: endpoint-picker
+{{- end }}
+
+{{/* The pool's target port: the head's HTTP port (OpenAI API and /metrics); it must be on. */}}
+{{- define "pdserve.inferencePoolPort" -}}
+{{- $cfg := .Values.config -}}
+{{- $port := hasKey $cfg "http_port" | ternary $cfg.http_port 8000 | int -}}
+{{- if not $port }}{{ fail "inferencePool.enabled needs the HTTP port: set config.http_port (it is 0, off)" }}{{ end }}
+{{- $port }}
+{{- end }}
