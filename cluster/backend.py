@@ -49,6 +49,7 @@ class ModelInfoData:
     block_size: int
     vocab_size: int
     pools: dict[str, int]                  # pool name -> number of workers
+    kv_cache_dtype: str = "auto"           # folded into block hashes (engine.block_hash.root_hash)
 
 
 class GenerationBackend(abc.ABC):

@@ -281,7 +281,7 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
         for ref in self.workers.values():
             pools[ref.pool] = pools.get(ref.pool, 0) + 1
         return ModelInfoData(self.model_path.name, self.config.max_model_len, self.config.block_size,
-                             self._tokenizer.vocab_size, pools)
+                             self._tokenizer.vocab_size, pools, self.config.kv_cache_dtype)
 
     def tokenizer(self):
         return self._tokenizer
