@@ -4,6 +4,7 @@ Prefills ``batch`` random prompts of ``ctx`` tokens, then times ``steps``
 decode steps through ModelRunner.execute (metadata build included).
 Prints one JSON line.  Usage:
   python benchmarks/decode_step.py --batch 1 16 --dtype float32 bfloat16 --ctx 128
+  python benchmarks/decode_step.py --batch 16 --dtype float32 --kv-cache-dtype auto int8 fp8_e4m3
 """
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput  # noqa: E402
 
 
-def run(cfg, state, batch: int, ctx: int, steps: int, dtype: str, block_size: int) -> dict:
+def run(cfg, state, batch: int, ctx: int, steps: int, dtype: str, block_size: int,
+        kv_cache_dtype: str = "auto") -> dict:
     blocks_per = -(-(ctx + steps + 1) // block_size)
     runner = ModelRunner(cfg, state, cache_config=CacheConfig(block_size=block_size,
-                                                              num_blocks=batch * blocks_per + 1),
+                                                              num_blocks=batch * blocks_per + 1,
+                                                              kv_cache_dtype=kv_cache_dtype),
                          max_model_len=blocks_per * block_size, dtype=dtype)
     rng = random.Random(0)
     ids = list(range(1, batch * blocks_per + 1))
@@ -59,7 +62,7 @@ def run(cfg, state, batch: int, ctx: int, steps: int, dtype: str, block_size: in
     times.sort()
     med = times[len(times) // 2]
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    return {"batch": batch, "ctx": ctx, "dtype": dtype, "step_ms_median": round(med * 1e3, 2),
+    return {"batch": batch, "ctx": ctx, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "step_ms_median": round(med * 1e3, 2),
             "step_ms_min": round(times[0] * 1e3, 2), "tok_per_s": round(batch / med, 1),
             "prefill_tok_per_s": round(batch * ctx / prefill_s, 1),
             "weight_MB": round(weight_bytes / 1e6, 1),
@@ -74,10 +77,11 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=("auto", "int8", "fp8_e4m3"))
     args = ap.parse_args()
     cfg, state = load_model_source(args.model)
-    results = [run(cfg, state, b, args.ctx, args.steps, d, args.block_size)
-               for d in args.dtype for b in args.batch]
+    results = [run(cfg, state, b, args.ctx, args.steps, d, args.block_size, kv)
+               for d in args.dtype for kv in args.kv_cache_dtype for b in args.batch]
     print(json.dumps({"benchmark": "decode_step", "model": cfg.name,
                       "threads": torch.get_num_threads(), "results": results}))
 
