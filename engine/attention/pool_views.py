@@ -30,6 +30,10 @@ class PlainPoolView:
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         return self.tiles.index_select(0, rows)
 
+    def gather_unscaled(self, rows: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Tiles and their per-token scales (none here: the values are the K/V)."""
+        return self.gather(rows), None
+
 
 class QuantPoolView:
     """int8 / fp8 codes plus one bfloat16 scale per token in each tile."""
@@ -54,11 +58,17 @@ class QuantPoolView:
         self.scales.index_put_((tile, slot), scale)
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        raw = self.tiles.index_select(0, rows)
-        values = self.codec.decode_codes(raw[:, :self.codes_bytes], self.dtype)
-        scale = raw[:, self.codes_bytes:].view(SCALE_DTYPE).to(self.dtype)
+        values, scale = self.gather_unscaled(rows)
         values.view(-1, self.block_size, self.head_dim).mul_(scale.unsqueeze(-1))
         return values
+
+    def gather_unscaled(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded codes ``[rows, block_size * head_dim]`` and scales ``[rows, block_size]`` in the
+        model dtype, not yet multiplied: decode attention folds the scales into its scores and
+        probabilities (``block_size`` products per tile instead of ``block_size * head_dim``)."""
+        raw = self.tiles.index_select(0, rows)
+        values = self.codec.decode_codes(raw[:, :self.codes_bytes], self.dtype)
+        return values, raw[:, self.codes_bytes:].view(SCALE_DTYPE).to(self.dtype)
 
 
 def make_pool_view(pool: torch.Tensor, block_size: int, head_dim: int, spec: KVCacheSpec,

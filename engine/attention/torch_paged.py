@@ -151,12 +151,20 @@ class TorchPagedAttention(AttentionBackend):
 
     def _decode(self, plan: TorchPagedPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
         s, d = self.shape, plan.decode
-        k, v = self._gather(plan, d.read_rows[layer], d.num_seqs, d.kv_len)
+        kv, scale = plan.pool.gather_unscaled(d.read_rows[layer].reshape(-1))
+        kv = kv.view(2, d.num_seqs, s.num_kv_heads, d.kv_len, s.head_dim)
+        k, v = kv[0], kv[1]
         qg = q.reshape(d.num_seqs, s.num_kv_heads, s.group_size, s.head_dim)
         # plain matmuls beat SDPA's flash kernel for one query per sequence (3x in bf16);
         # softmax in float32 as HF does
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(s.scale).add_(d.mask)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float()
+        if scale is not None:   # quantized: q.(s_t k_t) = s_t (q.k_t) and sum p_t (s_t v_t) = sum (p_t s_t) v_t
+            scale = scale.view(2, d.num_seqs, s.num_kv_heads, 1, d.kv_len)
+            scores.mul_(scale[0])
+        scores = scores.mul_(s.scale).add_(d.mask)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        if scale is not None:
+            probs = probs.mul_(scale[1])
         return torch.matmul(probs, v).reshape(d.num_seqs, s.num_heads * s.head_dim)
 
     def _prefill(self, plan: TorchPagedPlan, layer: int, q: torch.Tensor, k: torch.Tensor,
