@@ -6,8 +6,9 @@ returning turns still find >= 90% of their cacheable history cached. Here the
 device pool has the same *bytes* for every setting (``--device-kv-memory``),
 so a setting's block count follows from its bytes per block (int8 / fp8_e4m3
 blocks include their scales), and the largest sustained count is found by
-bisection. No host tier. Prints ONE JSON line with the ratios against the
-bf16 and fp32 pools.
+bisection (no burst phase: only the warm-session measure). No host tier.
+Prints ONE JSON line with the ratios against the bf16 and fp32 pools. Session
+counts are integers: a larger pool makes their ratio less coarse.
 
   .venv/bin/python benchmarks/kv_quant_capacity.py                 # SmolLM2-135M, a few minutes
 """
@@ -36,15 +37,24 @@ def _tiering():
     return mod
 
 
-def sustained(tiering, args, hi: int) -> tuple[int, dict]:
-    """Largest n in [0, hi] whose returning turns hit >= 90% (hit ratio falls as n grows)."""
+def _tiny_hd64() -> str:
+    """A random tiny Llama with SmolLM2's head_dim (64): the same bytes-per-block ratios, fast."""
+    import tempfile
+    from tiny_models import make_tiny_model
+    return str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny-hd64", "llama", hidden_size=256, num_heads=4,
+                               num_kv_heads=2, intermediate_size=512))
+
+
+def sustained(tiering, args, hi: int, lo: int = 0) -> tuple[int, dict]:
+    """Largest n in [lo, hi] whose returning turns hit >= 90% (hit ratio falls as n grows)."""
     hits: dict[int, float] = {}
 
     def ok(n: int) -> bool:
         hits[n] = tiering.run(args, n, 0)["returning_history_hit"]
         return hits[n] >= 0.9
 
-    lo = 0
+    if lo and not ok(lo):          # the guess was too high: search below it
+        lo, hi = 0, lo - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if ok(mid):
@@ -56,10 +66,11 @@ def sustained(tiering, args, hi: int) -> tuple[int, dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="", help='HF dir, .gguf; "" = SmolLM2-135M, "tiny" = the random tiny Llama')
+    p.add_argument("--model", default="", help='HF dir, .gguf; "" = SmolLM2-135M, "tiny" = the random tiny Llama (head_dim 16), '
+                        '"tiny-hd64" = a random tiny Llama with head_dim 64')
     p.add_argument("--device-kv-memory", type=int, default=96 * 368640,
                    help="device pool bytes for every setting (default: 96 bf16 SmolLM2 blocks, 35.4 MB)")
-    p.add_argument("--max-sessions", type=int, default=32)
+    p.add_argument("--max-sessions", type=int, default=256)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--history", type=int, default=128)
     p.add_argument("--user", type=int, default=16)
@@ -67,9 +78,9 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=256)
     args = p.parse_args()
     tiering = _tiering()
-    args.model = tiering._model(args.model)
+    args.model = _tiny_hd64() if args.model == "tiny-hd64" else tiering._model(args.model)
     args.weights = load_model_source(args.model or None)
-    args.preemption_mode, args.device_blocks = "auto", 0
+    args.preemption_mode, args.device_blocks, args.no_burst = "auto", 0, True
     out: dict = {}
     t0 = time.perf_counter()
     for dtype, kv in SETTINGS:
@@ -77,7 +88,10 @@ def main() -> None:
         engine = tiering._engine(args, 0)
         blocks, per_block = engine.runner.num_blocks, engine.runner.kv_pool.bytes_per_block
         del engine
-        n, hits = sustained(tiering, args, args.max_sessions)
+        # sessions hold about history + turns x (user + reply) tokens: search around what fits
+        per_session = -(-(args.history + args.turns * (args.user + args.reply)) // 16)
+        guess = blocks // per_session
+        n, hits = sustained(tiering, args, min(args.max_sessions, guess * 3 // 2 + 2), guess * 4 // 5)
         name = kv if kv != "auto" else dtype
         out[name] = {"blocks": blocks, "bytes_per_block": per_block, "sustained_warm_sessions": n,
                      "hit_by_sessions": hits}

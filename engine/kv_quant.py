@@ -80,20 +80,8 @@ class KVCacheSpec:
         return block_size * (head_dim + SCALE_BYTES)
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """K and V of one token, scales included (cluster/planner/capacity.py says the same)."""
         return 2 * num_layers * num_kv_heads * self.tile_bytes(1, head_dim)
-
-    def describe(self) -> str:
-        return str(self.model_dtype).removeprefix("torch.") if not self.quantized else \
-            f"{self.name} (+ a bfloat16 scale per token and KV head)"
-
-
-def model_kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
-                             model_dtype_bytes: int) -> int:
-    """The planner's figure: bytes of K and V of one token at ``kv_cache_dtype``, scales included."""
-    check_kv_cache_dtype(kv_cache_dtype)
-    per_value = model_dtype_bytes if kv_cache_dtype == "auto" else 1
-    scales = 0 if kv_cache_dtype == "auto" else SCALE_BYTES
-    return 2 * num_layers * num_kv_heads * (head_dim * per_value + scales)
 
 
 class KVCodec:

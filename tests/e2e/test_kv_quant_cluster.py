@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -12,6 +13,7 @@ from cluster.client import GenerationClient
 from cluster.config import ServeConfig
 from cluster_harness import Cluster
 from engine import LLM, SamplingParams
+from engine.block_hash import block_hashes
 
 pytestmark = pytest.mark.ray
 BS = 16
@@ -47,6 +49,13 @@ def test_int8_cluster_serves_hands_off_and_pages_to_host(cluster, tiny_llama_dir
     bytes0 = cluster.sample("pdserve_kv_transfer_bytes_sum")
     first = asyncio.run(_complete(cluster.target, a))
     assert first.tokens == expect[tuple(a)]
+    # the workers' KV events carry int8-domain hashes, the ones the frontend computes for routing
+    int8_hashes = block_hashes(a, BS, kv_cache_dtype="int8")
+    deadline = time.monotonic() + 10
+    while not set(int8_hashes) <= set(cluster.backend.router.index.worker_blocks("prefill-0")):
+        assert time.monotonic() < deadline, "the router never saw the prefill node's int8 blocks"
+        time.sleep(0.05)
+    assert not set(block_hashes(a, BS)) & set(cluster.backend.router.index.worker_blocks("prefill-0"))
     for p in others:                              # 7 blocks each: a's blocks leave the 24-block pools
         assert asyncio.run(_complete(cluster.target, p)).tokens == expect[tuple(p)]
         cluster.wait_idle()

@@ -9,7 +9,7 @@ from _runner_helpers import request, sched_seq, step
 from engine import kv_fp8
 from engine.config import CacheConfig, ModelConfig
 from engine.kv_pool import KVPool, bytes_per_block, plan_num_blocks
-from engine.kv_quant import SCALE_DTYPE, KVCacheSpec, KVCodec, model_kv_bytes_per_token
+from engine.kv_quant import SCALE_DTYPE, KVCacheSpec, KVCodec
 from engine.loader import load_model_source
 from engine.model_runner import ModelRunner
 from tiny_models import load_hf_model
@@ -50,9 +50,9 @@ def test_codec_error_is_bounded_by_the_per_token_scale(name):
 
 def test_bytes_per_token_include_the_scales_and_match_the_pool():
     # SmolLM2: 2 x 30 layers x 3 heads x (64 codes + 2 scale bytes) = 11,880 B/token
-    assert model_kv_bytes_per_token(30, 3, 64, "int8", 2) == 11880
-    assert model_kv_bytes_per_token(30, 3, 64, "fp8_e4m3", 4) == 11880
-    assert model_kv_bytes_per_token(30, 3, 64, "auto", 2) == 23040
+    assert KVCacheSpec("int8", torch.bfloat16).bytes_per_token(30, 3, 64) == 11880
+    assert KVCacheSpec("fp8_e4m3", torch.float32).bytes_per_token(30, 3, 64) == 11880
+    assert KVCacheSpec("auto", torch.bfloat16).bytes_per_token(30, 3, 64) == 23040
     assert bytes_per_block(SMOL, 16, torch.bfloat16, "int8") == 11880 * 16
     bf16 = plan_num_blocks(SMOL, CacheConfig(kv_cache_memory_bytes=1 << 30), torch.bfloat16, 1024)
     fp32 = plan_num_blocks(SMOL, CacheConfig(kv_cache_memory_bytes=1 << 30), torch.float32, 1024)
