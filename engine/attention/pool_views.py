@@ -68,7 +68,7 @@ class QuantPoolView:
         probabilities (``block_size`` products per tile instead of ``block_size * head_dim``)."""
         raw = self.tiles.index_select(0, rows)
         values = self.codec.decode_codes(raw[:, :self.codes_bytes], self.dtype)
-        return values, raw[:, self.codes_bytes:].view(SCALE_DTYPE).to(self.dtype)
+        return values, raw[:, self.codes_bytes:].view(SCALE_DTYPE).to(self.dtype).contiguous()
 
 
 def make_pool_view(pool: torch.Tensor, block_size: int, head_dim: int, spec: KVCacheSpec,

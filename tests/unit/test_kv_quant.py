@@ -103,3 +103,25 @@ def test_pool_bytes_decode_to_transformers_kv(tiny_llama_dir, name, tol):
         assert err.max() > 1e-4                             # quantized, not stored as is
     untouched = [b for b in range(16) if b not in blocks]
     assert torch.count_nonzero(runner.kv_pool.tensor[untouched]) == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_decode_steps_read_what_a_whole_prefill_attends_to(tiny_llama_dir, name, dtype):
+    """Decode folds the per-token scales into scores and probabilities; a single prefill attends over
+    the quantize-dequantize round trip: both read the same values, so the last token's logits agree."""
+    cfg, sd = load_model_source(tiny_llama_dir)
+    prompt, extra = [7, 99, 23, 150, 42, 8, 61, 77, 5], [11, 12, 13]
+    cache = CacheConfig(block_size=4, num_blocks=16, kv_cache_dtype=name)
+    stepped = ModelRunner(cfg, sd, cache_config=cache, max_model_len=64, dtype=dtype)
+    req = request("p", prompt)
+    step(stepped, [sched_seq(req, len(prompt), [3, 4, 5])])
+    for tok in extra:
+        req.append_output_token(tok)
+        logits = step(stepped, [sched_seq(req, 1, [3, 4, 5, 6])])
+    whole = ModelRunner(cfg, sd, cache_config=cache, max_model_len=64, dtype=dtype)
+    ref = step(whole, [sched_seq(request("w", prompt + extra), len(prompt) + 3, [8, 1, 2])])
+    assert logits.dtype == torch.float32
+    assert int(logits[0].argmax()) == int(ref[0].argmax())
+    tol = 1e-3 if dtype == "float32" else 0.05
+    assert (logits[0] - ref[0]).abs().max() < tol * ref[0].abs().max()
