@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve | generate | bench | plan | simulate | testbed.
+"""`pdserve` command line: serve | generate | bench | plan | simulate | testbed | export-tokenizer.
 
 Each subcommand lives in its own module exposing `register(subparsers)`,
 which adds its parser and sets `func(args) -> int`. Modules are imported
@@ -11,6 +11,8 @@ import importlib
 import os
 import sys
 
+from cluster.version import version
+
 SUBCOMMANDS = {
     "serve": "cluster.serve_cli",
     "generate": "cluster.generate_cli",
@@ -18,11 +20,13 @@ SUBCOMMANDS = {
     "plan": "cluster.planner.cli",
     "simulate": "cluster.sim.cli",
     "testbed": "cluster.testbed.cli",
+    "export-tokenizer": "cluster.export_tokenizer_cli",
 }
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser.add_argument("--version", action="version", version=f"pdserve {version()}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, module in SUBCOMMANDS.items():
         if only is not None and name != only:

@@ -26,6 +26,8 @@ ROUTER_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 TRANSFER_BACKENDS = ("auto", "nixl", "ucxx", "tcp")
 PREFILL_FAILURE_POLICIES = ("recompute", "reprefill")
+DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE_RE = re.compile(r"^(cpu|cuda|xpu|mps)(:\d+)?$")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
 
@@ -42,7 +44,8 @@ def parse_size(value: str | int) -> int:
 @dataclass(frozen=True)
 class ServeConfig:
     # model and engine
-    model: str = ""                       # HF dir or .gguf; "" = the default SmolLM2 GGUF
+    model: str = ""                       # HF dir, .gguf or cached HF model id; "" = the default SmolLM2 GGUF
+    served_model_name: tuple[str, ...] = ()   # names requests may use; the first is listed; () = from model
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16
@@ -54,7 +57,7 @@ class ServeConfig:
     disk_kv_dir: str = ""                 # directory of the disk tier's file
     disk_kv_bytes: str = "0"              # per worker: the disk tier's file never exceeds this
     preemption_mode: str = "auto"         # auto (cost rule: swap vs recompute) | swap | recompute
-    max_model_len: int = 4096
+    max_model_len: int = 0                # 0 = the model's own context (max_position_embeddings)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # endpoints
@@ -84,6 +87,8 @@ class ServeConfig:
     transfer_backend: str = "auto"
     lease_ttl: float = 30.0               # seconds a prefill node pins handed-off blocks
     transfer_timeout: float = 10.0
+    reserve_decode_blocks: bool = True    # reserve the decode node's KV blocks while the prompt is prefilled
+    pipelined_handoff: bool = True        # ... and read the prompt's blocks as prefill chunks complete them
     # admission
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1_000_000
@@ -108,6 +113,16 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         parse_log_levels(self.log_level)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not _DEVICE_RE.match(self.device) or self.device.startswith(("cpu:", "mps:")):
+            raise ValueError(f"device must be cpu, cuda, cuda:N, xpu[:N] or mps, got {self.device!r}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0 tokens (0 = the model's own context), "
+                             f"got {self.max_model_len}")
+        for name in self.served_model_name:
+            if not isinstance(name, str) or not name.strip() or name != name.strip():
+                raise ValueError(f"served_model_name {name!r}: give non-empty names without surrounding spaces")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, "
                              f"got {self.router_policy!r}")
@@ -162,10 +177,12 @@ class ServeConfig:
                      overrides: Mapping[str, Any] | None = None) -> "ServeConfig":
         values: dict[str, Any] = {}
         if yaml_path:
-            values.update(_read_yaml(yaml_path))
-        values.update(_read_env(os.environ if env is None else env))
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        return cls(**_coerce(values))
+            values.update(_coerce(_read_yaml(yaml_path), lambda k: f"{yaml_path}: key {k!r}"))
+        values.update(_coerce(_read_env(os.environ if env is None else env),
+                              lambda k: f"PDSERVE_{k.upper()} (config key {k!r})"))
+        values.update(_coerce({k: v for k, v in (overrides or {}).items() if v is not None},
+                              lambda k: f"config key {k!r}"))
+        return cls(**values)
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
@@ -174,7 +191,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the config file must be a mapping of key: value")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    data = {str(k).replace("-", "_"): v for k, v in data.items() if v is not None}   # `key:` alone = default
     unknown = sorted(set(data) - set(ServeConfig.keys()))
     if unknown:
         raise ValueError(f"{path}: unknown config keys {unknown}; valid keys: {', '.join(ServeConfig.keys())}")
@@ -190,23 +207,56 @@ def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def _coerce(values: dict[str, Any]) -> dict[str, Any]:
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _coerce(values: dict[str, Any], where) -> dict[str, Any]:
+    """Each value as its field's type, strictly: a bool is one of true/false/yes/no/on/off/1/0
+    (any case), not "anything else is false". `where(key)` names the source in errors."""
     types = {f.name: f.type for f in fields(ServeConfig)}
     out = {}
     for k, v in values.items():
         t = types[k]
         try:
-            if t == "bool" and isinstance(v, str):
-                out[k] = v.strip().lower() in ("1", "true", "yes", "on")
-            elif t == "int" and not isinstance(v, bool):
+            if t == "bool":
+                out[k] = _bool(v)
+            elif t == "int":
+                if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+                    raise ValueError
                 out[k] = int(v)
             elif t == "float":
+                if isinstance(v, bool):
+                    raise ValueError
                 out[k] = float(v)
+            elif t.startswith("tuple"):
+                out[k] = _names(v)
             else:
+                if isinstance(v, (dict, list, tuple)):
+                    raise ValueError
                 out[k] = str(v) if t == "str" else v
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"config key {k!r}: cannot read {v!r} as {t}") from e
+        except (TypeError, ValueError):
+            hint = " (write true or false)" if t == "bool" else ""
+            raise ValueError(f"{where(k)}: cannot read {v!r} as {t}{hint}") from None
     return out
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _TRUE + _FALSE:
+        return v.strip().lower() in _TRUE
+    raise ValueError(v)
+
+
+def _names(v: Any) -> tuple[str, ...]:
+    """A list of names, or one string of names separated by commas or spaces."""
+    if isinstance(v, str):
+        return tuple(n for n in re.split(r"[,\s]+", v) if n)
+    if isinstance(v, (list, tuple)) and all(isinstance(n, str) for n in v):
+        return tuple(v)
+    raise ValueError(v)
 
 
 def replace(cfg: ServeConfig, **changes: Any) -> ServeConfig:

@@ -34,6 +34,7 @@ from cluster.metrics import Metrics
 from cluster.pb import generation_pb2 as pb
 from cluster.request_runner import RequestRunner, outcome_of
 from cluster.validation import Limits, ValidationError
+from cluster.version import version
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name   # "pdserve.v1.Generation"
@@ -153,7 +154,8 @@ class GenerationServicer:
         return pb.ModelInfoResponse(model_name=info.model_name, max_model_len=info.max_model_len,
                                     block_size=info.block_size, vocab_size=info.vocab_size,
                                     pools=dict(info.pools), max_prompt_tokens=lim.max_prompt_tokens,
-                                    max_stop_strings=lim.max_stop_strings, max_n=lim.max_n)
+                                    max_stop_strings=lim.max_stop_strings, max_n=lim.max_n, version=version(),
+                                    tokenizer_vocab_size=info.tokenizer_vocab_size or info.vocab_size)
 
 
 def _generic_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:

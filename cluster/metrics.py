@@ -77,6 +77,11 @@ class Metrics:
                                 buckets=BYTES_BUCKETS)
         self.transfer_blocks = C("pdserve_kv_transfer_blocks", "KV blocks moved between nodes",
                                  registry=r)
+        self.handoff = H("pdserve_handoff_seconds", "The gap between a request's first token (the prefill "
+                         "node's) and its second (the decode node's), by stage: join (the decode node's "
+                         "submit: KV room + pull), room (waiting for KV blocks), pull (the KV read), "
+                         "first_step (joined to the second token at the frontend), total", ["stage"],
+                         registry=r, buckets=LATENCY_BUCKETS)
         self.requests = C("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = C("pdserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = C("pdserve_generation_tokens", "Tokens generated", registry=r)

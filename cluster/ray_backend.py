@@ -11,6 +11,7 @@ one worker: ray_drain.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -42,18 +43,35 @@ class _Inflight:
     wid: str = ""                # the id workers know this attempt by (see ray_recovery.attempt_id)
     attempts: int = 0
     job: GenerateJob | None = None   # as the client sent it: every continuation starts from it
+    handoff: HandoffClock | None = None   # set while the first decode token after a hand-off is awaited
+    reservation: asyncio.Task | None = None   # decode blocks being reserved while the prompt is prefilled
+    reserved_on: str | None = None   # the decode worker holding them until a submit claims them
+
+
+@dataclass
+class HandoffClock:
+    """When a request's first token left the prefill node, when the decode node joined it,
+    and what that join cost: the second token then closes the hand-off gap."""
+    first_token_at: float
+    joined_at: float = 0.0
+    room_s: float = 0.0
+    pull_s: float = 0.0
+    reserved: bool = False   # the decode blocks were reserved during the prefill
 
 
 class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
     def __init__(self, config: ServeConfig, metrics: Metrics, *, report_interval: float = 0.1,
                  tokenizer=None) -> None:
-        from engine.loader.load import resolve_model_path
+        from engine.loader.load import load_model_config, resolve_model_path
         from engine.tokenizer import Tokenizer
 
         self.config = config
         self.metrics = metrics
         self.model_path = resolve_model_path(config.model or None)
         self._tokenizer = tokenizer or Tokenizer.load(self.model_path)
+        model = load_model_config(self.model_path)
+        self._vocab_size = model.vocab_size                 # ids the model accepts (>= the tokenizer's)
+        self._max_model_len = config.max_model_len or model.max_position_embeddings   # 0 = the model's
         self.router = Router(RouterConfig.from_serve_config(config), rng=random.Random(0), clock=time.monotonic)
         self.workers: dict[str, WorkerRef] = {}
         self._inflight: dict[str, _Inflight] = {}
@@ -111,25 +129,31 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
             raise BackendError("ALREADY_EXISTS", f"request id {rid!r} is in flight; use a unique id")
         state = self._inflight[rid] = self._by_wid[rid] = _Inflight(wid=rid, job=job)
         done = False
+        joining: asyncio.Future | None = None   # the hand-off's submit, started before the first token's yield
         try:
             decision = self._route(job, job.prompt_token_ids, job.block_hashes)
             self._trace(rid, describe_decision(decision))
             self.metrics.routing.labels(kind=decision.kind.value).inc()
             remaining = job.sampling.n
-            handle = None
             result = None
             if decision.kind is DecisionKind.REMOTE_PREFILL and job.sampling.n == 1:
+                self._reserve_ahead(job, state, decision.decode_worker_id)
                 result = await self._prefill(job, state, decision.prefill_worker_id)
-            if result is not None:   # None: the decode node prefills (policy, or no prefill node left)
+            if result is None:   # the decode node prefills (policy, or no prefill node left)
+                await self._submit(job, state, decision.decode_worker_id, None)
+            else:
                 if result.first.finish_reason:
                     remaining -= 1
                 done = remaining == 0
-                yield result.first
                 state.emitted.extend(result.first.new_token_ids)
+                if not done:   # the decode node joins while the first token streams to the client
+                    state.handoff = HandoffClock(time.monotonic())
+                    joining = asyncio.ensure_future(self._submit(job, state, decision.decode_worker_id,
+                                                                 result.handle))
+                yield result.first
                 if done:
                     return
-                handle = result.handle
-            await self._submit(job, state, decision.decode_worker_id, handle)
+                await joining
             while remaining:
                 item = await next_delta(state.queue, job.deadline)
                 if isinstance(item, BackendError):
@@ -144,6 +168,9 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
                     item = item.delta
                 else:
                     state.emitted.extend(item.new_token_ids)
+                    if state.handoff is not None:
+                        self._observe_handoff(rid, state.handoff)
+                        state.handoff = None
                 if state.continued:
                     item = replace(item, num_prompt_tokens=len(job.prompt_token_ids))
                 if item.finish_reason:
@@ -151,10 +178,16 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
                 done = remaining == 0
                 yield item
         finally:
+            if joining is not None and not joining.done():   # the client left at the first token
+                joining.cancel()
+                with contextlib.suppress(BaseException):
+                    await joining
             self._inflight.pop(rid, None)
             self._by_wid.pop(state.wid, None)
             if not done:
                 await self._abort_state(state.wid, state)
+            elif state.reserved_on is not None:   # finished with the first token: free the reservation
+                await self._settle_reservation(state, None)
 
     def _route(self, job: GenerateJob, prompt, hashes):
         try:
@@ -186,6 +219,8 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
             await self._abort_state(state.wid, state)
 
     async def _abort_state(self, rid: str, state: _Inflight) -> None:
+        if state.reserved_on is not None and state.reserved_on != state.decode_id:
+            await self._settle_reservation(state, None)
         calls = []
         if state.decode_id and self.workers[state.decode_id].alive:
             calls.append(self.workers[state.decode_id].actor.abort.remote(rid))
@@ -196,6 +231,18 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
                 await asyncio.wait_for(c, self.config.transfer_timeout)
             except Exception:   # a dead worker frees everything anyway
                 pass
+
+    def _observe_handoff(self, rid: str, clock: HandoffClock) -> None:
+        """The first decode token after a hand-off arrived: record the gap and its stages."""
+        if not clock.joined_at:   # the submit did not pull (recomputed, moved): no clean breakdown
+            return
+        now = time.monotonic()
+        stages = {"join": clock.joined_at - clock.first_token_at, "room": clock.room_s, "pull": clock.pull_s,
+                  "first_step": now - clock.joined_at, "total": now - clock.first_token_at}
+        for stage, seconds in stages.items():
+            self.metrics.handoff.labels(stage=stage).observe(max(0.0, seconds))
+        self._trace(rid, "second token " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stages.items())
+                    + (" (blocks reserved ahead)" if clock.reserved else ""))
 
     def _observe_transfer(self, sub) -> None:
         if sub.error and not sub.local_prefill:   # a failed or timed-out pull (not "no KV room")
@@ -280,8 +327,10 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
         pools: dict[str, int] = {}
         for ref in self.workers.values():
             pools[ref.pool] = pools.get(ref.pool, 0) + 1
-        return ModelInfoData(self.model_path.name, self.config.max_model_len, self.config.block_size,
-                             self._tokenizer.vocab_size, pools, self.config.kv_cache_dtype)
+        name = self.config.served_model_name[0] if self.config.served_model_name else self.model_path.name
+        return ModelInfoData(name, self._max_model_len, self.config.block_size,
+                             self._vocab_size, pools, tokenizer_vocab_size=self._tokenizer.vocab_size,
+                             kv_cache_dtype=self.config.kv_cache_dtype)
 
     def tokenizer(self):
         return self._tokenizer

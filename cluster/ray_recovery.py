@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
@@ -149,9 +150,11 @@ class RecoveryMixin:
         while prefill_id is not None:
             ref = self.workers[prefill_id]
             state.prefill_id = prefill_id
+            reader = self.workers.get(state.reserved_on or "") if self.config.pipelined_handoff else None
             try:
                 result = await self._call(ref, ref.actor.prefill.remote(
-                    job.request_id, list(job.prompt_token_ids), job.sampling, job.cache_salt), job.deadline)
+                    job.request_id, list(job.prompt_token_ids), job.sampling, job.cache_salt,
+                    read_ahead=reader.actor if reader is not None else None), job.deadline)
             except BackendError as e:
                 state.prefill_id = None
                 if e.code != "UNAVAILABLE":
@@ -189,9 +192,47 @@ class RecoveryMixin:
         return min(live, key=lambda v: (*key(v.load), v.worker_id)).worker_id if live else None
 
     # ---------------------------------------------------------------- decode
+    def _reserve_ahead(self, job: GenerateJob, state, decode_id: str | None) -> None:
+        """While the prompt is prefilled, reserve its KV blocks on the decode worker the
+        router chose: the submit after the prefill then pulls at once instead of first
+        waiting an engine step for room (`reserve_decode_blocks`)."""
+        ref = self.workers.get(decode_id or "")
+        if not self.config.reserve_decode_blocks or ref is None or not ref.alive:
+            return
+
+        async def reserve() -> bool:
+            try:
+                return await self._call(ref, ref.actor.reserve.remote(
+                    state.wid, list(job.prompt_token_ids), job.sampling, job.cache_salt), job.deadline)
+            except BackendError:   # dead or slow: the submit finds out and allocates as before
+                return False
+        state.reserved_on = decode_id
+        state.reservation = asyncio.get_running_loop().create_task(reserve())
+
+    async def _settle_reservation(self, state, decode_id: str | None) -> None:
+        """Before a submit to `decode_id` (None: no submit follows): wait for the
+        reservation to be made; a reservation on another worker is freed."""
+        task, on = state.reservation, state.reserved_on
+        state.reservation = state.reserved_on = None
+        if task is None:
+            return
+        free, reserved = on != decode_id, False
+        try:
+            reserved = await task
+        except asyncio.CancelledError:   # no submit follows: free whatever was reserved
+            free = reserved = True
+            raise
+        except Exception:
+            pass
+        finally:
+            ref = self.workers.get(on or "")
+            if free and reserved and ref is not None and ref.alive:
+                self._background(ref.actor.abort.remote(state.wid), self.config.transfer_timeout)
+
     async def _submit(self, job: GenerateJob, state, decode_id: str, handle) -> None:
         """Join the request to a decode worker (pulling `handle`'s blocks, if any)."""
         rid = job.request_id
+        await self._settle_reservation(state, decode_id)
         on_failure = "report" if self.config.prefill_failure_policy == "reprefill" else "recompute"
         full: list[str] = []              # decode workers that refused it: queue full
         while True:
@@ -228,6 +269,10 @@ class RecoveryMixin:
         self._trace(rid, f"joined {decode_id}: {describe_submit(sub)}")
         if handle is None:
             return
+        clock = state.handoff
+        if clock is not None and sub.transferred_blocks and not sub.error:
+            clock.joined_at, clock.room_s, clock.pull_s = time.monotonic(), sub.room_wait_seconds, sub.transfer_seconds
+            clock.reserved = sub.reserved
         self._observe_transfer(sub)
         failed_on = state.prefill_id
         if not sub.transferred_blocks:   # nothing read (all cached, or failed): free P now
@@ -287,6 +332,7 @@ class RecoveryMixin:
     async def _continue(self, job: GenerateJob, state, mode: str, exclude: list[str] = ()) -> None:
         """Continue from prompt + streamed tokens. mode: 'route' (the router decides),
         'reprefill' (another prefill node, else the decode node)."""
+        state.handoff = None   # a gap measured across a migration would mix two hand-offs
         if self._take_queued(state):
             return
         job = state.job or job   # the client's job: `job` may be an earlier continuation

@@ -18,7 +18,11 @@ from cluster.config import ServeConfig
 from cluster.log_levels import configure_logging
 
 HELP = {
-    "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)",
+    "model": "HF model directory, .gguf file, or a Hugging Face model id already in the local HF cache "
+             "($HF_HOME; read offline) (default: the bundled SmolLM2-135M-Instruct GGUF)",
+    "served_model_name": "names requests may give as \"model\" (aliases); the first is the one /v1/models "
+                         "and ModelInfo report (default: the model id, or the directory's / .gguf's name "
+                         "without extension; SmolLM2-135M-Instruct for the bundled model)",
     "device": "torch device of the workers: cpu, cuda, cuda:1 ...",
     "dtype": "weights and KV dtype: float32, bfloat16 or float16",
     "block_size": "tokens per KV block (power of two)",
@@ -26,7 +30,7 @@ HELP = {
     "num_kv_blocks": "KV blocks per worker; > 0 overrides --kv-cache-memory",
     "kv_cache_dtype": "how the KV pool stores K/V: auto (the model's dtype), int8 or fp8_e4m3 (1 byte a value "
                       "plus a scale per token and KV head; docs/kv_quantization.md); every worker must agree",
-    "max_model_len": "longest prompt + output in tokens",
+    "max_model_len": "longest prompt + output in tokens (0 = the model's own context length)",
     "max_num_seqs": "sequences a worker runs at once",
     "max_num_batched_tokens": "token budget of one engine step (chunked prefill above it)",
     "host": "address the endpoints (and KV side channels) bind to",
@@ -52,6 +56,10 @@ HELP = {
     "transfer_backend": "KV transfer backend: auto, nixl, ucxx or tcp",
     "lease_ttl": "seconds a prefill node keeps handed-off blocks pinned for the reader",
     "transfer_timeout": "seconds a KV pull may take before the decode node recomputes",
+    "reserve_decode_blocks": "reserve the decode node's KV blocks while the prompt is prefilled, so the "
+                             "hand-off pulls at once (--no-reserve-decode-blocks: allocate after the prefill)",
+    "pipelined_handoff": "with reserved decode blocks, read each prompt block as soon as the prefill node "
+                         "completes it (chunked prefill), not all after the first token",
     "max_queued_requests": "requests admitted at once; more get RESOURCE_EXHAUSTED",
     "max_queued_tokens": "prompt + output tokens admitted at once; more get RESOURCE_EXHAUSTED",
     "max_worker_queue": "requests one worker queues before refusing more (sent to another worker; "
@@ -90,6 +98,8 @@ def register(subparsers) -> None:
         text = f"{HELP.get(f.name, '')} (default: {default!r})"
         if f.type == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif f.type.startswith("tuple"):
+            p.add_argument(flag, nargs="+", metavar="NAME", default=None, help=text)
         else:
             kind = {"int": int, "float": float}.get(f.type, str)
             p.add_argument(flag, type=kind, default=None, help=text)

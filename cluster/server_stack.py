@@ -44,7 +44,8 @@ def make_backend(cfg: ServeConfig, metrics: Metrics) -> GenerationBackend:
     if not cfg.ray:
         from cluster.launcher import engine_config
         from cluster.local_backend import LocalEngineBackend
-        return LocalEngineBackend(engine_config(cfg))
+        return LocalEngineBackend(engine_config(cfg), model_name=cfg.served_model_name[0] if cfg.served_model_name
+                                  else None)
     from cluster.ray_backend import RayClusterBackend
     return RayClusterBackend(cfg, metrics)
 
@@ -53,7 +54,9 @@ async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None
     from cluster.grpc_auth import ApiKeys, TlsConfig
     from cluster.grpc_server import serve_grpc
     from cluster.metrics_server import start_metrics_server
+    from cluster.preflight import preflight
 
+    cfg = preflight(cfg)     # certificates, keys, device, model: checked before Ray and the weights
     metrics = Metrics()
     backend = backend or make_backend(cfg, metrics)
     await backend.start()
@@ -66,6 +69,7 @@ async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None
     http = None
     if cfg.http_port != 0:
         from cluster.http import serve_http
-        http = await serve_http(grpc_server.runner, cfg, metrics, api_keys=keys)   # shares admission
+        http = await serve_http(grpc_server.runner, cfg, metrics, api_keys=keys,   # shares admission
+                                model_names=cfg.served_model_name)
     msrv = start_metrics_server(metrics, cfg.host, cfg.metrics_port)
     return ServerStack(cfg, metrics, backend, grpc_server, msrv, http)

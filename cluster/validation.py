@@ -149,6 +149,12 @@ def _check_text(name: str, value: Any) -> str:
     return value
 
 
+def prompt_token_ids(req: GenerateInput, tokenizer, limits: Limits) -> list[int]:
+    """The ids `req`'s prompt (text, ids or messages) becomes, exactly as a generation request's
+    would (HTTP /tokenize); the length limits of a generation request are not applied."""
+    return _prompt_token_ids(req, tokenizer, limits)[0]
+
+
 def _prompt_token_ids(req: GenerateInput, tokenizer, limits: Limits) -> tuple[list[int], str]:
     given = [n for n in ("prompt", "prompt_token_ids", "messages") if getattr(req, n) is not None]
     if not given:

@@ -4,6 +4,15 @@ joins the request to its continuous batch. Outputs leave through one
 stream per worker: every engine step's deltas as one message.
 
 In colocated mode (or for a conditional local prefill) it prefills itself.
+A hand-off can be reserved ahead (`reserve`, while the prefill node still
+computes the prompt): the submit that follows then pulls at once and the
+request joins at the next step, instead of first waiting a step for its
+blocks. A reservation no submit claims in `RESERVATION_TTL_FACTOR` transfer
+timeouts is freed (a frontend that vanished). While it is held, the prefill
+node may report the prompt blocks it has completed (`read_ahead`, after each
+of its engine steps): they are read then, into the reserved blocks, and the
+submit reads only the rest (the last chunk's blocks) and any block whose
+source changed since (a preemption there recomputed it).
 A failed or timed-out pull is recomputed here (`on_pull_failure="recompute"`)
 or handed back to the frontend to prefill elsewhere (`"report"`). `drain()`
 (scale-down) hands back queued, unstarted requests; submits arriving or still
@@ -24,6 +33,7 @@ from engine.async_engine import AsyncEngine, WorkerReport
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, QueueFull
 from engine.sampling_params import SamplingParams
+from engine.scheduler import RemoteAllocation
 from kvtransfer.engine import TransferStatus
 from kvtransfer.handle import KVHandle
 from kvtransfer.layout import KVPoolLayout
@@ -31,6 +41,7 @@ from kvtransfer.settings import TransferSettings
 
 log = logging.getLogger("pdserve.decode")
 PULL_FAILURE_ACTIONS = ("recompute", "report")
+RESERVATION_TTL_FACTOR = 6   # an unclaimed reservation lives this many transfer timeouts
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,26 @@ class SubmitResult:
     moved: bool = False      # the worker is draining: submit it elsewhere (the handle is still good)
     busy: bool = False       # with `moved`: its queue was full (SchedulerConfig.max_waiting)
     block_ids: tuple[int, ...] = ()   # the request's blocks here after the pull (for explaining it)
+    room_wait_seconds: float = 0.0    # waiting here for free KV blocks before the pull
+    reserved: bool = False            # its blocks were reserved ahead (`reserve`): no wait for room
+    read_ahead_blocks: int = 0        # of transferred_blocks: read while the prompt was prefilled
+
+
+@dataclass(frozen=True)
+class _Reservation:
+    alloc: RemoteAllocation
+    made_at: float
+
+
+@dataclass(frozen=True)
+class _AheadRead:
+    """Blocks read before the submit: prompt block `indices`, from the source's
+    `src` blocks as of its `preemptions` count; `task` gives the TransferStatus."""
+    source: tuple[str, str]    # the peer's (agent name, incarnation)
+    indices: tuple[int, ...]
+    src: tuple[int, ...]
+    preemptions: int
+    task: asyncio.Task
 
 
 class DecodeWorker:
@@ -76,6 +107,8 @@ class DecodeWorker:
         self._cancelled: set[str] = set()   # aborted while their submit() was still in progress
         self._submitting: set[str] = set()
         self._pulling: set[str] = set()     # blocks allocated and being written by a transfer
+        self._reserved: dict[str, _Reservation] = {}   # blocks reserved ahead of a submit
+        self._ahead: dict[str, list[_AheadRead]] = {}   # reads into reserved blocks before the submit
 
     async def ready(self) -> dict:
         await self.aengine.start()
@@ -101,8 +134,15 @@ class DecodeWorker:
         if self._draining:
             return SubmitResult(local_prefill=handle is None, joined=False, moved=True, error="draining")
         if handle is None:
+            reserved = self._reserved.pop(request_id, None) is not None   # no hand-off after all
+            await self._settle_ahead(request_id)
+
+            def add(e: LLMEngine) -> None:
+                if reserved:
+                    e.abort_request(request_id)
+                e.add_request(request_id, prompt_token_ids, params, cache_salt)
             try:
-                await self.aengine.call(lambda e: e.add_request(request_id, prompt_token_ids, params, cache_salt))
+                await self.aengine.call(add)
             except QueueFull as e:
                 return SubmitResult(local_prefill=True, joined=False, moved=True, busy=True, error=str(e))
             return SubmitResult(local_prefill=True)
@@ -113,20 +153,98 @@ class DecodeWorker:
             self._submitting.discard(request_id)
             self._cancelled.discard(request_id)
 
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      cache_salt: str | None = None) -> bool:
+        """Reserve KV blocks for a prompt a prefill node is computing now, so that the
+        `submit` that follows pulls at once. False: nothing reserved (draining, queue
+        full, no room now, colocated); the submit then allocates as before."""
+        await self.ready()
+        if self._draining or self.transfer is None or request_id in self._reserved:
+            return False
+        self._submitting.add(request_id)
+        try:
+            def add(e: LLMEngine):
+                e.check_room(self._awaiting_room)
+                return e.add_remote_request(request_id, prompt_token_ids, params, None, cache_salt)
+            try:
+                alloc = await self.aengine.call(add)
+            except QueueFull:
+                return False
+            if alloc is None:
+                return False
+            if request_id in self._cancelled or self._draining:   # aborted or draining meanwhile
+                await self.aengine.call(lambda e: e.abort_request(request_id))
+                return False
+            res = self._reserved[request_id] = _Reservation(alloc, time.monotonic())
+            ttl = RESERVATION_TTL_FACTOR * self.settings.timeout
+            asyncio.get_running_loop().call_later(ttl, lambda: asyncio.ensure_future(self._expire(request_id, res)))
+            return True
+        finally:
+            self._submitting.discard(request_id)
+            self._cancelled.discard(request_id)
+
+    async def read_ahead(self, request_id: str, peer, first_index: int, block_ids: tuple[int, ...],
+                         preemptions: int) -> None:
+        """The prefill node completed prompt blocks `first_index`.. (its `block_ids`):
+        read them now into the reservation. Ignored without one (not made yet, or
+        already claimed): the submit then reads them."""
+        res = self._reserved.get(request_id)
+        if res is None:
+            return
+        alloc = res.alloc
+        end = min(first_index + len(block_ids), len(alloc.block_ids))
+        indices = tuple(range(max(first_index, alloc.num_cached_blocks), end))
+        if not indices:
+            return
+        src = tuple(block_ids[i - first_index] for i in indices)
+        task = asyncio.get_running_loop().create_task(
+            self._read(peer, list(src), [alloc.block_ids[i] for i in indices], b""))
+        self._ahead.setdefault(request_id, []).append(
+            _AheadRead((peer.agent_name, peer.incarnation), indices, src, preemptions, task))
+
+    async def _settle_ahead(self, request_id: str) -> list[_AheadRead]:
+        """Wait for the reads into `request_id`'s reserved blocks: before the blocks are
+        freed or handed to the engine, nothing may still write into them."""
+        reads = self._ahead.pop(request_id, [])
+        if reads:
+            await asyncio.gather(*(r.task for r in reads), return_exceptions=True)
+        return reads
+
+    async def _expire(self, request_id: str, res: _Reservation) -> None:
+        if self._reserved.get(request_id) is res:   # never claimed: its frontend is gone
+            del self._reserved[request_id]
+            log.warning("reservation of %s was not claimed in time: freeing its blocks", request_id)
+            await self._settle_ahead(request_id)
+            await self.aengine.call(lambda e: e.abort_request(request_id))
+
     async def drain(self) -> list[str]:
-        """Scale-down: take no new requests; abort and return the queued, unstarted ones."""
+        """Scale-down: take no new requests; free reservations; abort and return the
+        queued, unstarted requests."""
         from prefill_worker.worker import abort_unstarted
 
         self._draining = True
-        return await self.aengine.call(abort_unstarted)
+        reserved = list(self._reserved)
+        self._reserved.clear()
+        for rid in reserved:
+            await self._settle_ahead(rid)
+
+        def drain_engine(e: LLMEngine) -> list[str]:
+            for rid in reserved:   # their submits come back `moved` and are routed elsewhere
+                e.abort_request(rid)
+            return abort_unstarted(e)
+        return await self.aengine.call(drain_engine)
 
     def undrain(self) -> None:
         self._draining = False
 
     async def _pull(self, request_id, prompt_token_ids, params, cache_salt, handle: KVHandle,
                     on_pull_failure: str) -> SubmitResult:
-        deadline = time.monotonic() + self.settings.timeout
+        t_arrived = deadline = time.monotonic()
+        deadline += self.settings.timeout
         first = True
+        reservation = self._reserved.pop(request_id, None)
+        # the first token reaches the engine with the allocation, or (reserved ahead) with the KV
+        late_token = handle.first_token if reservation is not None else None
 
         def add(e: LLMEngine):
             if first:   # a new arrival counts against the queue bound; a retry is already in it
@@ -134,7 +252,7 @@ class DecodeWorker:
             return e.add_remote_request(request_id, prompt_token_ids, params, handle.first_token, cache_salt)
 
         try:
-            while True:
+            while reservation is None:
                 if request_id in self._cancelled:
                     return SubmitResult(False, error="aborted before its KV arrived")
                 if self._draining:   # still queued for KV room: nothing joined, the lease is still good
@@ -144,6 +262,7 @@ class DecodeWorker:
                 except QueueFull as e:   # nothing joined, the lease is still good
                     return SubmitResult(local_prefill=False, joined=False, moved=True, busy=True, error=str(e))
                 if alloc is not None:
+                    reservation = _Reservation(alloc, time.monotonic())
                     break
                 if first:
                     first = False
@@ -156,44 +275,55 @@ class DecodeWorker:
         finally:
             if not first:
                 self._awaiting_room -= 1
-        if request_id in self._cancelled:   # aborted while its blocks were being allocated
-            await self.aengine.call(lambda e: e.abort_request(request_id))
-            return SubmitResult(False, error="aborted before its KV arrived", joined=False)
-        src = handle.block_ids[alloc.num_cached_blocks:len(alloc.block_ids)]
-        dst = alloc.blocks_to_pull
+        alloc = reservation.alloc
         t0 = time.monotonic()
+        room_wait = t0 - t_arrived
         status, nbytes, ndesc, err = TransferStatus.DONE, 0, 0, ""
-        self._pulling.add(request_id)
+        self._pulling.add(request_id)   # from here only this call frees the blocks (see abort)
         try:
-            if dst:
-                status, nbytes, ndesc, err = await self._read(handle, list(src), list(dst), request_id)
-            elif handle.block_ids:   # nothing to read: tell the source its lease can go
-                status = TransferStatus.DONE
+            ahead = _read_ahead_blocks(await self._settle_ahead(request_id), handle)
+            if request_id in self._cancelled:   # aborted while its blocks were being allocated
+                await self.aengine.call(lambda e: e.abort_request(request_id))
+                return SubmitResult(False, error="aborted before its KV arrived", joined=False)
+            todo = [i for i in range(alloc.num_cached_blocks, len(alloc.block_ids))
+                    if ahead.get(i, (None,))[0] != handle.block_ids[i]]
+            if ahead and not todo:   # the last read carries the notification that ends the source's lease
+                todo = [len(alloc.block_ids) - 1]
+            if todo:
+                status, nbytes, ndesc, err = await self._read(
+                    handle.peer, [handle.block_ids[i] for i in todo], [alloc.block_ids[i] for i in todo],
+                    request_id.encode())
         finally:
             self._pulling.discard(request_id)
         seconds = time.monotonic() - t0
+        reread = set(todo)
+        read_ahead = sum(1 for i in ahead if i not in reread)
+        nbytes += sum(nb for i, (_, nb) in ahead.items() if i not in reread)
         if request_id in self._cancelled:   # freed only now: the transfer no longer writes into them
             await self.aengine.call(lambda e: e.abort_request(request_id))
             return SubmitResult(False, error="aborted while its KV arrived", joined=False)
         if status is TransferStatus.DONE:
-            await self.aengine.call(lambda e: e.remote_kv_ready(request_id))
-            return SubmitResult(False, alloc.num_cached_blocks, len(dst), nbytes, ndesc, seconds,
-                                block_ids=tuple(alloc.block_ids))
+            await self.aengine.call(lambda e: e.remote_kv_ready(request_id, late_token))
+            return SubmitResult(False, alloc.num_cached_blocks, len(todo) + read_ahead, nbytes, ndesc, seconds,
+                                block_ids=tuple(alloc.block_ids), room_wait_seconds=room_wait,
+                                reserved=late_token is not None, read_ahead_blocks=read_ahead)
         if on_pull_failure == "report":
             log.warning("KV pull of %s failed (%s): handing it back", request_id, err or status.value)
             await self.aengine.call(lambda e: e.abort_request(request_id))
             return SubmitResult(False, alloc.num_cached_blocks, 0, 0, ndesc, seconds, joined=False,
                                 error=err or status.value)
         log.warning("KV pull of %s failed (%s): recomputing locally", request_id, err or status.value)
-        await self.aengine.call(lambda e: e.remote_kv_failed(request_id))
+        await self.aengine.call(lambda e: e.remote_kv_failed(request_id, late_token))
         return SubmitResult(False, alloc.num_cached_blocks, 0, 0, ndesc, seconds, recomputed=True,
                             error=err or status.value)
 
-    async def _read(self, handle: KVHandle, src: list[int], dst: list[int], request_id: str):
+    async def _read(self, peer, src: list[int], dst: list[int], notify: bytes):
+        """Read `peer`'s blocks `src` into ours `dst`: (status, bytes, descriptors, error).
+        `notify` (the request id) tells the source the read is done: its lease ends."""
         loop = asyncio.get_running_loop()
         try:
             xfer = await loop.run_in_executor(self._xfer_thread, lambda: self.transfer.read(
-                handle.peer, src, dst, notify=request_id.encode()))
+                peer, src, dst, notify=notify))
         except Exception as e:   # peer unreachable / gone
             return TransferStatus.FAILED, 0, 0, f"{type(e).__name__}: {e}"
         deadline = time.monotonic() + self.settings.timeout
@@ -211,6 +341,8 @@ class DecodeWorker:
             self._cancelled.add(request_id)
         if request_id in self._pulling:   # a transfer still writes into its blocks: _pull frees them after
             return True
+        self._reserved.pop(request_id, None)
+        await self._settle_ahead(request_id)   # reads ahead into its blocks end first
         return await self.aengine.call(lambda e: e.abort_request(request_id))
 
     async def report(self) -> WorkerReport:
@@ -233,6 +365,23 @@ class DecodeWorker:
         stats = await self.aengine.call(lambda e: (e.check_integrity(), e.stats())[1])
         return {"kv_blocks_used": stats.kv_blocks_used, "running": stats.running, "waiting": stats.waiting}
 
+
+
+def _read_ahead_blocks(reads: list[_AheadRead], handle: KVHandle) -> dict[int, tuple[int, int]]:
+    """Prompt block index -> (source block, bytes) of the blocks read ahead that are
+    still good: read in full, from the handle's source at its final preemption count."""
+    good: dict[int, tuple[int, int]] = {}
+    source = (handle.peer.agent_name, handle.peer.incarnation)
+    for r in reads:
+        if r.source != source or r.preemptions != handle.preemptions:
+            continue
+        if r.task.cancelled() or r.task.exception() is not None:
+            continue
+        status, nbytes, _, _ = r.task.result()
+        if status is TransferStatus.DONE:
+            for i, src in zip(r.indices, r.src):
+                good[i] = (src, nbytes // len(r.indices))
+    return good
 
 def _add_with_first_token(engine: LLMEngine, request_id, prompt, params, salt, first_token) -> None:
     """Recompute locally: the prefill node's first token was already streamed,

@@ -54,6 +54,12 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer or Tokenizer.load(self.model_path)
         self.max_model_len = runner.max_model_len
+        # ids a prompt may hold: the model's embedding rows, which can outnumber the tokenizer's
+        # tokens (padded vocabularies, as Qwen2 checkpoints have). The model samples from them
+        # too, so a continuation (prompt + ids it produced) must pass. vLLM likewise accepts ids
+        # up to max(tokenizer, model) - 1; we take the model's, since an id past the embedding
+        # cannot be run (there are no placeholder ids swapped out before the embedding here).
+        self.vocab_size = runner.model_config.vocab_size
         self.block_size = runner.block_size
         # preemption: swap vs recompute at measured host bandwidth / prefill speed
         self.prefill_speed = ThroughputMeter()
@@ -103,40 +109,59 @@ class LLMEngine:
                             "to another worker or retry later")
 
     def add_remote_request(self, request_id: str, prompt_token_ids: Iterable[int],
-                           params: SamplingParams, first_token: int, cache_salt: str | None = None,
+                           params: SamplingParams, first_token: int | None = None,
+                           cache_salt: str | None = None,
                            arrival_time: float | None = None) -> RemoteAllocation | None:
-        """Decode role: reserve blocks for a prompt prefilled elsewhere whose
-        first token is `first_token`. Returns which local blocks to fill (local
-        prefix hits excluded) or None when there is no room now."""
+        """Decode role: reserve blocks for a prompt prefilled elsewhere. Returns
+        which local blocks to fill (local prefix hits excluded) or None when
+        there is no room now. `first_token` is the token the prefill node
+        sampled; None reserves ahead of it (while the prompt is still being
+        prefilled) and `remote_kv_ready` then brings it."""
         if params.n != 1:
             raise ValueError("n > 1 requests are prefilled on the decode node; do not hand them off")
         group = self._new_group(request_id, prompt_token_ids, params, cache_salt, False, arrival_time)
         seq = group.seqs[0]
-        self.tokenizer.validate_token_ids([first_token])
+        if first_token is not None:
+            self.tokenizer.validate_token_ids([first_token], self.vocab_size)   # the model's, not the tokenizer's
         alloc = self.scheduler.add_remote_request(seq.request)
         if alloc is None:
             return None
         # page-ins / page-outs land before the pull writes into the blocks
         self.runner.apply_kv_moves(self.scheduler.kv.take_kv_moves())
         group.forked = True
-        seq.stop.process(first_token, seq.detok)   # the prefill node already streamed it
-        seq.pending_first_token = first_token    
         self._register(group)
+        if first_token is not None:
+            self._set_first_token(seq, first_token)
         return alloc
 
-    def remote_kv_ready(self, request_id: str) -> bool:
-        """The prompt's KV landed: decode on. False if the request was aborted meanwhile."""
+    def remote_kv_ready(self, request_id: str, first_token: int | None = None) -> bool:
+        """The prompt's KV landed: decode on. `first_token` must be given here if it
+        was not at `add_remote_request`. False if the request was aborted meanwhile."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
+        if first_token is not None:
+            self.tokenizer.validate_token_ids([first_token], self.vocab_size)   # the model produced it
+            self._set_first_token(seq, first_token)
+        if seq.pending_first_token is None:
+            raise ValueError(f"request {request_id!r}: its KV is ready but no first token was given; "
+                             "pass first_token to add_remote_request or remote_kv_ready")
         self.scheduler.remote_kv_ready(request_id, seq.pending_first_token)
         return True
 
-    def remote_kv_failed(self, request_id: str) -> bool:
-        """The pull failed: recompute the prompt here (the first token is kept)."""
+    @staticmethod
+    def _set_first_token(seq: Sequence, first_token: int) -> None:
+        seq.stop.process(first_token, seq.detok)   # the prefill node already streamed it
+        seq.pending_first_token = first_token
+
+    def remote_kv_failed(self, request_id: str, first_token: int | None = None) -> bool:
+        """The pull failed: recompute the prompt here (the first token is kept;
+        give it here if it was not given before)."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
+        if first_token is not None:
+            self._set_first_token(seq, first_token)
         self.scheduler.remote_kv_failed(request_id)
         seq.request.output_token_ids.append(seq.pending_first_token)
         return True
@@ -185,7 +210,23 @@ class LLMEngine:
         self.scheduler.update_from_output(sched, sampled)
         self._events.extend(self.scheduler.kv.drain_events())
         self._fork_children(targets, out.token_ids)
-        return [self._finish_token(t, tok, lp) for t, tok, lp in zip(targets, out.token_ids, out.logprobs)]
+        return self._chunk_progress(sched) + [self._finish_token(t, tok, lp)
+                                              for t, tok, lp in zip(targets, out.token_ids, out.logprobs)]
+
+    def _chunk_progress(self, sched) -> list[StepDelta]:
+        """A tokenless delta per prefill_only request that computed a prompt chunk this
+        step: the prompt blocks complete so far (see StepDelta.computed_block_ids)."""
+        out = []
+        for s in sched.seqs:
+            seq = self._seqs.get(s.request.request_id)
+            if s.sample or seq is None or not self._groups[seq.group_id].prefill_only:
+                continue
+            req = seq.request
+            full = min(req.num_computed_tokens, req.num_prompt_tokens) // self.block_size
+            out.append(StepDelta(request_id=seq.group_id, new_token_ids=(), num_prompt_tokens=req.num_prompt_tokens,
+                                 computed_block_ids=tuple(self.scheduler.kv.get_block_ids(req.request_id)[:full]),
+                                 preemptions=req.num_preemptions))
+        return out
 
     def _expand_forks(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         rows, targets = [], []
@@ -227,7 +268,8 @@ class LLMEngine:
                          logprobs=(logprob,) if logprob is not None else (),
                          num_prompt_tokens=req.num_prompt_tokens,
                          num_cached_tokens=req.num_cached_tokens or 0,
-                         queue_seconds=_queue_seconds(seq), held_block_ids=held)
+                         queue_seconds=_queue_seconds(seq), held_block_ids=held,
+                         preemptions=req.num_preemptions if group.prefill_only else 0)
 
     # ---------------------------------------------------------- prefill role
     def held_block_ids(self, request_id: str) -> list[int]:
@@ -270,7 +312,7 @@ class LLMEngine:
             raise ValueError("params must be an engine.SamplingParams")
         if request_id in self._groups or request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
-        prompt = self.tokenizer.validate_token_ids(list(prompt_token_ids))
+        prompt = self.tokenizer.validate_token_ids(list(prompt_token_ids), self.vocab_size)
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token or a non-empty string")
         if len(prompt) >= self.max_model_len:

@@ -58,3 +58,7 @@ class StepDelta:
     num_cached_tokens: int = 0
     queue_seconds: float | None = None  # on a sequence's first token: arrival -> first scheduled
     held_block_ids: tuple[int, ...] = ()  # a prefill_only request's finish: the blocks it holds for a reader
+    # a prefill_only request's step that computed a prompt chunk but no token (new_token_ids empty):
+    # the prompt blocks whose KV is complete so far, in order (a pipelined hand-off reads them now)
+    computed_block_ids: tuple[int, ...] = ()
+    preemptions: int = 0                # prefill_only: times it was preempted (its blocks recomputed) so far

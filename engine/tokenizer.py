@@ -136,6 +136,10 @@ class Tokenizer:
         """Hot path (the detokenizer calls it per token): ids are not validated."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` definition (tokenizer.json) of this tokenizer (engine/tokenizer_export.py)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
@@ -146,8 +150,11 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    def validate_token_ids(self, ids: Iterable[int]) -> list[int]:
-        """Return ``ids`` as a list of ints, or raise ValueError naming the bad id."""
+    def validate_token_ids(self, ids: Iterable[int], vocab_size: int | None = None) -> list[int]:
+        """Return ``ids`` as a list of ints, or raise ValueError naming the bad id. ``vocab_size``:
+        the range to check against when it is not the tokenizer's own (the model's embedding
+        rows, which can outnumber the tokenizer's tokens)."""
+        limit = self.vocab_size if vocab_size is None else vocab_size
         out: list[int] = []
         for pos, t in enumerate(ids):
             if isinstance(t, bool):
@@ -157,9 +164,9 @@ class Tokenizer:
             except TypeError:
                 raise ValueError(f"token id at position {pos} is {t!r} ({type(t).__name__}); "
                                  "give integer token ids") from None
-            if not 0 <= v < self.vocab_size:
+            if not 0 <= v < limit:
                 raise ValueError(f"token id {v} at position {pos} is out of range: the vocabulary has "
-                                 f"{self.vocab_size} tokens (valid ids are 0..{self.vocab_size - 1})")
+                                 f"{limit} tokens (valid ids are 0..{limit - 1})")
             out.append(v)
         return out
 

@@ -5,12 +5,20 @@ a lease while the decode node still waits for KV room (`renew`). `drain()`
 (scale-down) hands back the requests still queued here, unstarted, so the
 frontend can prefill them elsewhere.
 
+Pipelined hand-off: given `read_ahead` (the decode worker that reserved the
+prompt's blocks), the worker tells it after every engine step that computed
+a chunk which prompt blocks are complete (the engine's tokenless
+`StepDelta.computed_block_ids`), so it reads them while the next chunk
+computes; only the last chunk's blocks are left for the read after the
+first token.
+
 A plain class: the cluster launcher wraps it with `ray.remote(...)` and the
 resources of its pool, so it also runs in-process for tests.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -76,6 +84,7 @@ class PrefillWorker:
         self._maintenance: asyncio.Task | None = None
         self._pending: dict[str, asyncio.Queue] = {}   # request id -> queue, while prefilling
         self._draining = False
+        self._fired: set[asyncio.Task] = set()   # read_ahead messages sent in this process
 
     # ------------------------------------------------------------- control
     async def ready(self) -> dict:
@@ -93,8 +102,13 @@ class PrefillWorker:
         return self.transfer.peer_info()
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      cache_salt: str | None = None) -> PrefillResult:
-        """Compute the prompt's KV and its first token; pin the blocks for a reader."""
+                      cache_salt: str | None = None, read_ahead=None) -> PrefillResult:
+        """Compute the prompt's KV and its first token; pin the blocks for a reader.
+        `read_ahead`: a decode worker (a Ray actor handle, or the object itself) whose
+        `read_ahead(request_id, peer, first_index, block_ids, preemptions)` is told of
+        the prompt blocks completed since it was last told, after every chunk's step
+        (all of them again after a preemption). Best effort: a message lost or late
+        only means those blocks are read after the first token."""
         await self.ready()
         t0 = time.monotonic()
         if self._draining:
@@ -107,7 +121,21 @@ class PrefillWorker:
                                                                 cache_salt, prefill_only=True))
             except QueueFull:
                 return PrefillResult(None, None, 0.0, 0.0, moved=True, busy=True)
-            first: StepDelta | None = await queue.get()
+            told, epoch = 0, 0   # blocks told to the reader, at the preemption count `epoch`
+            while True:
+                first: StepDelta | None = await queue.get()
+                if first is None or first.new_token_ids:
+                    break
+                if read_ahead is None:   # a chunk's progress: only a pipelined hand-off wants it
+                    continue
+                if first.preemptions != epoch:
+                    told, epoch = 0, first.preemptions
+                blocks = first.computed_block_ids
+                if len(blocks) > told:
+                    with contextlib.suppress(Exception):   # the reader is gone: its submit says so
+                        self._fire(read_ahead.read_ahead, request_id, self.transfer.peer_info(), told,
+                                   blocks[told:], epoch)
+                    told = len(blocks)
         except BaseException:
             await self.aengine.call(lambda e: e.abort_request(request_id))
             raise
@@ -126,7 +154,7 @@ class PrefillWorker:
         else:
             self.leases.pin(request_id, block_ids, self.settings.lease_ttl)
             handle = KVHandle(request_id, self.transfer.peer_info(), tuple(block_ids), len(prompt_token_ids),
-                              first.new_token_ids[0], self.settings.lease_ttl)
+                              first.new_token_ids[0], self.settings.lease_ttl, first.preemptions)
         return PrefillResult(first, handle, queue_seconds=0.0, prefill_seconds=t1 - t0)
 
     async def release(self, request_id: str) -> bool:
@@ -184,6 +212,16 @@ class PrefillWorker:
         return {"kv_blocks_used": stats.kv_blocks_used, "held": stats.held, "leases": len(self.leases)}
 
     # ------------------------------------------------------------- internal
+    def _fire(self, method, *args) -> None:
+        """Call without waiting: a Ray actor method's `.remote`, or (one process) a
+        coroutine method scheduled on this loop."""
+        if hasattr(method, "remote"):
+            method.remote(*args)
+            return
+        task = asyncio.get_running_loop().create_task(method(*args))
+        self._fired.add(task)
+        task.add_done_callback(self._fired.discard)
+
     def _on_lease_end(self, lease: Lease, cause: ReleaseCause) -> None:
         # may run on any thread: hand the free to the engine thread
         self.aengine.post(lambda e: e.release_held(lease.request_id))
@@ -216,3 +254,4 @@ def _node_address() -> str:
     """The address of the Ray node this worker runs on (what peers on other machines reach)."""
     import ray
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+

@@ -50,9 +50,9 @@ class MultiHostServe:
     def __init__(self, bed: TestBed, model_dir: Path, *, prefill_hosts=("h2",), decode_hosts=("h3",),
                  prefill_workers: int = 1, decode_workers: int = 1, slots_per_host: int = 1000, **serve) -> None:
         self.bed, self.head = bed, bed.host("h1")
-        model = bed.shared_dir / "model"
-        if not model.exists():
-            shutil.copytree(model_dir, model)
+        model = bed.shared_dir / ("model" + ("" if model_dir.is_dir() else model_dir.suffix))
+        if not model.exists():   # (a tmp_path model is not visible in the hosts' private /tmp)
+            (shutil.copytree if model_dir.is_dir() else shutil.copy2)(model_dir, model)
         ray_start(self.head, num_cpus=1)
         self.roles = {**{n: {"pdserve_prefill": slots_per_host} for n in prefill_hosts},
                       **{n: {"pdserve_decode": slots_per_host} for n in decode_hosts}}

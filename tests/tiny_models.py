@@ -47,8 +47,11 @@ def make_tiny_model(path: str | Path, arch: str = "llama", *, vocab_size: int = 
                     hidden_size: int = 64, num_layers: int = 3, num_heads: int = 4,
                     num_kv_heads: int = 2, intermediate_size: int = 128,
                     max_position_embeddings: int = 2048, tie_word_embeddings: bool = False,
-                    weight_scale: float = 20.0, seed: int = 0, rope_scaling: dict | None = None) -> Path:
-    """Write a tiny random model of ``arch`` ("llama" or "qwen2") to ``path``."""
+                    weight_scale: float = 20.0, seed: int = 0, rope_scaling: dict | None = None,
+                    padded_vocab_size: int | None = None) -> Path:
+    """Write a tiny random model of ``arch`` ("llama" or "qwen2") to ``path``. With
+    ``padded_vocab_size`` the embedding (and lm_head) has that many rows, more than the
+    tokenizer has tokens, as Qwen2 checkpoints do: the model can produce ids no token has."""
     import transformers
 
     path = Path(path)
@@ -56,7 +59,9 @@ def make_tiny_model(path: str | Path, arch: str = "llama", *, vocab_size: int = 
     tok = make_tokenizer(vocab_size)
     real_vocab = tok.get_vocab_size()
     eos_id = tok.token_to_id("<|im_end|>")
-    common = dict(vocab_size=real_vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
+    if padded_vocab_size is not None and padded_vocab_size <= real_vocab:
+        raise ValueError(f"padded_vocab_size {padded_vocab_size} must exceed the tokenizer's {real_vocab} tokens")
+    common = dict(vocab_size=padded_vocab_size or real_vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
                   num_hidden_layers=num_layers, num_attention_heads=num_heads,
                   num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
                   tie_word_embeddings=tie_word_embeddings, bos_token_id=tok.token_to_id("<|endoftext|>"),

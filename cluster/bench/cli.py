@@ -139,7 +139,7 @@ async def _bench(args, specs, slo: Slo, cfg: RunnerConfig) -> int:
             "max_concurrency": args.max_concurrency or None, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if args.warmup_requests:
         warm = ds.random_dataset(ds.RandomSpec(min(args.random_input_len, limit // 2), 4),
-                                 args.warmup_requests, info.vocab_size, args.seed + 7919)
+                                 args.warmup_requests, prompt_vocab(info), args.seed + 7919)
         wr = await run_load(args.target, warm, [0.0] * len(warm), replace(cfg, progress=False, duration_s=0.0,
                             max_concurrency=min(len(warm), args.max_concurrency or 8)))
         meta["warmup"] = {"requests": len(warm), "failed": sum(1 for r in wr.results if not r.ok)}
@@ -170,8 +170,14 @@ async def _bench(args, specs, slo: Slo, cfg: RunnerConfig) -> int:
     return 0 if all(s["requests"]["failed"] == 0 for s in summaries) else 1
 
 
+def prompt_vocab(info) -> int:
+    """Synthetic prompts draw ids below this: ids the server accepts (ModelInfo.vocab_size) that the
+    tokenizer also has tokens for (a padded vocabulary's extra ids have no text)."""
+    return min(info.vocab_size, info.tokenizer_vocab_size or info.vocab_size)
+
+
 def _dataset(args, info, seed: int, limit: int) -> tuple[list[ds.BenchRequest], int]:
-    n, vocab = args.num_requests, info.vocab_size
+    n, vocab = args.num_requests, prompt_vocab(info)
     if args.dataset == "random":
         reqs = ds.random_dataset(ds.RandomSpec(args.random_input_len, args.random_output_len,
                                                args.random_range_ratio), n, vocab, seed)

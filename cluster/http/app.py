@@ -1,6 +1,7 @@
 """The OpenAI-compatible FastAPI app, built per server by `create_app` (no module state).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}],
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /version,
+POST /tokenize and /detokenize (vLLM's; cluster/http/tokenize.py),
 GET /health (liveness: 200 while the process serves HTTP), GET /ready
 (readiness: 503 while draining), GET /metrics (the process's Prometheus
 registry, the same one the metrics port serves). With API keys configured
@@ -24,8 +25,10 @@ from cluster.http.completions import create_completion
 from cluster.http.errors import OpenAIError
 from cluster.http.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from cluster.http.state import EndpointState
+from cluster.http.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from cluster.metrics import Metrics
 from cluster.request_runner import RequestRunner
+from cluster.version import version
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _OUTCOME = {400: "invalid_argument", 401: "unauthenticated", 404: "not_found", 503: "unavailable"}
@@ -33,10 +36,12 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|[A-Z].*|.*\[.*)$")
 
 
 def create_app(runner: RequestRunner, metrics: Metrics, *, model_name: str | None = None,
-               api_keys: ApiKeys | None = None, request_timeout: float = 0.0,
+               model_names: tuple[str, ...] = (), api_keys: ApiKeys | None = None, request_timeout: float = 0.0,
                write_timeout: float = 0.0) -> FastAPI:
-    """An app over `runner` (share the gRPC endpoint's: one router, validator, admission)."""
-    state = EndpointState(runner, metrics, model_name or runner.backend.model_info().model_name,
+    """An app over `runner` (share the gRPC endpoint's: one router, validator, admission).
+    `model_names`: every name a request may give (aliases); the first is the one listed."""
+    names = tuple(model_names) or (model_name or runner.backend.model_info().model_name,)
+    state = EndpointState(runner, metrics, names[0], aliases=names[1:],
                           api_keys=api_keys, request_timeout=request_timeout, write_timeout=write_timeout)
     app = FastAPI(title="pdserve OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.pdserve = state
@@ -60,7 +65,7 @@ def create_app(runner: RequestRunner, metrics: Metrics, *, model_name: str | Non
         if not state.serving:
             raise OpenAIError(503, "the server is draining; send the request to another replica",
                               code="unavailable")
-        if model is not None and model != state.model_name:
+        if model is not None and not state.serves(model):
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
                               f"{state.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
 
@@ -74,6 +79,16 @@ def create_app(runner: RequestRunner, metrics: Metrics, *, model_name: str | Non
         admit(req.model)
         return create_chat_completion(req, state, salt(found, req.user))
 
+    @app.post("/tokenize")
+    async def tokenize_route(req: TokenizeRequest, found: str | None = Depends(tenant)) -> dict[str, Any]:
+        admit(req.model)
+        return tokenize(req, state)
+
+    @app.post("/detokenize")
+    async def detokenize_route(req: DetokenizeRequest, found: str | None = Depends(tenant)) -> dict[str, Any]:
+        admit(req.model)
+        return detokenize(req, state)
+
     def card() -> ModelCard:
         return ModelCard(id=state.model_name, created=state.created,
                          max_model_len=state.runner.limits.max_model_len)
@@ -84,9 +99,13 @@ def create_app(runner: RequestRunner, metrics: Metrics, *, model_name: str | Non
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(tenant)])
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != state.model_name:
+        if not state.serves(model_id):
             raise OpenAIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
         return card().model_dump()
+
+    @app.get("/version")
+    async def server_version() -> dict[str, str]:
+        return {"version": version()}
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -53,7 +53,7 @@ def create_chat_completion(req: ChatCompletionRequest, state: EndpointState,
     stream = state.runner.run(GenerateInput(request_id=rid, messages=messages, sampling=sampling,
                                             add_special_tokens=req.add_special_tokens),
                               cache_salt=cache_salt, deadline=state.deadline())
-    shape = _Shape(rid, int(time.time()), req.model or state.model_name, req.n or 1,
+    shape = _Shape(rid, int(time.time()), state.model_name, req.n or 1,
                    TokenText(state.runner.backend.tokenizer(), req.return_tokens_as_token_ids)
                    if req.logprobs else None)
     opts = req.stream_options

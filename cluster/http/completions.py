@@ -58,7 +58,7 @@ def create_completion(req: CompletionRequest, state: EndpointState, cache_salt: 
     streams = [state.runner.run(GenerateInput(request_id=f"{rid}-{i}", sampling=sampling,
                                               add_special_tokens=req.add_special_tokens, **kw),
                                 cache_salt=cache_salt, deadline=deadline) for i, kw in enumerate(prompts)]
-    shape = _Shape(rid, int(time.time()), req.model or state.model_name, req.n or 1, len(prompts),
+    shape = _Shape(rid, int(time.time()), state.model_name, req.n or 1, len(prompts),
                    TokenText(state.runner.backend.tokenizer(), req.return_tokens_as_token_ids)
                    if req.logprobs is not None else None)
     opts = req.stream_options

@@ -101,10 +101,13 @@ class HttpServer:
 
 
 async def serve_http(runner: RequestRunner, config: ServeConfig, metrics: Metrics, *,
-                     api_keys: ApiKeys | None = None, model_name: str | None = None) -> HttpServer:
+                     api_keys: ApiKeys | None = None, model_name: str | None = None,
+                     model_names: tuple[str, ...] = ()) -> HttpServer:
     """Start the OpenAI-compatible endpoint on config.host:config.http_port (0 = any free port)
-    over `runner` (pass the gRPC endpoint's runner to share admission and metrics)."""
-    app = create_app(runner, metrics, model_name=model_name, api_keys=api_keys,
+    over `runner` (pass the gRPC endpoint's runner to share admission and metrics). `model_names`:
+    the served names (aliases, the first listed); default: `model_name`, else the backend's."""
+    app = create_app(runner, metrics, model_names=model_names or ((model_name,) if model_name else ()),
+                     api_keys=api_keys,
                      request_timeout=config.request_timeout, write_timeout=config.stream_write_timeout)
     sock = bind(config.host, config.http_port)
     cfg = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, http=nodelay_protocol(),

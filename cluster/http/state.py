@@ -17,7 +17,8 @@ from cluster.request_runner import RequestRunner
 class EndpointState:
     runner: RequestRunner                  # shared with the gRPC endpoint: router, validation, admission
     metrics: Metrics
-    model_name: str
+    model_name: str                        # the served name /v1/models lists and responses carry
+    aliases: tuple[str, ...] = ()          # further names requests may use (--served-model-name A B ...)
     api_keys: ApiKeys | None = None
     request_timeout: float = 0.0           # seconds; 0 = no server-side deadline
     write_timeout: float = 0.0             # seconds a streamed send may wait on a client; 0 = no bound
@@ -25,6 +26,9 @@ class EndpointState:
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: int = 0
     _idle: asyncio.Event | None = None
+
+    def serves(self, name: str) -> bool:
+        return name == self.model_name or name in self.aliases
 
     def deadline(self) -> float | None:
         t = self.request_timeout

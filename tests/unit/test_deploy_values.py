@@ -17,7 +17,7 @@ import yaml
 from cluster.config import KV_CACHE_DTYPES, ROUTER_POLICIES, TRANSFER_BACKENDS, ServeConfig
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
-JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
+JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "tuple[str, ...]": "array"}
 
 
 def schema() -> dict:

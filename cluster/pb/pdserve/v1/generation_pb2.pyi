@@ -143,7 +143,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "vocab_size", "pools", "max_prompt_tokens", "max_stop_strings", "max_n")
+    __slots__ = ("model_name", "max_model_len", "block_size", "vocab_size", "pools", "max_prompt_tokens", "max_stop_strings", "max_n", "version", "tokenizer_vocab_size")
     class PoolsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,8 @@ class ModelInfoResponse(_message.Message):
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     MAX_N_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -167,4 +169,6 @@ class ModelInfoResponse(_message.Message):
     max_prompt_tokens: int
     max_stop_strings: int
     max_n: int
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., pools: _Optional[_Mapping[str, int]] = ..., max_prompt_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_n: _Optional[int] = ...) -> None: ...
+    version: str
+    tokenizer_vocab_size: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., pools: _Optional[_Mapping[str, int]] = ..., max_prompt_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_n: _Optional[int] = ..., version: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ...) -> None: ...

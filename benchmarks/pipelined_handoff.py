@@ -1,0 +1,133 @@
+"""Pipelined hand-off over a slow link: a long prompt (4096 tokens of SmolLM2-135M,
+chunked prefill of 512) prefilled on one test host and decoded on another, the
+prefill host's link capped by tc (1 Gbit/s by default), with the decode node
+reading each block as the prefill completes it (`pipelined_handoff`) and without
+(every block read after the first token), one after the other on the same bed.
+
+In pdserve the first token streams from the prefill node, so the transfer does
+not delay the TTFT: it delays the second token. Per mode this prints the client's
+TTFT and first gap (first to second token), the steady gap (later tokens), the
+hand-off's extra time (first gap minus a steady gap), the server's stages
+(pdserve_handoff_seconds) and what the link needs for the whole prompt's KV and
+for the last chunk's alone. Goal: the extra time is no more than the last chunk's
+transfer.
+
+    sudo .venv/bin/python benchmarks/pipelined_handoff.py [--gbit 1] [--prompts 3] [--input-len 4096] [--chunk 512]
+
+Needs root (cluster/testbed); prints {"skipped": ...} elsewhere. One JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from cluster.testbed.sys_cmd import need_root  # noqa: E402
+
+BLOCK = 16
+STAGES = ("join", "room", "pull", "first_step", "total")
+
+
+async def timed_stream(target: str, rid: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """Arrival times (seconds from the send) of each streamed token."""
+    from cluster.client import GenerationClient, build_request
+
+    t0, times = time.monotonic(), []
+    async with GenerationClient(target) as c:
+        req = build_request(prompt_token_ids=prompt, request_id=rid, max_tokens=max_tokens, temperature=0.0,
+                            ignore_eos=True)
+        async for r in c.generate(req, timeout=600):
+            times.extend([time.monotonic() - t0] * len(r.token_ids))
+    return times
+
+
+def stage_sums(serve) -> dict[str, tuple[float, float]]:
+    out = {}
+    for st in STAGES:
+        n = serve.metric("pdserve_handoff_seconds_count", stage=st) or 0.0
+        s = serve.metric("pdserve_handoff_seconds_sum", stage=st) or 0.0
+        out[st] = (n, s)
+    return out
+
+
+def run_mode(model: Path, args, pipelined: bool) -> dict:
+    from cluster.testbed import TestBed
+    from testbed_cluster import MultiHostServe
+
+    with TestBed.up(3) as bed:   # a fresh bed per mode: Ray and the link start alike
+        bed.host("h2").limit(args.gbit)
+        serve = MultiHostServe(bed, model, transfer_backend=args.backend, pipelined_handoff=pipelined,
+                               max_model_len=args.input_len + 64, num_kv_blocks=3 * (args.input_len // BLOCK + 8),
+                               max_num_batched_tokens=args.chunk, lease_ttl=120.0, transfer_timeout=120.0,
+                               log_level="WARNING")
+        return _measure(serve, args, pipelined)
+
+
+def _measure(serve, args, pipelined: bool) -> dict:
+    try:
+        vocab = 49152
+        before = stage_sums(serve)
+        runs = []
+        for i in range(args.prompts + 1):   # the first one warms up: not counted
+            prompt = [(i * 7919 + j * 104729) % (vocab - 200) + 100 for j in range(args.input_len)]
+            times = asyncio.run(timed_stream(serve.grpc_target, f"pipe-{int(pipelined)}-{i}", prompt,
+                                             args.output_len))
+            if i:
+                runs.append(times)
+            if i == 0:
+                before = stage_sums(serve)
+        after = stage_sums(serve)
+    finally:
+        serve.stop()
+    ttft = [t[0] for t in runs]
+    first_gap = [t[1] - t[0] for t in runs]
+    steady = [b - a for t in runs for a, b in zip(t[1:], t[2:])]
+    steady_med = statistics.median(steady)
+    stages = {}
+    for st in STAGES:
+        n = after[st][0] - before[st][0]
+        stages[st] = round(1e3 * (after[st][1] - before[st][1]) / n, 1) if n else None
+    return {"ttft_s": [round(x, 3) for x in ttft], "first_gap_s": [round(x, 3) for x in first_gap],
+            "steady_gap_ms_median": round(1e3 * steady_med, 1),
+            "handoff_extra_s": [round(g - steady_med, 3) for g in first_gap],
+            "stages_mean_ms": stages}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gbit", type=float, default=1.0, help="cap of the prefill host's link")
+    p.add_argument("--prompts", type=int, default=3, help="measured prompts per mode (after one warm-up)")
+    p.add_argument("--input-len", type=int, default=4096)
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens: the prefill chunk")
+    p.add_argument("--backend", default="tcp", help="KV transfer backend (tcp, nixl, ucxx)")
+    p.add_argument("--model", default="", help="HF dir or .gguf (default: the bundled SmolLM2)")
+    args = p.parse_args()
+    if need_root():
+        print(json.dumps({"benchmark": "pipelined_handoff", "skipped": need_root()}))
+        return
+    from engine.loader.load import resolve_model_path
+
+    model = Path(resolve_model_path(args.model or None))
+    kv_per_token = 30 * 2 * 3 * 64 * 4   # SmolLM2-135M: layers x (K, V) x kv heads x head dim x fp32
+    link = args.gbit * 1e9 / 8
+    out = {"benchmark": "pipelined_handoff", "gbit": args.gbit, "backend": args.backend,
+           "workload": {"input_len": args.input_len, "chunk": args.chunk, "output_len": args.output_len,
+                        "prompts": args.prompts},
+           "link_s_whole_prompt": round(args.input_len // BLOCK * BLOCK * kv_per_token / link, 3),
+           "link_s_last_chunk": round(args.chunk * kv_per_token / link, 3), "modes": {}}
+    for pipelined in (True, False):
+        out["modes"]["pipelined" if pipelined else "after_first_token"] = run_mode(model, args, pipelined)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Decode blocks reserved while the prompt is prefilled (`DecodeWorker.reserve`):
+the submit that follows pulls into them at once and decodes the same tokens as
+an unreserved hand-off; every way a reservation can end without a pull (abort,
+drain, a local prefill after all, no room, nobody claiming it) frees its blocks.
+Pipelined hand-off (`read_ahead`): blocks completed by earlier prefill chunks
+are read while later ones compute, the submit reads only the last chunk's, and
+a block read ahead from what is no longer its source (another node, or
+recomputed after a preemption) is read again. Real prefill and decode workers
+in one process, KV over the tcp transfer engine (no Ray)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.sampling_params import SamplingParams
+from kvtransfer.settings import TransferSettings
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _cfg(model_dir, num_blocks: int = 160, max_model_len: int = 1024, chunk: int = 2048) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+                        scheduler=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=4,
+                                                  max_num_batched_tokens=chunk))
+
+
+@pytest.fixture
+def workers(tiny_llama_dir):   # per test: a worker's engine loop belongs to one asyncio loop
+    from decode_worker.worker import DecodeWorker
+    from prefill_worker.worker import PrefillWorker
+
+    settings = TransferSettings(backend="tcp", lease_ttl=60.0, timeout=60.0)
+    # prompts prefill in chunks of 32 tokens (2 blocks): one engine step each
+    return PrefillWorker("prefill-res", _cfg(tiny_llama_dir, chunk=32), settings), \
+        DecodeWorker("decode-res", _cfg(tiny_llama_dir), settings)
+
+
+async def _used(dw) -> int:
+    return (await dw.check_integrity())["kv_blocks_used"]
+
+
+async def _decode(dw, rid: str) -> list[int]:
+    q = dw.aengine.subscribe(rid)
+    try:
+        tokens = []
+        while True:
+            d = await asyncio.wait_for(q.get(), 60)
+            tokens.extend(d.new_token_ids)
+            if d.finish_reason:
+                return tokens
+    finally:
+        dw.aengine.unsubscribe(rid)
+
+
+async def _hand_off(pw, dw, rid: str, prompt: list[int], reserve: bool, ahead: bool = False):
+    if reserve:
+        assert await dw.reserve(rid, prompt, GREEDY)
+    pre = await pw.prefill(rid, prompt, GREEDY, read_ahead=dw if ahead else None)
+    out = asyncio.ensure_future(_decode(dw, rid))
+    sub = await dw.submit(rid, prompt, GREEDY, handle=pre.handle)
+    return sub, list(pre.first.new_token_ids) + await out
+
+
+def test_a_reserved_hand_off_pulls_into_its_blocks_and_decodes_the_same_tokens(workers):
+    pw, dw = workers
+
+    async def go():
+        prompt = list(range(5, 75))
+        plain, plain_tokens = await _hand_off(pw, dw, "plain", prompt, reserve=False)
+        other = list(range(7, 77))
+        held, held_tokens = await _hand_off(pw, dw, "held", other, reserve=True)
+        again, again_tokens = await _hand_off(pw, dw, "again", prompt, reserve=True)
+        return plain, plain_tokens, held, held_tokens, again, again_tokens, await _used(dw)
+
+    plain, plain_tokens, held, held_tokens, again, again_tokens, used = asyncio.run(go())
+    assert not plain.reserved and held.reserved and again.reserved
+    assert held.transferred_blocks == 5 and held.error == "", held   # 70 tokens: 5 blocks of 16
+    assert again_tokens == plain_tokens and len(plain_tokens) == GREEDY.max_tokens
+    assert held_tokens != plain_tokens   # another prompt: not a copy of the first
+    assert used == 0, "a finished reserved hand-off left blocks behind"
+
+
+def test_a_pipelined_hand_off_reads_earlier_chunks_ahead_and_the_last_one_after(workers):
+    pw, dw = workers
+
+    async def go():
+        prompt = list(range(11, 171))   # 160 tokens: 10 blocks, 5 chunks of 2 blocks
+        plain, plain_tokens = await _hand_off(pw, dw, "plain", prompt, reserve=False)
+        other = [t + 1 for t in prompt]   # nothing of it cached on the decode node
+        ahead, ahead_tokens = await _hand_off(pw, dw, "ahead", other, reserve=True, ahead=True)
+        unpiped, unpiped_tokens = await _hand_off(pw, dw, "unpiped", other, reserve=False)
+        return plain, plain_tokens, ahead, ahead_tokens, unpiped_tokens, await _used(dw)
+
+    plain, plain_tokens, ahead, ahead_tokens, unpiped_tokens, used = asyncio.run(go())
+    assert plain.read_ahead_blocks == 0 and plain.transferred_blocks == 10
+    assert ahead.transferred_blocks == 10, ahead
+    # every chunk but the last was read while later ones computed: the submit read 2 blocks
+    assert ahead.read_ahead_blocks == 8, ahead
+    assert ahead_tokens == unpiped_tokens and ahead_tokens != plain_tokens
+    assert used == 0
+
+
+def test_blocks_read_ahead_from_what_is_no_longer_their_source_are_read_again(workers):
+    """The prefill node recomputed the prompt (a preemption) or another node
+    prefilled it: what was read ahead is stale, and the submit must not trust it."""
+    pw, dw = workers
+
+    async def go():
+        decoy = list(range(200, 264))
+        d = await pw.prefill("decoy", decoy, GREEDY)   # its blocks hold other KV
+        peer = d.handle.peer
+        out = {}
+        cases = (("stale-count", list(range(20, 84)), 1), ("stale-blocks", list(range(30, 94)), 0))
+        for rid, prompt, preemptions in cases:   # 64 tokens: 4 blocks each, none cached on the decode node
+            assert await dw.reserve(rid, prompt, GREEDY)
+            pre = await pw.prefill(rid, prompt, GREEDY)
+            if preemptions:   # the right blocks, but read before a preemption the handle reports
+                pre = replace(pre, handle=replace(pre.handle, preemptions=preemptions))
+                await dw.read_ahead(rid, peer, 0, pre.handle.block_ids, 0)
+            else:             # another source's blocks (the decoy's), told as this prompt's
+                await dw.read_ahead(rid, peer, 0, d.handle.block_ids, 0)
+            decoded = asyncio.ensure_future(_decode(dw, rid))
+            sub = await dw.submit(rid, prompt, GREEDY, handle=pre.handle)
+            out[rid] = (sub, list(pre.first.new_token_ids) + await decoded)
+        await pw.release("decoy")
+        for rid, prompt, _ in cases:   # the reference: a plain hand-off of the same prompt
+            out[rid] += ((await _hand_off(pw, dw, rid + "-ref", prompt, reserve=False))[1],)
+        return out
+
+    out = asyncio.run(go())
+    for rid in ("stale-count", "stale-blocks"):
+        sub, tokens, want = out[rid]
+        assert sub.read_ahead_blocks == 0 and sub.transferred_blocks == 4, (rid, sub)
+        assert tokens == want, rid
+
+
+def test_every_unclaimed_reservation_frees_its_blocks(workers):
+    pw, dw = workers
+
+    async def go():
+        seen = {}
+        assert await _used(dw) == 0
+        assert await dw.reserve("aborted", list(range(3, 40)), GREEDY)
+        seen["reserved"] = await _used(dw)
+        await dw.abort("aborted")
+        seen["abort"] = await _used(dw)
+
+        assert await dw.reserve("drained", list(range(3, 40)), GREEDY)
+        assert await dw.drain() == []
+        seen["drain"] = await _used(dw)
+        pre = await pw.prefill("drained", list(range(3, 40)), GREEDY)
+        seen["moved"] = await dw.submit("drained", list(range(3, 40)), GREEDY, handle=pre.handle)
+        await pw.release("drained")
+        dw.undrain()
+
+        # the prefill node was lost: the decode node prefills itself after all
+        assert await dw.reserve("local", list(range(3, 40)), GREEDY)
+        out = asyncio.ensure_future(_decode(dw, "local"))
+        sub = await dw.submit("local", list(range(3, 40)), GREEDY)
+        seen["local"] = (sub, len(await out))
+        seen["after_local"] = await _used(dw)
+        return seen
+
+    seen = asyncio.run(go())
+    assert seen["reserved"] == 3   # 37 tokens: 3 blocks of 16
+    assert seen["abort"] == 0 and seen["drain"] == 0 and seen["after_local"] == 0, seen
+    assert seen["moved"].moved and not seen["moved"].joined
+    sub, n = seen["local"]
+    assert sub.local_prefill and sub.joined and n == GREEDY.max_tokens
+
+
+def test_no_room_reserves_nothing_and_an_unclaimed_reservation_expires(tiny_llama_dir):
+    from decode_worker.worker import RESERVATION_TTL_FACTOR, DecodeWorker
+
+    timeout = 0.05
+    dw = DecodeWorker("decode-ttl", _cfg(tiny_llama_dir, num_blocks=6, max_model_len=96),
+                      TransferSettings(backend="tcp", lease_ttl=60.0, timeout=timeout))
+
+    async def go():
+        assert await dw.reserve("orphan", list(range(3, 40)), GREEDY)   # 3 of the 6 blocks
+        held = await _used(dw)
+        too_big = await dw.reserve("big", list(range(3, 73)), GREEDY)   # 5 blocks: 3 are free
+        after_refusal = await _used(dw)
+        await asyncio.sleep(RESERVATION_TTL_FACTOR * timeout + 0.5)
+        return held, too_big, after_refusal, await _used(dw)
+
+    held, too_big, after_refusal, expired = asyncio.run(go())
+    assert held == 3 and too_big is False and after_refusal == 3
+    assert expired == 0, "an unclaimed reservation outlived its time"
