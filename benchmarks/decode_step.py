@@ -4,6 +4,7 @@ Prefills ``batch`` random prompts of ``ctx`` tokens, then times ``steps``
 decode steps through ModelRunner.execute (metadata build included).
 Prints one JSON line.  Usage:
   python benchmarks/decode_step.py --batch 1 16 --dtype float32 bfloat16 --ctx 128
+  python benchmarks/decode_step.py --batch 16 --dtype float32 --kv-cache-dtype auto int8 fp8_e4m3 --interleave
 """
 from __future__ import annotations
 
@@ -26,44 +27,70 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput  # noqa: E402
 
 
-def run(cfg, state, batch: int, ctx: int, steps: int, dtype: str, block_size: int) -> dict:
-    blocks_per = -(-(ctx + steps + 1) // block_size)
-    runner = ModelRunner(cfg, state, cache_config=CacheConfig(block_size=block_size,
-                                                              num_blocks=batch * blocks_per + 1),
-                         max_model_len=blocks_per * block_size, dtype=dtype)
-    rng = random.Random(0)
-    ids = list(range(1, batch * blocks_per + 1))
-    rng.shuffle(ids)
-    reqs, tables = [], []
-    for i in range(batch):
-        r = Request(f"r{i}", [rng.randrange(100, cfg.vocab_size) for _ in range(ctx)],
-                    SamplingParams(max_tokens=steps + 1, temperature=0.0))
-        tables.append(ids[i * blocks_per:(i + 1) * blocks_per])
-        reqs.append(r)
-    t0 = time.perf_counter()
-    for r, t in zip(reqs, tables):          # prefill one by one
-        logits = runner.execute(SchedulerOutput([ScheduledSeq(r, ctx, t, True)]))
-        r.num_computed_tokens = ctx
-        r.append_output_token(int(logits[0].argmax()))
-    prefill_s = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
-        sched = SchedulerOutput([ScheduledSeq(r, 1, t, True) for r, t in zip(reqs, tables)])
+class Case:
+    """One (dtype, kv_cache_dtype) runner with ``batch`` prompts of ``ctx`` tokens prefilled."""
+
+    def __init__(self, cfg, state, batch: int, ctx: int, steps: int, dtype: str, block_size: int,
+                 kv_cache_dtype: str = "auto") -> None:
+        blocks_per = -(-(ctx + steps + 1) // block_size)
+        self.runner = ModelRunner(cfg, state, cache_config=CacheConfig(block_size=block_size,
+                                                                       num_blocks=batch * blocks_per + 1,
+                                                                       kv_cache_dtype=kv_cache_dtype),
+                                  max_model_len=blocks_per * block_size, dtype=dtype)
+        self.key = dict(batch=batch, ctx=ctx, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        rng = random.Random(0)
+        ids = list(range(1, batch * blocks_per + 1))
+        rng.shuffle(ids)
+        self.reqs, self.tables = [], []
+        for i in range(batch):
+            self.reqs.append(Request(f"r{i}", [rng.randrange(100, cfg.vocab_size) for _ in range(ctx)],
+                                     SamplingParams(max_tokens=steps + 1, temperature=0.0)))
+            self.tables.append(ids[i * blocks_per:(i + 1) * blocks_per])
         t0 = time.perf_counter()
-        logits = runner.execute(sched)
-        times.append(time.perf_counter() - t0)
-        nxt = logits.argmax(-1).tolist()
-        for r, tok in zip(reqs, nxt):
+        for r, t in zip(self.reqs, self.tables):          # prefill one by one
+            logits = self.runner.execute(SchedulerOutput([ScheduledSeq(r, ctx, t, True)]))
+            r.num_computed_tokens = ctx
+            r.append_output_token(int(logits[0].argmax()))
+        self.prefill_s = time.perf_counter() - t0
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+
+    def step(self) -> None:
+        sched = SchedulerOutput([ScheduledSeq(r, 1, t, True) for r, t in zip(self.reqs, self.tables)])
+        t0, c0 = time.perf_counter(), time.process_time()
+        logits = self.runner.execute(sched)
+        self.times.append(time.perf_counter() - t0)
+        self.cpu.append(time.process_time() - c0)
+        for r, tok in zip(self.reqs, logits.argmax(-1).tolist()):
             r.num_computed_tokens += 1
             r.append_output_token(tok)
-    times.sort()
-    med = times[len(times) // 2]
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    return {"batch": batch, "ctx": ctx, "dtype": dtype, "step_ms_median": round(med * 1e3, 2),
-            "step_ms_min": round(times[0] * 1e3, 2), "tok_per_s": round(batch / med, 1),
-            "prefill_tok_per_s": round(batch * ctx / prefill_s, 1),
-            "weight_MB": round(weight_bytes / 1e6, 1),
-            "weight_read_GBps": round(weight_bytes / med / 1e9, 2)}
+
+    def result(self) -> dict:
+        times, cpu = sorted(self.times), sorted(self.cpu)
+        med = times[len(times) // 2]
+        batch, ctx = self.key["batch"], self.key["ctx"]
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+        return {**self.key, "step_ms_median": round(med * 1e3, 2),
+                "step_ms_min": round(times[0] * 1e3, 2), "step_cpu_ms_median": round(cpu[len(cpu) // 2] * 1e3, 2),
+                "tok_per_s": round(batch / med, 1), "prefill_tok_per_s": round(batch * ctx / self.prefill_s, 1),
+                "weight_MB": round(weight_bytes / 1e6, 1),
+                "weight_read_GBps": round(weight_bytes / med / 1e9, 2)}
+
+
+def run(cfg, state, batch: int, ctx: int, steps: int, dtype: str, block_size: int,
+        kv_cache_dtype: str = "auto") -> dict:
+    case = Case(cfg, state, batch, ctx, steps, dtype, block_size, kv_cache_dtype)
+    for _ in range(steps):
+        case.step()
+    return case.result()
+
+
+def run_interleaved(cases: list[Case], steps: int) -> list[dict]:
+    """Step every case in turn, ``steps`` rounds: a busy shared host slows them alike."""
+    for _ in range(steps):
+        for case in cases:
+            case.step()
+    return [c.result() for c in cases]
 
 
 def main() -> None:
@@ -74,10 +101,17 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=("auto", "int8", "fp8_e4m3"))
+    ap.add_argument("--interleave", action="store_true",
+                    help="prefill every case first, then time their decode steps in turn (side by side)")
     args = ap.parse_args()
     cfg, state = load_model_source(args.model)
-    results = [run(cfg, state, b, args.ctx, args.steps, d, args.block_size)
-               for d in args.dtype for b in args.batch]
+    grid = [(b, d, kv) for d in args.dtype for kv in args.kv_cache_dtype for b in args.batch]
+    if args.interleave:
+        results = run_interleaved([Case(cfg, state, b, args.ctx, args.steps, d, args.block_size, kv)
+                                   for b, d, kv in grid], args.steps)
+    else:
+        results = [run(cfg, state, b, args.ctx, args.steps, d, args.block_size, kv) for b, d, kv in grid]
     print(json.dumps({"benchmark": "decode_step", "model": cfg.name,
                       "threads": torch.get_num_threads(), "results": results}))
 

@@ -12,6 +12,11 @@ process (``vm_readv_gbps``: the kernel copy UCX's cma transport performs, i.e.
 the ceiling for a one-thread cross-process read on this host).
 
     .venv/bin/python benchmarks/kv_transfer.py [--iters 5] [--backends nixl,tcp] [--thp]
+    .venv/bin/python benchmarks/kv_transfer.py --kv-cache-dtypes float32,bfloat16,int8,fp8_e4m3
+
+``--kv-cache-dtypes``: the prompt cases again at each KV storage dtype's block
+size (``engine.kv_pool.bytes_per_block``: int8 / fp8_e4m3 blocks carry their
+scales, 190080 bytes), under ``by_kv_cache_dtype``.
 
 ``--thp`` allocates every pool (both processes) and memcpy buffer on
 transparent huge pages (torch's ``THP_MEM_ALLOC_ENABLE=1``): the kernel's
@@ -37,6 +42,22 @@ POOLS = {"kv": (320, KV_BLOCK), "bulk": (272, MIB)}
 CASES = {"prompt_512": ("kv", 512 // 16), "prompt_4096": ("kv", 4096 // 16), "bulk_256MiB": ("bulk", 256)}
 
 
+def kv_block_bytes(kv_cache_dtype: str) -> int:
+    """One SmolLM2 block (16 tokens) as the engine's pool stores it at ``kv_cache_dtype``."""
+    import torch
+    from engine.config import ModelConfig
+    from engine.kv_pool import bytes_per_block
+    smol = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                       num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
+    if kv_cache_dtype in ("float32", "bfloat16"):
+        return bytes_per_block(smol, 16, getattr(torch, kv_cache_dtype))
+    return bytes_per_block(smol, 16, torch.float32, kv_cache_dtype)
+
+
+def pools(kv_block: int = KV_BLOCK) -> dict:
+    return {**POOLS, "kv": (POOLS["kv"][0], kv_block)}
+
+
 def fragmented_table(rng: random.Random, num_blocks: int, count: int) -> list[int]:
     """Free-list after churn: runs of 1-8 consecutive blocks in random places."""
     runs, start = [], 0
@@ -51,7 +72,7 @@ def fragmented_table(rng: random.Random, num_blocks: int, count: int) -> list[in
 def tables(case: str, seed: int = 0) -> tuple[list[int], list[int]]:
     pool, count = CASES[case]
     rng = random.Random(seed)
-    n = POOLS[pool][0]
+    n = POOLS[pool][0]     # block counts do not depend on the block size
     if pool == "bulk":
         return rng.sample(range(n), count), rng.sample(range(n), count)
     return fragmented_table(rng, n, count), fragmented_table(rng, n, count)
@@ -64,13 +85,13 @@ def engine_config(variant: str):
     return variant, None
 
 
-def make_pools(backend: str, variant: str, role: str):
+def make_pools(backend: str, variant: str, role: str, kv_block: int = KV_BLOCK):
     import torch
     from kvtransfer.layout import KVPoolLayout
     from kvtransfer.registry import create_engine
     backend, config = engine_config(variant)
     out = {}
-    for pool, (n, bpb) in POOLS.items():
+    for pool, (n, bpb) in pools(kv_block).items():
         tensor = torch.randint(0, 256, (n, bpb), dtype=torch.uint8) if role == "src" else torch.zeros(n, bpb, dtype=torch.uint8)
         eng = create_engine(backend, f"{role}-{variant}-{pool}-{os.getpid()}", config)
         eng.register_pool(KVPoolLayout.from_tensor(tensor))
@@ -78,20 +99,20 @@ def make_pools(backend: str, variant: str, role: str):
     return out
 
 
-def source_main(variant: str, conn) -> None:
-    pools = make_pools(variant, variant, "src")
-    conn.send(({p: (e.peer_info(), t[:, :64].clone()) for p, (e, t) in pools.items()}, os.getpid()))
+def source_main(variant: str, conn, kv_block: int = KV_BLOCK) -> None:
+    src = make_pools(variant, variant, "src", kv_block)
+    conn.send(({p: (e.peer_info(), t[:, :64].clone()) for p, (e, t) in src.items()}, os.getpid()))
     while not conn.poll(0.005):
-        for eng, _ in pools.values():
+        for eng, _ in src.values():
             eng.get_notifications()   # what a prefill worker's loop does
-    for eng, _ in pools.values():
+    for eng, _ in src.values():
         eng.close()
 
 
-def memcpy_case(case: str, iters: int) -> dict:
+def memcpy_case(case: str, iters: int, kv_block: int = KV_BLOCK) -> dict:
     import torch
     pool, count = CASES[case]
-    nbytes = count * POOLS[pool][1]
+    nbytes = count * pools(kv_block)[pool][1]
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     times = []
@@ -139,19 +160,19 @@ def bench_memcpy(iters: int) -> dict:
     return {case: memcpy_case(case, iters) for case in CASES}
 
 
-def bench_backend(variant: str, iters: int) -> dict:
+def bench_backend(variant: str, iters: int, kv_block: int = KV_BLOCK, cases=tuple(CASES)) -> dict:
     import torch
     from kvtransfer.descriptors import build_descriptors
     from kvtransfer.engine import TransferStatus
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=source_main, args=(variant, child), daemon=True)
+    proc = ctx.Process(target=source_main, args=(variant, child, kv_block), daemon=True)
     proc.start()
-    readers = make_pools(variant, variant, "dst")
+    readers = make_pools(variant, variant, "dst", kv_block)
     peers, source_pid = conn.recv()
     out = {}
     try:
-        for case in CASES:
+        for case in cases:
             pool = CASES[case][0]
             eng, tensor = readers[pool]
             info, heads = peers[pool]
@@ -169,10 +190,10 @@ def bench_backend(variant: str, iters: int) -> dict:
             t = statistics.median(times[1:])
             gbps = handle.nbytes / t / 1e9
             # the host is shared: compare with a memcpy measured right now, not at start-up
-            local = memcpy_case(case, iters)["gbps"]
+            local = memcpy_case(case, iters, kv_block)["gbps"]
             one_thread = memmove_1thread_gbps(handle.nbytes, iters)
             kernel = vm_readv_gbps(source_pid, build_descriptors(info.layout, eng.layout, src_ids, dst_ids), iters)
-            out[case] = {"gbps": round(gbps, 2), "ratio_to_memcpy": round(gbps / local, 3),
+            out[case] = {"bytes": handle.nbytes, "gbps": round(gbps, 2), "ratio_to_memcpy": round(gbps / local, 3),
                          "memcpy_gbps": local, "memcpy_1thread_gbps": one_thread, "vm_readv_gbps": kernel,
                          "ratio_to_vm_readv": round(gbps / kernel, 3),
                          "latency_ms": round(t * 1e3, 3), "best_gbps": round(handle.nbytes / min(times[1:]) / 1e9, 2),
@@ -193,6 +214,9 @@ def main() -> None:
                         "(+ nixl_pthread_on: NIXL's progress thread with a 100 us delay)")
     parser.add_argument("--thp", action="store_true", help="allocate pools on transparent huge pages "
                         "(THP_MEM_ALLOC_ENABLE=1, inherited by the source processes)")
+    parser.add_argument("--kv-cache-dtypes", default="",
+                        help="comma list of float32, bfloat16, int8, fp8_e4m3: the prompt cases at each one's "
+                             "block size (only these, with the given backends)")
     args = parser.parse_args()
     if args.thp:
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"   # read by torch's CPU allocator at first use
@@ -200,9 +224,16 @@ def main() -> None:
     variants = args.backends.split(",") if args.backends else available_backends()
     if not args.backends and "nixl" in variants:
         variants.insert(1, "nixl_pthread_on")
-    result: dict = {"memcpy": bench_memcpy(args.iters)}
-    for variant in variants:
-        result[variant] = bench_backend(variant, args.iters)
+    if args.kv_cache_dtypes:
+        result: dict = {"by_kv_cache_dtype": {}}
+        for kv in args.kv_cache_dtypes.split(","):
+            block = kv_block_bytes(kv)
+            result["by_kv_cache_dtype"][kv] = {"block_bytes": block, **{
+                v: bench_backend(v, args.iters, block, ("prompt_512", "prompt_4096")) for v in variants}}
+    else:
+        result = {"memcpy": bench_memcpy(args.iters)}
+        for variant in variants:
+            result[variant] = bench_backend(variant, args.iters)
     result["env"] = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
     result["cpus"] = os.cpu_count()
     result["thp"] = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"

@@ -50,6 +50,7 @@ class ModelInfoData:
     vocab_size: int                        # ids a prompt may hold: 0..vocab_size-1 (the model's embedding rows)
     pools: dict[str, int]                  # pool name -> number of workers
     tokenizer_vocab_size: int = 0          # ids the tokenizer has text for (<= vocab_size when padded)
+    kv_cache_dtype: str = "auto"           # folded into block hashes (engine.block_hash.root_hash)
 
 
 class GenerationBackend(abc.ABC):

@@ -28,6 +28,7 @@ TRANSFER_BACKENDS = ("auto", "nixl", "ucxx", "tcp")
 PREFILL_FAILURE_POLICIES = ("recompute", "reprefill")
 DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"^(cpu|cuda|xpu|mps)(:\d+)?$")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
 
 def parse_size(value: str | int) -> int:
@@ -50,6 +51,7 @@ class ServeConfig:
     block_size: int = 16
     kv_cache_memory: str = "1GiB"         # per worker
     num_kv_blocks: int = 0                # > 0 overrides kv_cache_memory
+    kv_cache_dtype: str = "auto"          # auto (= dtype) | int8 | fp8_e4m3: how the KV pool stores K/V
     # KV tiers below the device (docs/tiering.md); "0" = off
     host_kv_memory: str = "0"             # per worker: host DRAM lent to the KV cache
     disk_kv_dir: str = ""                 # directory of the disk tier's file
@@ -155,6 +157,9 @@ class ServeConfig:
         parse_size(self.host_kv_memory)
         if parse_size(self.disk_kv_bytes) and not self.disk_kv_dir:
             raise ValueError("disk_kv_bytes is set but disk_kv_dir is empty: give the disk tier a directory")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (auto = the model's "
+                             f"dtype), got {self.kv_cache_dtype!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
                              f"got {self.preemption_mode!r}")

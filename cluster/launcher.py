@@ -29,7 +29,8 @@ def engine_config(cfg: ServeConfig) -> EngineConfig:
         cache=CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_kv_blocks or None,
                           kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
                           host_kv_memory_bytes=parse_size(cfg.host_kv_memory), disk_kv_dir=cfg.disk_kv_dir,
-                          disk_kv_bytes=parse_size(cfg.disk_kv_bytes), preemption_mode=cfg.preemption_mode),
+                          disk_kv_bytes=parse_size(cfg.disk_kv_bytes), preemption_mode=cfg.preemption_mode,
+                          kv_cache_dtype=cfg.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                                   max_waiting=cfg.max_worker_queue),
@@ -137,4 +138,26 @@ async def launch_workers(cfg: ServeConfig) -> list[WorkerRef]:
     infos = await asyncio.gather(*[r.actor.ready.remote() for r in refs])
     for r, info in zip(refs, infos):
         log.info("worker %s ready: %s", r.worker_id, info)
+    try:
+        check_kv_agreement([(r.worker_id, info) for r, info in zip(refs, infos)])
+    except ValueError:
+        for r in refs:
+            ray.kill(r.actor, no_restart=True)
+        raise
     return refs
+
+
+def check_kv_agreement(infos: list[tuple[str, dict]]) -> None:
+    """Workers hand KV blocks to each other byte for byte, and the router matches their
+    block hashes: every worker must store K/V alike (kv_cache_dtype, block size, bytes
+    per block). Refuses at start-up, naming who disagrees, rather than at the first hand-off."""
+    layouts: dict[tuple, list[str]] = {}
+    for worker_id, info in infos:
+        key = (info.get("kv_cache_dtype", "auto"), info["block_size"], info.get("kv_bytes_per_block"))
+        layouts.setdefault(key, []).append(worker_id)
+    if len(layouts) > 1:
+        described = "; ".join(f"{', '.join(ids)}: kv_cache_dtype={kv}, block_size={bs}, {nbytes} B/block"
+                              for (kv, bs, nbytes), ids in layouts.items())
+        raise ValueError(f"the workers' KV caches disagree ({described}): a block moved between them would be "
+                         "misread. Start every pool with the same --kv-cache-dtype, --dtype, --block-size "
+                         "and model")

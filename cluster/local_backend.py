@@ -67,7 +67,8 @@ class LocalEngineBackend(GenerationBackend):
     def model_info(self) -> ModelInfoData:
         e = self.engine
         return ModelInfoData(self._model_name, e.max_model_len, e.block_size, e.vocab_size,
-                             {"colocated": 1}, tokenizer_vocab_size=e.tokenizer.vocab_size)
+                             {"colocated": 1}, tokenizer_vocab_size=e.tokenizer.vocab_size,
+                             kv_cache_dtype=e.runner.kv_pool.kv_cache_dtype)
 
     def tokenizer(self):
         return self.engine.tokenizer

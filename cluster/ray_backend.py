@@ -329,7 +329,8 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
             pools[ref.pool] = pools.get(ref.pool, 0) + 1
         name = self.config.served_model_name[0] if self.config.served_model_name else self.model_path.name
         return ModelInfoData(name, self._max_model_len, self.config.block_size,
-                             self._vocab_size, pools, tokenizer_vocab_size=self._tokenizer.vocab_size)
+                             self._vocab_size, pools, tokenizer_vocab_size=self._tokenizer.vocab_size,
+                             kv_cache_dtype=self.config.kv_cache_dtype)
 
     def tokenizer(self):
         return self._tokenizer

@@ -342,7 +342,8 @@ class RecoveryMixin:
         self._by_wid[state.wid] = state
         prompt = tuple(job.prompt_token_ids) + tuple(state.emitted)
         params = replace(job.sampling, max_tokens=job.sampling.max_tokens - len(state.emitted))
-        hashes = tuple(block_hashes(prompt, self.config.block_size, job.cache_salt))
+        hashes = tuple(block_hashes(prompt, self.config.block_size, job.cache_salt,
+                                    kv_cache_dtype=self.config.kv_cache_dtype))
         cont = replace(job, request_id=state.wid, prompt_token_ids=prompt, sampling=params, block_hashes=hashes)
         state.continued = True
         decision = self._route(cont, prompt, hashes)

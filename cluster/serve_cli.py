@@ -28,6 +28,8 @@ HELP = {
     "block_size": "tokens per KV block (power of two)",
     "kv_cache_memory": "KV pool size per worker, e.g. 512MiB, 4GiB",
     "num_kv_blocks": "KV blocks per worker; > 0 overrides --kv-cache-memory",
+    "kv_cache_dtype": "how the KV pool stores K/V: auto (the model's dtype), int8 or fp8_e4m3 (1 byte a value "
+                      "plus a scale per token and KV head; docs/kv_quantization.md); every worker must agree",
     "max_model_len": "longest prompt + output in tokens (0 = the model's own context length)",
     "max_num_seqs": "sequences a worker runs at once",
     "max_num_batched_tokens": "token budget of one engine step (chunked prefill above it)",

@@ -87,6 +87,7 @@ class Limits:
     max_prompt_chars: int = 0              # 0 = 32 characters per context token
     max_id_len: int = 256                  # request_id and cache_salt
     roles: tuple[str, ...] = ROLES
+    kv_cache_dtype: str = "auto"           # the workers' KV storage: part of every block hash
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -99,7 +100,7 @@ class Limits:
     @classmethod
     def from_model(cls, info: ModelInfoData, **overrides: Any) -> "Limits":
         return cls(max_model_len=info.max_model_len, block_size=info.block_size,
-                   vocab_size=info.vocab_size, **overrides)
+                   vocab_size=info.vocab_size, kv_cache_dtype=info.kv_cache_dtype, **overrides)
 
 
 def validate_request(req: GenerateInput, tokenizer, limits: Limits, *, cache_salt: str | None = None,
@@ -119,7 +120,8 @@ def validate_request(req: GenerateInput, tokenizer, limits: Limits, *, cache_sal
     extra = {} if arrival_time is None else {"arrival_time": arrival_time}
     return GenerateJob(request_id=request_id, prompt_token_ids=tuple(prompt_ids), sampling=sampling,
                        cache_salt=salt, deadline=deadline,
-                       block_hashes=tuple(block_hashes(prompt_ids, limits.block_size, salt)), **extra)
+                       block_hashes=tuple(block_hashes(prompt_ids, limits.block_size, salt,
+                                                       kv_cache_dtype=limits.kv_cache_dtype)), **extra)
 
 
 def _check_id(name: str, value: str, limits: Limits, printable: bool = True) -> str:

@@ -114,7 +114,9 @@ class DecodeWorker:
         await self.aengine.start()
         return {"worker_id": self.worker_id, "pid": os.getpid(), "niceness": os.nice(0),
                 "address": self.settings.host, "hostname": socket.gethostname(), "pool": self.pool,
-                "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.engine.block_size}
+                "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.engine.block_size,
+                "kv_cache_dtype": self.engine.kv_pool.kv_cache_dtype,
+                "kv_bytes_per_block": self.engine.kv_pool.bytes_per_block}
 
     async def output_stream(self):
         """Every engine step's deltas, one list per step (a Ray streaming generator)."""

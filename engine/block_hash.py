@@ -2,7 +2,10 @@
 
 A block's hash chains through its parent: ``hash(parent, tokens, extra)``.
 The first block's parent is a fixed seed mixed with the tenant salt, so two
-tenants with different salts never share a block. Hashes are 64-bit ints,
+tenants with different salts never share a block. A quantized KV cache
+(``kv_cache_dtype`` int8 / fp8_e4m3) hashes its root in its own blake2b domain
+(``person``), so quantized and unquantized workers never share a block hash;
+``auto`` keeps the plain root (hashes are the same as before quantization). Hashes are 64-bit ints,
 stable across processes and machines (blake2b, not Python's ``hash``).
 """
 from __future__ import annotations
@@ -14,9 +17,10 @@ from typing import Sequence
 ROOT_SEED = b"pdserve-kv-v1"
 
 
-def root_hash(cache_salt: str | None) -> int:
-    """Parent hash of a prompt's first block, with the tenant salt folded in."""
-    h = hashlib.blake2b(ROOT_SEED + (cache_salt or "").encode("utf-8"), digest_size=8)
+def root_hash(cache_salt: str | None, kv_cache_dtype: str = "auto") -> int:
+    """Parent hash of a prompt's first block, with the tenant salt and the KV storage dtype folded in."""
+    person = b"" if kv_cache_dtype == "auto" else b"kv:" + kv_cache_dtype.encode("ascii")
+    h = hashlib.blake2b(ROOT_SEED + (cache_salt or "").encode("utf-8"), digest_size=8, person=person)
     return int.from_bytes(h.digest(), "little")
 
 
@@ -43,7 +47,7 @@ def content_hash(token_ids: Sequence[int]) -> int:
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-                 start: int = 0, parent: int | None = None) -> list[int]:
+                 start: int = 0, parent: int | None = None, kv_cache_dtype: str = "auto") -> list[int]:
     """Chained hashes of every *full* block of ``token_ids``.
 
     ``start``/``parent`` let a caller extend a list it already has: pass the
@@ -58,7 +62,8 @@ def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | No
     # block's tokens as native uint32), packed once: the parent's digest *is*
     # its 8 little-endian bytes, so the chain never leaves bytes.
     data = packed_tokens(token_ids[start * block_size:n_full * block_size])
-    return packed_block_hashes(data, block_size, root_hash(cache_salt) if parent is None else parent)
+    root = root_hash(cache_salt, kv_cache_dtype) if parent is None else parent
+    return packed_block_hashes(data, block_size, root)
 
 
 def packed_block_hashes(data: bytes, block_size: int, parent: int) -> list[int]:

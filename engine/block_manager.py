@@ -90,10 +90,11 @@ def _prompt_packed(request: Request) -> bytes:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 tier_sizes: TierSizes = TierSizes()) -> None:
+                 tier_sizes: TierSizes = TierSizes(), kv_cache_dtype: str = "auto") -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype      # folded into the root hash (engine/block_hash.py)
         self.pool = BlockPool(num_blocks, enable_caching, tier_sizes)
         self._tables: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}   # leading blocks of each table already offered to the cache
@@ -115,7 +116,7 @@ class KVCacheManager:
         limit = request.num_tokens - 1 if max_tokens is None else min(max_tokens, request.num_tokens)
         self.update_block_hashes(request)
         bs, hits = self.block_size, []
-        parent = root_hash(request.cache_salt)
+        parent = root_hash(request.cache_salt, self.kv_cache_dtype)
         prompt = prompt_blocks(request, bs)
         for i, block_hash in enumerate(request.block_hashes):
             if i * bs >= limit:
@@ -135,7 +136,7 @@ class KVCacheManager:
         have, bs = len(request.block_hashes), self.block_size
         n_full = request.num_tokens // bs
         if have < n_full:
-            parent = request.block_hashes[-1] if have else root_hash(request.cache_salt)
+            parent = request.block_hashes[-1] if have else root_hash(request.cache_salt, self.kv_cache_dtype)
             # only the new blocks' tokens, without joining prompt and output (hot on every decode step)
             request.block_hashes.extend(packed_block_hashes(packed_slice(request, have * bs, n_full * bs), bs, parent))
 
@@ -302,7 +303,7 @@ class KVCacheManager:
         table = self._tables[rid]
         assert len(table) >= end, f"request {rid}: caching {end} blocks of a {len(table)}-block table"
         bs = self.block_size
-        parent = request.block_hashes[start - 1] if start else root_hash(request.cache_salt)
+        parent = request.block_hashes[start - 1] if start else root_hash(request.cache_salt, self.kv_cache_dtype)
         self.pool.cache_full_blocks(table[start:end], request.block_hashes[start:end],
                                     packed_blocks(request, start, end, bs), parent)
         self._num_cached[rid] = end

@@ -42,6 +42,7 @@ class CacheConfig:
     disk_kv_bytes: int = 0                   # the disk tier's file never exceeds this
     num_disk_blocks: int | None = None       # explicit count wins over disk_kv_bytes
     preemption_mode: str = "auto"            # auto (cost rule) | swap | recompute
+    kv_cache_dtype: str = "auto"             # auto (the model's dtype) | int8 | fp8_e4m3 (engine/kv_quant.py)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -58,6 +59,9 @@ class CacheConfig:
                              "(or set disk_kv_bytes to 0)")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8_e4m3 (auto = the model's dtype), "
+                             f"got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@
 Layout ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``:
 one block is one contiguous region across all layers, so a transfer needs one
 descriptor per run of consecutive blocks. The order inside a block belongs to
-the attention backend.
+the attention backend. A quantized pool (``kv_cache_dtype`` int8 / fp8_e4m3,
+:mod:`engine.kv_quant`) is ``uint8`` ``[num_blocks, num_layers, 2,
+num_kv_heads, block_size * (head_dim + 2)]``: each tile holds its codes and
+then its per-token scales, so the scales travel inside the block.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import CacheConfig, ModelConfig
+from engine.kv_quant import KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,7 @@ class KVPoolCapacity:
     block_size: int
     num_blocks: int
     max_model_len: int
+    kv_cache_dtype: str = "auto"
 
     @property
     def num_tokens(self) -> int:
@@ -42,19 +47,22 @@ class KVPoolCapacity:
     def describe(self) -> str:
         return (f"KV pool: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens, {self.total_bytes / 2**20:.1f} MiB "
-                f"({self.kv_bytes_per_token} B/token, {self.bytes_per_block / 1024:.1f} KiB/block); "
+                f"({self.kv_bytes_per_token} B/token, {self.bytes_per_block / 1024:.1f} KiB/block, "
+                f"kv_cache_dtype={self.kv_cache_dtype}); "
                 f"{self.max_full_length_seqs} sequences of max_model_len={self.max_model_len} fit")
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return model.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block at model dtype ``dtype`` stored as ``kv_cache_dtype`` (scales included)."""
+    spec = KVCacheSpec(kv_cache_dtype, dtype)
+    return spec.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim) * block_size
 
 
 def plan_num_blocks(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
                     max_model_len: int) -> int:
     """Explicit ``num_blocks`` wins; otherwise as many blocks as the budget holds.
     Raises ValueError when not even one sequence of ``max_model_len`` fits."""
-    per_block = bytes_per_block(model, cache.block_size, dtype)
+    per_block = bytes_per_block(model, cache.block_size, dtype, cache.kv_cache_dtype)
     if cache.num_blocks is not None:
         num = cache.num_blocks
     else:
@@ -75,30 +83,38 @@ class KVPool:
     (``bytes_per_block`` each, block ``i`` at byte offset ``i * bytes_per_block``)."""
 
     def __init__(self, model: ModelConfig, *, num_blocks: int, block_size: int,
-                 device: torch.device | str, dtype: torch.dtype, max_model_len: int | None = None) -> None:
+                 device: torch.device | str, dtype: torch.dtype, max_model_len: int | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.model_config = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.dtype = dtype
-        self.bytes_per_block = bytes_per_block(model, block_size, dtype)
+        self.spec = KVCacheSpec(kv_cache_dtype, dtype)
+        self.dtype = self.spec.storage_dtype       # the tensor's dtype (uint8 when quantized)
+        self.bytes_per_block = bytes_per_block(model, block_size, dtype, kv_cache_dtype)
         # zeros, not empty: masked-out (padding) keys/values must be finite
-        self.tensor = torch.zeros(self.block_shape(num_blocks), device=device, dtype=dtype)
+        self.tensor = torch.zeros(self.block_shape(num_blocks), device=device, dtype=self.dtype)
         self.capacity = KVPoolCapacity(
             kv_bytes_per_token=self.bytes_per_block // block_size, bytes_per_block=self.bytes_per_block,
             block_size=block_size, num_blocks=num_blocks,
-            max_model_len=max_model_len or model.max_position_embeddings)
+            max_model_len=max_model_len or model.max_position_embeddings, kv_cache_dtype=kv_cache_dtype)
 
     @classmethod
     def from_cache_config(cls, model: ModelConfig, cache: CacheConfig, *, device: torch.device | str,
                           dtype: torch.dtype, max_model_len: int) -> "KVPool":
         num = plan_num_blocks(model, cache, dtype, max_model_len)
         return cls(model, num_blocks=num, block_size=cache.block_size, device=device, dtype=dtype,
-                   max_model_len=max_model_len)
+                   max_model_len=max_model_len, kv_cache_dtype=cache.kv_cache_dtype)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.spec.name
 
     def block_shape(self, num_blocks: int) -> tuple[int, ...]:
         m = self.model_config
+        if self.spec.quantized:
+            return (num_blocks, m.num_layers, 2, m.num_kv_heads, self.spec.tile_bytes(self.block_size, m.head_dim))
         return (num_blocks, m.num_layers, 2, m.num_kv_heads, self.block_size, m.head_dim)
 
     def describe(self) -> str:

@@ -21,7 +21,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  seed: int = 0, host_kv_memory_bytes: int = 0, num_host_kv_blocks: int | None = None,
-                 disk_kv_dir: str = "", disk_kv_bytes: int = 0, preemption_mode: str = "auto") -> None:
+                 disk_kv_dir: str = "", disk_kv_bytes: int = 0, preemption_mode: str = "auto",
+                 kv_cache_dtype: str = "auto") -> None:
         config = EngineConfig(
             model=model or "", device=device, dtype=dtype, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
@@ -29,7 +30,7 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching,
                               host_kv_memory_bytes=host_kv_memory_bytes, num_host_blocks=num_host_kv_blocks,
                               disk_kv_dir=disk_kv_dir, disk_kv_bytes=disk_kv_bytes,
-                              preemption_mode=preemption_mode),
+                              preemption_mode=preemption_mode, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill))
         self.engine = LLMEngine(config)

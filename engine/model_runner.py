@@ -14,6 +14,7 @@ from engine.attention.backend import AttentionShape, get_attention_backend
 from engine.batch import AttentionMetadata, BatchInput
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.kv_pool import KVPool
+from engine.kv_quant import KVCacheSpec
 from engine.model.llama import LlamaForCausalLM
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.tiers.storage import TierStorage
@@ -67,7 +68,8 @@ class ModelRunner:
                              f"max_position_embeddings={model_config.max_position_embeddings}; lower it")
         shape = AttentionShape(model_config.num_layers, model_config.num_heads,
                                model_config.num_kv_heads, model_config.head_dim, self.block_size)
-        self.attention = get_attention_backend(attention_backend, shape)
+        self.kv_spec = KVCacheSpec(cache_config.kv_cache_dtype, self.dtype)
+        self.attention = get_attention_backend(attention_backend, shape, self.kv_spec)
         with torch.inference_mode():
             self.model = LlamaForCausalLM(model_config, self.attention, device=self.device,
                                           dtype=self.dtype, max_positions=self.max_model_len)

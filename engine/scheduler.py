@@ -59,7 +59,7 @@ class Scheduler(RemoteKVMixin):
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 tier_sizes)
+                                 tier_sizes, cache_config.kv_cache_dtype)
         self.preemption = preemption or PreemptionPolicy()
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0

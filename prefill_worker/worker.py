@@ -94,7 +94,9 @@ class PrefillWorker:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "niceness": os.nice(0),
                 "address": self.settings.host, "hostname": socket.gethostname(),
                 "backend": self.transfer.backend_name, "kv_port": self.transfer.peer_info().port,
-                "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.engine.block_size}
+                "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.engine.block_size,
+                "kv_cache_dtype": self.engine.kv_pool.kv_cache_dtype,
+                "kv_bytes_per_block": self.engine.kv_pool.bytes_per_block}
 
     def peer_info(self):
         return self.transfer.peer_info()

@@ -1,6 +1,9 @@
 """The KV capacity equations, as pure functions on integers (bytes, tokens).
 
     kv_bytes_per_token  = 2 (K and V) * layers * kv_heads * head_dim * dtype_bytes
+                          (a quantized cache, --kv-cache-dtype int8 / fp8_e4m3: 1 byte a value
+                          plus a 2-byte scale per token and KV head, as engine/kv_quant.py stores it:
+                          2 * layers * kv_heads * (head_dim + 2))
     kv_bytes_per_seq    = kv_bytes_per_token * context_len
     device_budget       = device_memory - weights - reserve
     seqs (device)       = floor(device_budget / kv_bytes_per_seq)
@@ -21,6 +24,8 @@ from types import MappingProxyType
 from cluster.planner.model_spec import ModelSpec
 
 KV_DTYPE_BYTES = MappingProxyType({"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1})
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")   # as `pdserve serve --kv-cache-dtype`; auto = --kv-dtype
+QUANT_SCALE_BYTES = 2                              # bfloat16 scale per token and KV head (engine/kv_quant.py)
 
 
 def dtype_bytes(kv_dtype: str) -> int:
@@ -30,8 +35,10 @@ def dtype_bytes(kv_dtype: str) -> int:
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; choose one of: {', '.join(KV_DTYPE_BYTES)}") from None
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_nbytes: int) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_nbytes
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_nbytes: int,
+                       scale_bytes: int = 0) -> int:
+    """``scale_bytes``: per token and KV head, stored beside the values (a quantized cache)."""
+    return 2 * num_layers * num_kv_heads * (head_dim * dtype_nbytes + scale_bytes)
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
@@ -70,6 +77,18 @@ class CapacityInputs:
     reserve: int = 0              # activations, workspace, fragmentation
     shared_prefix_len: int = 0
     tp: int = 1
+    kv_cache_dtype: str = "auto"  # int8 / fp8_e4m3: pdserve's quantized cache (overrides kv_dtype)
+
+    @property
+    def kv_value_bytes(self) -> tuple[int, int]:
+        """(bytes per value, scale bytes per token and KV head)."""
+        if self.kv_cache_dtype == "auto":
+            return dtype_bytes(self.kv_dtype), 0
+        return 1, QUANT_SCALE_BYTES
+
+    @property
+    def kv_label(self) -> str:
+        return self.kv_dtype if self.kv_cache_dtype == "auto" else f"{self.kv_cache_dtype} (+scales)"
 
     def __post_init__(self) -> None:
         if self.device_memory <= 0:
@@ -85,6 +104,9 @@ class CapacityInputs:
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
         dtype_bytes(self.kv_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (auto = --kv-dtype), "
+                             f"got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -106,9 +128,9 @@ class Capacity:
 
 
 def plan_capacity(model: ModelSpec, inputs: CapacityInputs) -> Capacity:
-    nbytes = dtype_bytes(inputs.kv_dtype)
+    nbytes, scale = inputs.kv_value_bytes
     heads = kv_heads_per_rank(model.num_kv_heads, inputs.tp)
-    per_token = kv_bytes_per_token(model.num_layers, heads, model.head_dim, nbytes)
+    per_token = kv_bytes_per_token(model.num_layers, heads, model.head_dim, nbytes, scale)
     per_seq = per_token * inputs.context_len
     weights_rank = math.ceil(inputs.weights / inputs.tp)
     device_budget = inputs.device_memory - weights_rank - inputs.reserve
@@ -119,7 +141,8 @@ def plan_capacity(model: ModelSpec, inputs: CapacityInputs) -> Capacity:
     usable = device_budget + host_budget if device_budget >= 0 else 0
     return Capacity(
         tp=inputs.tp,
-        kv_bytes_per_token_model=kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, nbytes),
+        kv_bytes_per_token_model=kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, nbytes,
+                                                    scale),
         kv_heads_per_rank=heads,
         kv_replication=kv_replication(model.num_kv_heads, inputs.tp),
         kv_bytes_per_token=per_token,

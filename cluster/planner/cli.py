@@ -5,7 +5,7 @@ import argparse
 import math
 
 from cluster.config import parse_size
-from cluster.planner.capacity import KV_DTYPE_BYTES, CapacityInputs, plan_capacity, tp_sweep
+from cluster.planner.capacity import KV_CACHE_DTYPES, KV_DTYPE_BYTES, CapacityInputs, plan_capacity, tp_sweep
 from cluster.planner.interconnect import interconnect_names, select_interconnects, transfers
 from cluster.planner.model_spec import ModelSpec, default_model_path, resolve_model
 from cluster.planner.pools import PoolPlan, measure_speeds, size_pools
@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     p.add_argument("--context-len", type=int, default=None, help="tokens per sequence (default: model max)")
     p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of a prefix every sequence shares")
     p.add_argument("--kv-dtype", default="fp16", help=f"KV cache dtype: {', '.join(KV_DTYPE_BYTES)} (default fp16)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="as `pdserve serve --kv-cache-dtype`: int8 / fp8_e4m3 store 1 byte a value plus a "
+                        "2-byte scale per token and KV head; auto = --kv-dtype (default auto)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--interconnect", default="all",
                    help=f"comma-separated: {', '.join(interconnect_names())}, or a rate like '16GB' per second")
@@ -65,7 +68,7 @@ def build_report(args: argparse.Namespace) -> PlanReport:
         weights=model.weight_bytes if args.weights is None else size_arg("--weights", args.weights),
         context_len=context_len, kv_dtype=args.kv_dtype.lower(),
         host_memory=size_arg("--host-memory", args.host_memory), reserve=size_arg("--reserve", args.reserve),
-        shared_prefix_len=args.shared_prefix_len, tp=args.tp)
+        shared_prefix_len=args.shared_prefix_len, tp=args.tp, kv_cache_dtype=args.kv_cache_dtype)
     if args.prompt_len < 1:
         raise ValueError(f"--prompt-len must be >= 1 token, got {args.prompt_len}")
     capacity = plan_capacity(model, inputs)

@@ -60,7 +60,7 @@ def _header(report: PlanReport) -> list[str]:
         f"{m.num_kv_heads} KV heads, head dim {m.head_dim}{params}",
         f"device {fmt_bytes(i.device_memory)}, weights {fmt_bytes(i.weights)}, reserve {fmt_bytes(i.reserve)}, "
         f"host lent to KV {fmt_bytes(i.host_memory)}, context {i.context_len}, "
-        f"shared prefix {i.shared_prefix_len}, KV {i.kv_dtype}, TP {i.tp}",
+        f"shared prefix {i.shared_prefix_len}, KV {i.kv_label}, TP {i.tp}",
     ]
 
 

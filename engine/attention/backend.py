@@ -8,6 +8,9 @@ head_dim]`` for the torch backend) and two steps:
   every layer shares;
 - ``forward(plan, layer, q, k, v)``: write this layer's new K/V into the pool
   at ``slot_mapping`` and return the attention output ``[T, heads*head_dim]``.
+
+With a quantized cache (``kv_spec.quantized``) the backend quantizes K/V as
+it writes them and dequantizes what it reads (:mod:`engine.kv_quant`).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from types import MappingProxyType
 import torch
 
 from engine.batch import AttentionMetadata
+from engine.kv_quant import KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,9 @@ class AttentionShape:
 class AttentionBackend(ABC):
     name: str = "abstract"
 
-    def __init__(self, shape: AttentionShape) -> None:
+    def __init__(self, shape: AttentionShape, kv_spec: KVCacheSpec | None = None) -> None:
         self.shape = shape
+        self.kv_spec = kv_spec or KVCacheSpec()
 
     @abstractmethod
     def plan(self, attn: AttentionMetadata, kv_pool: torch.Tensor) -> object:
@@ -69,9 +74,9 @@ def available_backends() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
-def get_attention_backend(name: str, shape: AttentionShape) -> AttentionBackend:
+def get_attention_backend(name: str, shape: AttentionShape, kv_spec: KVCacheSpec | None = None) -> AttentionBackend:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of "
                          f"{', '.join(_BACKENDS)}")
     module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(shape)
+    return getattr(importlib.import_module(module), cls)(shape, kv_spec)

@@ -12,6 +12,11 @@ step, compute row indices once for all layers; per layer that leaves
   query length (``[seqs, kv_heads, group, head_dim]``): no repeat_interleave;
 - for prefill-like sequences, a padded batch with a causal-with-prefix mask,
   or, for a single prompt without a cached prefix, causal SDPA on the new K/V.
+
+Pool access goes through a view (:mod:`engine.attention.pool_views`): a
+quantized cache quantizes on write and dequantizes the gathered tiles to the
+model dtype; the single-prompt path attends over the quantize-dequantize
+round trip of its new K/V, so every path reads the values the pool holds.
 """
 from __future__ import annotations
 
@@ -21,7 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.pool_views import PlainPoolView, QuantPoolView, make_pool_view
 from engine.batch import AttentionMetadata
+from engine.kv_quant import KVCodec
 
 
 @dataclass
@@ -48,15 +55,16 @@ class _PrefillPlan:
 
 @dataclass
 class TorchPagedPlan:
-    pool_tokens: torch.Tensor    # pool viewed [rows of one token, head_dim]
-    pool_tiles: torch.Tensor     # pool viewed [rows of one block tile, BS*head_dim]
-    write_rows: torch.Tensor     # int64 [L, 2, T, KVH]
+    pool: PlainPoolView | QuantPoolView
+    write_tiles: torch.Tensor    # int64 [L, 2, T, KVH] tile of each new K/V row
+    write_slots: torch.Tensor    # int64 [T, KVH] its token slot inside the tile
     prefill: _PrefillPlan | None
     decode: _DecodePlan | None
 
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch_paged"
+    _codec: KVCodec | None = None
 
     # ---- per-step planning -------------------------------------------------
     def _tile_rows(self, block_tables: torch.Tensor) -> torch.Tensor:
@@ -67,13 +75,15 @@ class TorchPagedAttention(AttentionBackend):
         offs = torch.arange(per_block, device=dev).view(s.num_layers, 2, 1, s.num_kv_heads, 1)
         return block_tables[None, None, :, None, :] * per_block + offs
 
-    def _write_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+    def _write_tiles(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tile ``[L, 2, T, KVH]`` and slot ``[T, KVH]`` of each new token's K/V row."""
         s = self.shape
         dev = slot_mapping.device
         blocks = torch.div(slot_mapping, s.block_size, rounding_mode="floor")
-        base = blocks * (s.num_layers * 2 * s.num_kv_heads * s.block_size) + slot_mapping % s.block_size
-        offs = torch.arange(s.num_layers * 2 * s.num_kv_heads, device=dev) * s.block_size
-        return base[None, None, :, None] + offs.view(s.num_layers, 2, 1, s.num_kv_heads)
+        per_block = s.num_layers * 2 * s.num_kv_heads
+        offs = torch.arange(per_block, device=dev).view(s.num_layers, 2, 1, s.num_kv_heads)
+        slots = (slot_mapping % s.block_size)[:, None].expand(-1, s.num_kv_heads)
+        return (blocks * per_block)[None, None, :, None] + offs, slots
 
     def _plan_decode(self, attn: AttentionMetadata) -> _DecodePlan | None:
         n_pre = attn.num_prefills
@@ -123,28 +133,38 @@ class TorchPagedAttention(AttentionBackend):
     def plan(self, attn: AttentionMetadata, kv_pool: torch.Tensor) -> TorchPagedPlan:
         s = self.shape
         assert attn.block_size == s.block_size, "metadata block size differs from the pool's"
+        if self.kv_spec.quantized and (self._codec is None or self._codec.device != kv_pool.device):
+            self._codec = KVCodec(self.kv_spec, kv_pool.device)
+        tiles, slots = self._write_tiles(attn.slot_mapping)
         return TorchPagedPlan(
-            pool_tokens=kv_pool.view(-1, s.head_dim),
-            pool_tiles=kv_pool.view(-1, s.block_size * s.head_dim),
-            write_rows=self._write_rows(attn.slot_mapping),
+            pool=make_pool_view(kv_pool, s.block_size, s.head_dim, self.kv_spec, self._codec),
+            write_tiles=tiles, write_slots=slots,
             prefill=self._plan_prefill(attn),
             decode=self._plan_decode(attn),
         )
 
     # ---- per-layer compute ---------------------------------------------------
     def _gather(self, plan: TorchPagedPlan, rows: torch.Tensor, num_seqs: int, kv_len: int):
-        kv = plan.pool_tiles.index_select(0, rows.reshape(-1))
+        kv = plan.pool.gather(rows.reshape(-1))
         kv = kv.view(2, num_seqs, self.shape.num_kv_heads, kv_len, self.shape.head_dim)
         return kv[0], kv[1]
 
     def _decode(self, plan: TorchPagedPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
         s, d = self.shape, plan.decode
-        k, v = self._gather(plan, d.read_rows[layer], d.num_seqs, d.kv_len)
+        kv, scale = plan.pool.gather_unscaled(d.read_rows[layer].reshape(-1))
+        kv = kv.view(2, d.num_seqs, s.num_kv_heads, d.kv_len, s.head_dim)
+        k, v = kv[0], kv[1]
         qg = q.reshape(d.num_seqs, s.num_kv_heads, s.group_size, s.head_dim)
         # plain matmuls beat SDPA's flash kernel for one query per sequence (3x in bf16);
         # softmax in float32 as HF does
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(s.scale).add_(d.mask)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float()
+        if scale is not None:   # quantized: q.(s_t k_t) = s_t (q.k_t) and sum p_t (s_t v_t) = sum (p_t s_t) v_t
+            scale = scale.view(2, d.num_seqs, s.num_kv_heads, 1, d.kv_len)
+            scores.mul_(scale[0])
+        scores = scores.mul_(s.scale).add_(d.mask)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        if scale is not None:
+            probs = probs.mul_(scale[1])
         return torch.matmul(probs, v).reshape(d.num_seqs, s.num_heads * s.head_dim)
 
     def _prefill(self, plan: TorchPagedPlan, layer: int, q: torch.Tensor, k: torch.Tensor,
@@ -152,6 +172,7 @@ class TorchPagedAttention(AttentionBackend):
         s, p = self.shape, plan.prefill
         hd = s.num_heads * s.head_dim
         if p.fresh_single:
+            k, v = plan.pool.roundtrip(k), plan.pool.roundtrip(v)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                 v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=s.scale, enable_gqa=True)
@@ -164,9 +185,9 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, plan: TorchPagedPlan, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
-        rows = plan.write_rows[layer]
-        plan.pool_tokens.index_put_((rows[0],), k)
-        plan.pool_tokens.index_put_((rows[1],), v)
+        tiles = plan.write_tiles[layer]
+        plan.pool.write(tiles[0], plan.write_slots, k)
+        plan.pool.write(tiles[1], plan.write_slots, v)
         if plan.decode is None:
             return self._prefill(plan, layer, q, k, v)
         if plan.prefill is None:

@@ -40,7 +40,7 @@ SCENARIOS: dict[str, list[str]] = {
              "--set", "model.copy.source.persistentVolumeClaim.claimName=models",
              "--set", "config.http_port=0", "--set", "service.type=LoadBalancer",
              "--set", "podDisruptionBudget.protectHead=true", "--set", "serviceMonitor.enabled=true",
-             "--set", "apiKeys.secretName=pdserve-keys"],
+             "--set", "apiKeys.secretName=pdserve-keys", "--set", "config.kv_cache_dtype=int8"],
     # hostPath model, colocated workers (no prefill pods), NetworkPolicy, explicit pool size
     "colocated": ["--set", "model.storage=hostPath", "--set", "model.hostPath.path=/data/models",
                   "--set", "config.model=/models/smollm2", "--set", "config.colocated=true",
@@ -158,8 +158,10 @@ def test_template_renders_expected_objects(scenario):
     (["--set", "model.storage=copy", "--set", "model.copy.source.emptyDir.medium="], "set config.model"),
     (["--set", "config.grpc-port=1"], "additional properties"),
     (["--set", "config.router_policy=random"], "router_policy"),
+    (["--set", "config.kv_cache_dtype=int4"], "kv_cache_dtype"),
     (["--set", "head.rayStartParams.num-cpus=0"], "want string"),
-], ids=["pvc-without-claim", "copy-without-model-path", "unknown-config-key", "bad-enum", "non-string-start-param"])
+], ids=["pvc-without-claim", "copy-without-model-path", "unknown-config-key", "bad-enum", "bad-kv-cache-dtype",
+        "non-string-start-param"])
 def test_bad_values_fail_with_a_message(args, message):
     run = helm("template", RELEASE, str(CHART), *args, check=False)
     assert run.returncode != 0
@@ -267,6 +269,7 @@ def test_rendered_config_is_a_valid_serveconfig(scenario, tmp_path):
     if scenario == "gpu":
         values = yaml.safe_load((CHART / "values-gpu.yaml").read_text())
         assert loaded.device == "cuda" and loaded.gpus_per_worker == 1.0
+    assert loaded.kv_cache_dtype == ("int8" if scenario == "copy" else "auto")
     if scenario == "colocated":
         assert loaded.colocated and loaded.decode_workers == 3 and loaded.prefill_workers == 0
     else:

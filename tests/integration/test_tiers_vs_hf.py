@@ -97,3 +97,25 @@ def test_disk_tier_below_a_tiny_host_tier_stays_within_its_bound(tiny_llama_dir,
     assert sum(f.stat().st_size for f in tmp_path.iterdir()) <= bound
     llm.engine.runner.tiers.close()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_quantized_blocks_page_swap_and_spill_to_disk_exactly(tiny_llama_dir, reference, tmp_path, kv):
+    """A quantized pool's blocks (codes and in-block scales) move through host, swap and disk
+    byte for byte: a constrained run gives the same tokens as an unconstrained quantized run."""
+    turns, burst, _, _ = reference
+    _, want, want_burst = _run(tiny_llama_dir, turns, burst, num_kv_blocks=256, kv_cache_dtype=kv)
+    per_block = 16 * 2 * 3 * 2 * (16 + 2)         # tiny Llama int8 / fp8 block: 3456 bytes, not 12288
+    for kwargs in (dict(num_host_kv_blocks=64, preemption_mode="swap"),
+                   dict(num_host_kv_blocks=4, disk_kv_dir=str(tmp_path), disk_kv_bytes=10 * per_block)):
+        llm, outs, burst_outs = _run(tiny_llama_dir, turns, burst, num_kv_blocks=12, kv_cache_dtype=kv, **kwargs)
+        assert outs == want and burst_outs == want_burst, kwargs
+        stats = llm.engine.stats()
+        assert stats.kv_page_outs > 0 and stats.kv_page_ins > 0 and stats.preemptions > 0
+        assert stats.kv_bytes_moved % per_block == 0
+        if "disk_kv_dir" in kwargs:
+            assert llm.engine.runner.tiers.disk.bytes_per_block == per_block
+            assert stats.kv_disk_blocks_total == 10 and stats.kv_disk_blocks_used > 0
+        else:
+            assert stats.swap_preemptions == stats.preemptions
+        llm.engine.runner.tiers.close()

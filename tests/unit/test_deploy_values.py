@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import yaml
 
-from cluster.config import ROUTER_POLICIES, TRANSFER_BACKENDS, ServeConfig
+from cluster.config import KV_CACHE_DTYPES, ROUTER_POLICIES, TRANSFER_BACKENDS, ServeConfig
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
 JSON_TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "tuple[str, ...]": "array"}
@@ -42,6 +42,7 @@ def test_schema_config_types_match_serveconfig_types():
         assert JSON_TYPES[f.type] in allowed, f"config.{f.name}: schema {allowed}, ServeConfig {f.type}"
     assert props["router_policy"]["enum"] == list(ROUTER_POLICIES)
     assert props["transfer_backend"]["enum"] == list(TRANSFER_BACKENDS)
+    assert props["kv_cache_dtype"]["enum"] == list(KV_CACHE_DTYPES)
 
 
 @pytest.mark.parametrize("name", ["values.yaml", "values-gpu.yaml"])

@@ -263,3 +263,33 @@ def test_plan_does_not_import_torch():
             "assert rc == 0; assert 'torch' not in sys.modules, 'plan imported torch'")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_cli_kv_cache_dtype_int8_matches_the_engine_pool(capsys, smollm2_gguf):
+    """`pdserve plan --kv-cache-dtype int8`: bytes per token as the engine's int8 pool stores them
+    (scales included), so sessions and transfer bytes follow from the same figure."""
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.kv_pool import KVPool
+
+    figures = {}
+    for kv in ("auto", "int8", "fp8_e4m3"):
+        rc, out, _ = run_cli(capsys, "--kv-dtype", "bf16", "--kv-cache-dtype", kv, "--device-memory", "1GiB",
+                             "--context-len", "2048", "--interconnect", "16GB", "--json")
+        assert rc == 0
+        figures[kv] = json.loads(out)
+    spec = resolve_model("")
+    smol = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                       num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                       head_dim=spec.head_dim)
+    pool = KVPool(smol, num_blocks=1, block_size=16, device="cpu", dtype=torch.bfloat16, kv_cache_dtype="int8")
+    int8 = figures["int8"]["capacity"]
+    assert int8["kv_bytes_per_token"] == pool.capacity.kv_bytes_per_token == 2 * 30 * 3 * (64 + 2) == 11880
+    assert figures["fp8_e4m3"]["capacity"]["kv_bytes_per_token"] == 11880
+    assert figures["auto"]["capacity"]["kv_bytes_per_token"] == 23040
+    assert int8["sequences_device"] >= 1.9 * figures["auto"]["capacity"]["sequences_device"]
+    assert figures["int8"]["transfers"][0]["nbytes"] == 11880 * 4096
+    assert figures["int8"]["inputs"]["kv_cache_dtype"] == "int8"
+    rc, out, _ = run_cli(capsys, "--kv-cache-dtype", "int8", "--interconnect", "16GB")
+    assert "KV int8 (+scales)" in out and "11,880 B" in out
