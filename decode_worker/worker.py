@@ -67,12 +67,6 @@ class SubmitResult:
 
 
 @dataclass(frozen=True)
-class _Reservation:
-    alloc: RemoteAllocation
-    made_at: float
-
-
-@dataclass(frozen=True)
 class _AheadRead:
     """Blocks read before the submit: prompt block `indices`, from the source's
     `src` blocks as of its `preemptions` count; `task` gives the TransferStatus."""
@@ -107,7 +101,7 @@ class DecodeWorker:
         self._cancelled: set[str] = set()   # aborted while their submit() was still in progress
         self._submitting: set[str] = set()
         self._pulling: set[str] = set()     # blocks allocated and being written by a transfer
-        self._reserved: dict[str, _Reservation] = {}   # blocks reserved ahead of a submit
+        self._reserved: dict[str, RemoteAllocation] = {}   # blocks reserved ahead of a submit
         self._ahead: dict[str, list[_AheadRead]] = {}   # reads into reserved blocks before the submit
 
     async def ready(self) -> dict:
@@ -175,9 +169,9 @@ class DecodeWorker:
             if request_id in self._cancelled or self._draining:   # aborted or draining meanwhile
                 await self.aengine.call(lambda e: e.abort_request(request_id))
                 return False
-            res = self._reserved[request_id] = _Reservation(alloc, time.monotonic())
+            self._reserved[request_id] = alloc
             ttl = RESERVATION_TTL_FACTOR * self.settings.timeout
-            asyncio.get_running_loop().call_later(ttl, lambda: asyncio.ensure_future(self._expire(request_id, res)))
+            asyncio.get_running_loop().call_later(ttl, lambda: asyncio.ensure_future(self._expire(request_id, alloc)))
             return True
         finally:
             self._submitting.discard(request_id)
@@ -188,10 +182,9 @@ class DecodeWorker:
         """The prefill node completed prompt blocks `first_index`.. (its `block_ids`):
         read them now into the reservation. Ignored without one (not made yet, or
         already claimed): the submit then reads them."""
-        res = self._reserved.get(request_id)
-        if res is None:
+        alloc = self._reserved.get(request_id)
+        if alloc is None:
             return
-        alloc = res.alloc
         end = min(first_index + len(block_ids), len(alloc.block_ids))
         indices = tuple(range(max(first_index, alloc.num_cached_blocks), end))
         if not indices:
@@ -210,8 +203,8 @@ class DecodeWorker:
             await asyncio.gather(*(r.task for r in reads), return_exceptions=True)
         return reads
 
-    async def _expire(self, request_id: str, res: _Reservation) -> None:
-        if self._reserved.get(request_id) is res:   # never claimed: its frontend is gone
+    async def _expire(self, request_id: str, alloc: RemoteAllocation) -> None:
+        if self._reserved.get(request_id) is alloc:   # never claimed: its frontend is gone
             del self._reserved[request_id]
             log.warning("reservation of %s was not claimed in time: freeing its blocks", request_id)
             await self._settle_ahead(request_id)
@@ -242,9 +235,9 @@ class DecodeWorker:
         t_arrived = deadline = time.monotonic()
         deadline += self.settings.timeout
         first = True
-        reservation = self._reserved.pop(request_id, None)
+        alloc = self._reserved.pop(request_id, None)
         # the first token reaches the engine with the allocation, or (reserved ahead) with the KV
-        late_token = handle.first_token if reservation is not None else None
+        late_token = handle.first_token if alloc is not None else None
 
         def add(e: LLMEngine):
             if first:   # a new arrival counts against the queue bound; a retry is already in it
@@ -252,7 +245,7 @@ class DecodeWorker:
             return e.add_remote_request(request_id, prompt_token_ids, params, handle.first_token, cache_salt)
 
         try:
-            while reservation is None:
+            while alloc is None:
                 if request_id in self._cancelled:
                     return SubmitResult(False, error="aborted before its KV arrived")
                 if self._draining:   # still queued for KV room: nothing joined, the lease is still good
@@ -262,7 +255,6 @@ class DecodeWorker:
                 except QueueFull as e:   # nothing joined, the lease is still good
                     return SubmitResult(local_prefill=False, joined=False, moved=True, busy=True, error=str(e))
                 if alloc is not None:
-                    reservation = _Reservation(alloc, time.monotonic())
                     break
                 if first:
                     first = False
@@ -275,7 +267,6 @@ class DecodeWorker:
         finally:
             if not first:
                 self._awaiting_room -= 1
-        alloc = reservation.alloc
         t0 = time.monotonic()
         room_wait = t0 - t_arrived
         status, nbytes, ndesc, err = TransferStatus.DONE, 0, 0, ""

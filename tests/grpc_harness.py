@@ -150,3 +150,17 @@ class _GiveUps(logging.Handler):
         message = record.getMessage()
         if "was not read" in message:
             self.messages.append(message)
+
+
+@contextlib.contextmanager
+def http_frontend(model_dir, **frontend_kwargs):
+    """start_frontend plus the OpenAI HTTP endpoint on the same request runner (`f.http`)."""
+    from cluster.http import serve_http
+
+    f = start_frontend(model_dir, **frontend_kwargs)
+    try:
+        f.http = f.loop.run(serve_http(f.server.runner, ServeConfig(http_port=0), f.metrics))
+        yield f
+        f.loop.run(f.http.stop(5))
+    finally:
+        f.close()

@@ -8,9 +8,7 @@ import json
 import pytest
 
 from cluster.cli import main
-from cluster.config import ServeConfig
-from cluster.http import serve_http
-from grpc_harness import start_frontend
+from grpc_harness import http_frontend
 
 # `vllm bench serve --save-result`'s keys for the figures pdserve bench has too
 VLLM_KEYS = {"date", "endpoint_type", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
@@ -27,11 +25,8 @@ SERIES = ("pdserve_prompt_tokens_total", "pdserve_generation_tokens_total",
 
 @pytest.fixture(scope="module")
 def fe(tiny_llama_dir):
-    f = start_frontend(tiny_llama_dir)
-    f.http = f.loop.run(serve_http(f.server.runner, ServeConfig(http_port=0), f.metrics))
-    yield f
-    f.loop.run(f.http.stop(5))
-    f.close()
+    with http_frontend(tiny_llama_dir) as f:
+        yield f
 
 
 def counters(fe) -> dict:

@@ -17,18 +17,15 @@ from cluster.config import ServeConfig
 from cluster.grpc_auth import ApiKeys
 from cluster.http import serve_http
 from cluster.request_runner import RequestRunner
-from grpc_harness import start_frontend
+from grpc_harness import http_frontend
 
 MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
 def fe(tiny_llama_dir):
-    f = start_frontend(tiny_llama_dir)
-    f.http = f.loop.run(serve_http(f.server.runner, ServeConfig(http_port=0), f.metrics))
-    yield f
-    f.loop.run(f.http.stop(5))
-    f.close()
+    with http_frontend(tiny_llama_dir) as f:
+        yield f
 
 
 def call(url: str, path: str, body: dict | bytes | None = None, headers: dict | None = None):

@@ -19,9 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ServeConfig
-from cluster.http import serve_http
-from grpc_harness import start_frontend
+from grpc_harness import http_frontend
 
 pytestmark = [
     pytest.mark.slow,
@@ -41,11 +39,8 @@ def guidellm_exe() -> str:
 
 @pytest.fixture(scope="module")
 def fe(tiny_llama_dir):
-    f = start_frontend(tiny_llama_dir)
-    f.http = f.loop.run(serve_http(f.server.runner, ServeConfig(http_port=0), f.metrics))
-    yield f
-    f.loop.run(f.http.stop(5))
-    f.close()
+    with http_frontend(tiny_llama_dir) as f:
+        yield f
 
 
 def test_guidellm_bounded_load_without_errors(fe, tiny_llama_dir, tmp_path):

@@ -16,9 +16,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install -e .[test]")
 
 from cluster.client import GenerationClient  # noqa: E402
-from cluster.config import ServeConfig  # noqa: E402
-from cluster.http import serve_http  # noqa: E402
-from grpc_harness import start_frontend  # noqa: E402
+from grpc_harness import http_frontend  # noqa: E402
 from tiny_models import hf_greedy, load_hf_model  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "The capital of France is", "héllo wörld 🙂", "a"]
@@ -27,11 +25,8 @@ LONG = "Paged attention stores keys and values in fixed blocks of tokens. " * 3 
 
 @pytest.fixture(scope="module")
 def fe(tiny_llama_dir):
-    f = start_frontend(tiny_llama_dir)
-    f.http = f.loop.run(serve_http(f.server.runner, ServeConfig(http_port=0), f.metrics))
-    yield f
-    f.loop.run(f.http.stop(5))
-    f.close()
+    with http_frontend(tiny_llama_dir) as f:
+        yield f
 
 
 @pytest.fixture(scope="module")
