@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from cluster.bench import arrivals, datasets as ds  # noqa: E402
-from cluster.bench.report import latency_stats  # noqa: E402
-from cluster.bench.runner import RunnerConfig, run_load  # noqa: E402
+from cluster.tools.bench import arrivals, datasets as ds  # noqa: E402
+from cluster.tools.bench.report import latency_stats  # noqa: E402
+from cluster.tools.bench.runner import RunnerConfig, run_load  # noqa: E402
 from cluster.config import ServeConfig  # noqa: E402
 from cluster.server_stack import start_stack  # noqa: E402
 

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from cluster.bench import arrivals, datasets as ds  # noqa: E402
-from cluster.bench.runner import RunnerConfig, run_load  # noqa: E402
+from cluster.tools.bench import arrivals, datasets as ds  # noqa: E402
+from cluster.tools.bench.runner import RunnerConfig, run_load  # noqa: E402
 from cluster.config import ServeConfig  # noqa: E402
 from cluster.server_stack import start_stack  # noqa: E402
 from disagg_vs_colocated import machine  # noqa: E402

@@ -1,6 +1,6 @@
 """KV over a network link: the KV of a 4096-token SmolLM2-135M prompt (256 blocks
 of 737,280 bytes, fp32, through a fragmented block table) read from one test
-host by another (cluster/testbed: separate network, PID, IPC and mount
+host by another (cluster/tools/testbed: separate network, PID, IPC and mount
 namespaces, so no shared-memory path exists), with the link capped by tc at
 each `--gbit` rate, per backend. One JSON line: GB/s and the ratio to the cap.
 
@@ -73,8 +73,8 @@ def reader(backend: str, host: str, peer_file: Path, iters: int) -> None:
 
 
 def run(gbits: list[float], backends: list[str], iters: int) -> dict:
-    from cluster.testbed import TestBed
-    from cluster.testbed.sys_cmd import need_root
+    from cluster.tools.testbed import TestBed
+    from cluster.tools.testbed.sys_cmd import need_root
     why = need_root()
     if why:
         return {"skipped": why}

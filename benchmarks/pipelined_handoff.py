@@ -14,7 +14,7 @@ transfer.
 
     sudo .venv/bin/python benchmarks/pipelined_handoff.py [--gbit 1] [--prompts 3] [--input-len 4096] [--chunk 512]
 
-Needs root (cluster/testbed); prints {"skipped": ...} elsewhere. One JSON line.
+Needs root (cluster/tools/testbed); prints {"skipped": ...} elsewhere. One JSON line.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from cluster.testbed.sys_cmd import need_root  # noqa: E402
+from cluster.tools.testbed.sys_cmd import need_root  # noqa: E402
 
 BLOCK = 16
 STAGES = ("join", "room", "pull", "first_step", "total")
@@ -38,7 +38,7 @@ STAGES = ("join", "room", "pull", "first_step", "total")
 
 async def timed_stream(target: str, rid: str, prompt: list[int], max_tokens: int) -> list[float]:
     """Arrival times (seconds from the send) of each streamed token."""
-    from cluster.client import GenerationClient, build_request
+    from cluster.cli.client import GenerationClient, build_request
 
     t0, times = time.monotonic(), []
     async with GenerationClient(target) as c:
@@ -59,7 +59,7 @@ def stage_sums(serve) -> dict[str, tuple[float, float]]:
 
 
 def run_mode(model: Path, args, pipelined: bool) -> dict:
-    from cluster.testbed import TestBed
+    from cluster.tools.testbed import TestBed
     from testbed_cluster import MultiHostServe
 
     with TestBed.up(3) as bed:   # a fresh bed per mode: Ray and the link start alike

@@ -1,6 +1,6 @@
 """Per-step cost-model error of the simulator against real CPU engine steps.
 
-Measures a profile (`cluster.sim.measure`: grid of pure prefill / decode
+Measures a profile (`cluster.tools.sim.measure`: grid of pure prefill / decode
 cells plus multi-prompt prefills and mixed steps, thread CPU time, per cell
 the fastest of rounds x repeats timings spread over shuffled rounds), and in the same interleaved rounds
 real steps at *off-grid* probe shapes: pure prefills and decodes between the
@@ -33,10 +33,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cluster.sim.cost_model import FIT_MODES, TableCostModel  # noqa: E402
-from cluster.sim.measure import (ESTIMATORS, Cell, Grid, StepTimer, build_profile, make_engine,  # noqa: E402
+from cluster.tools.sim.cost_model import FIT_MODES, TableCostModel  # noqa: E402
+from cluster.tools.sim.measure import (ESTIMATORS, Cell, Grid, StepTimer, build_profile, make_engine,  # noqa: E402
                                  measure_rounds, time_cells)
-from cluster.sim.step_fit import shape_sched  # noqa: E402
+from cluster.tools.sim.step_fit import shape_sched  # noqa: E402
 
 TINY_GRID = Grid(prefill_new=(8, 16, 32, 64, 128, 256, 512), prefill_cached=(0, 128, 512, 1024),
                  decode_batch=Grid.decode_batch, decode_context=(64, 256, 1024, 1920))
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--table", action="store_true", help="also print a markdown table to stderr")
     ap.add_argument("--estimators", default="median_round_min,min",
-                    help=f"how a cell's timings give its cost, any of {ESTIMATORS} (`cluster.sim.measure.pick`); "
+                    help=f"how a cell's timings give its cost, any of {ESTIMATORS} (`cluster.tools.sim.measure.pick`); "
                          "one set of timings, a profile and probe errors per estimator; the first is printed in full")
     ap.add_argument("--decode-sweep", metavar="B1,B2,...",
                     help="instead: time decode steps at these batch sizes (contexts 64, 200, 256; fastest of "

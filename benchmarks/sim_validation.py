@@ -15,7 +15,7 @@ sized so engine steps, not Python overheads, dominate), and:
 3. simulates the same requests with the same tokens, salts, block counts,
    batch limits, router policy and report interval, arriving at the moments
    the real client actually sent them, with a cost profile measured on the same
-   model (`cluster.sim.measure`, thread CPU time, fit+residual mode).
+   model (`cluster.tools.sim.measure`, thread CPU time, fit+residual mode).
 
 Definitions, identical on both sides: TTFT = send -> first token (the real
 one from the client, so it includes gRPC and Ray hops the simulator does not
@@ -52,12 +52,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from cluster.router import PolicyConfig  # noqa: E402
-from cluster.sim.cluster_sim import ClusterSim, SimConfig  # noqa: E402
-from cluster.sim.cost_model import CostModel, ScaledCost, TableCostModel, TransferCost, load_cost_model  # noqa: E402
-from cluster.sim.insitu import Interference, fit_frontend, fit_interference, occupancy, step_kind  # noqa: E402
-from cluster.sim.step_fit import shape_sched  # noqa: E402
-from cluster.sim.measure import Grid, make_engine, measure_engine  # noqa: E402
-from cluster.sim.workload import PromptBuilder, TraceRequest, load_mooncake  # noqa: E402
+from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig  # noqa: E402
+from cluster.tools.sim.cost_model import CostModel, ScaledCost, TableCostModel, TransferCost, load_cost_model  # noqa: E402
+from cluster.tools.sim.insitu import Interference, fit_frontend, fit_interference, occupancy, step_kind  # noqa: E402
+from cluster.tools.sim.step_fit import shape_sched  # noqa: E402
+from cluster.tools.sim.measure import Grid, make_engine, measure_engine  # noqa: E402
+from cluster.tools.sim.workload import PromptBuilder, TraceRequest, load_mooncake  # noqa: E402
 from engine.step_trace import StepRecord  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
@@ -270,8 +270,8 @@ class RealCluster:
         router.route = recording_route
 
     async def run(self, reqs: list[TraceRequest], builder: PromptBuilder) -> tuple[dict, list[float]]:
-        from cluster.bench.datasets import BenchRequest
-        from cluster.bench.runner import RunnerConfig, run_load
+        from cluster.tools.bench.datasets import BenchRequest
+        from cluster.tools.bench.runner import RunnerConfig, run_load
         bench = [BenchRequest(tuple(builder.tokens(r)), r.output_length, prompt_len=r.input_length,
                               cache_salt=r.salt or "") for r in reqs]
         tag = f"v{int(time.time() * 1000) % 10 ** 8}"
@@ -465,7 +465,7 @@ def calibrate(args, cfg: Cfg, base: CostModel) -> None:
 
 
 def insitu(args, cfg: Cfg, base: TableCostModel) -> None:
-    """Fit host interference (cluster/sim/insitu.py) from the workers' step traces
+    """Fit host interference (cluster/tools/sim/insitu.py) from the workers' step traces
     of the chosen saved phases, and the hand-off's fixed cost from their mean
     first token gap; then simulate every phase with both (the others held out)."""
     saved = load_saved(args.insitu)

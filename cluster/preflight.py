@@ -24,8 +24,8 @@ def preflight(cfg: ServeConfig) -> ServeConfig:
 
 
 def check_secrets(cfg: ServeConfig) -> None:
-    from cluster.grpc_auth import ApiKeys
-    from cluster.launcher import cluster_secret
+    from cluster.frontends.auth import ApiKeys
+    from cluster.orchestration.launcher import cluster_secret
 
     if cfg.tls_key_file and not cfg.tls_cert_file:
         raise ValueError("tls_key_file is set but tls_cert_file is not: give both")

@@ -4,9 +4,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from cluster.backend import GenerationBackend
+from cluster.orchestration.backend import GenerationBackend
 from cluster.config import ServeConfig
-from cluster.metrics import Metrics
+from cluster.observability.metrics import Metrics
 
 
 @dataclass
@@ -16,7 +16,7 @@ class ServerStack:
     backend: GenerationBackend
     grpc: object
     metrics_server: object
-    http: object = None            # cluster.http.HttpServer, None when http_port == 0
+    http: object = None            # cluster.frontends.http.HttpServer, None when http_port == 0
 
     def banner(self) -> str:
         info = self.backend.model_info()
@@ -42,18 +42,18 @@ class ServerStack:
 
 def make_backend(cfg: ServeConfig, metrics: Metrics) -> GenerationBackend:
     if not cfg.ray:
-        from cluster.launcher import engine_config
-        from cluster.local_backend import LocalEngineBackend
+        from cluster.orchestration.launcher import engine_config
+        from cluster.orchestration.local import LocalEngineBackend
         return LocalEngineBackend(engine_config(cfg), model_name=cfg.served_model_name[0] if cfg.served_model_name
                                   else None)
-    from cluster.ray_backend import RayClusterBackend
+    from cluster.orchestration.ray_backend import RayClusterBackend
     return RayClusterBackend(cfg, metrics)
 
 
 async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None) -> ServerStack:
-    from cluster.grpc_auth import ApiKeys, TlsConfig
-    from cluster.grpc_server import serve_grpc
-    from cluster.metrics_server import start_metrics_server
+    from cluster.frontends.auth import ApiKeys, TlsConfig
+    from cluster.frontends.grpc.server import serve_grpc
+    from cluster.observability.metrics_server import start_metrics_server
     from cluster.preflight import preflight
 
     cfg = preflight(cfg)     # certificates, keys, device, model: checked before Ray and the weights
@@ -70,7 +70,7 @@ async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None
     grpc_server = await serve_grpc(backend, cfg, metrics, api_keys=keys, tls=tls)
     http = None
     if cfg.http_port != 0:
-        from cluster.http import serve_http
+        from cluster.frontends.http import serve_http
         http = await serve_http(grpc_server.runner, cfg, metrics, api_keys=keys,   # shares admission
                                 model_names=cfg.served_model_name, tls=tls)
     msrv = start_metrics_server(metrics, cfg.host, cfg.metrics_port)

@@ -80,7 +80,7 @@ class KVCacheSpec:
         return block_size * (head_dim + SCALE_BYTES)
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """K and V of one token, scales included (cluster/planner/capacity.py says the same)."""
+        """K and V of one token, scales included (cluster/tools/planner/capacity.py says the same)."""
         return 2 * num_layers * num_kv_heads * self.tile_bytes(1, head_dim)
 
 

@@ -11,7 +11,7 @@ Uses: seeing where a worker's time goes under real load (a step's wall time
 against its CPU time shows how long it waited for a core or the GIL; the
 time between steps is the loop's own overhead), and fitting the fleet
 simulator's cost model to steps measured inside running workers
-(`cluster/sim/insitu.py`).
+(`cluster/tools/sim/insitu.py`).
 """
 from __future__ import annotations
 

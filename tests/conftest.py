@@ -34,7 +34,7 @@ def pytest_sessionfinish(session, exitstatus):
     if os.geteuid() != 0:
         return
     try:
-        from cluster.testbed.bed import list_beds
+        from cluster.tools.testbed.bed import list_beds
     except Exception:
         return
     for bed in list_beds():

@@ -1,6 +1,6 @@
 """A real gRPC frontend over a real LocalEngineBackend, on its own event-loop thread.
 
-Tests talk to it with `cluster.client.GenerationClient` from their own thread
+Tests talk to it with `cluster.cli.client.GenerationClient` from their own thread
 (`asyncio.run`), exactly as a remote client would.
 """
 from __future__ import annotations
@@ -14,11 +14,11 @@ import warnings
 from dataclasses import dataclass, field
 
 from cluster.config import ServeConfig
-from cluster.grpc_server import GrpcServer, serve_grpc
-from cluster.local_backend import LocalEngineBackend
-from cluster.metrics import Metrics
-from cluster.metrics_server import MetricsServer, start_metrics_server
-from cluster.task_trace import describe_task
+from cluster.frontends.grpc.server import GrpcServer, serve_grpc
+from cluster.orchestration.local import LocalEngineBackend
+from cluster.observability.metrics import Metrics
+from cluster.observability.metrics_server import MetricsServer, start_metrics_server
+from cluster.observability.task_trace import describe_task
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
@@ -108,7 +108,7 @@ class Frontend:
 
     def close(self) -> None:
         if self.give_ups is not None:   # shown in pytest's warnings summary even when every test passed
-            logging.getLogger("cluster.request_runner").removeHandler(self.give_ups)
+            logging.getLogger("cluster.frontends.runner").removeHandler(self.give_ups)
             for message in self.give_ups.messages:
                 warnings.warn(f"frontend runner gave up on a stream: {message}", stacklevel=2)
         for srv in [self.server, *self.extra]:
@@ -134,7 +134,7 @@ def start_frontend(model_dir, *, max_model_len: int = 1024, num_blocks: int = 25
     backend, server = loop.run(up())
     ms = start_metrics_server(metrics, "127.0.0.1", 0)
     give_ups = _GiveUps()
-    logging.getLogger("cluster.request_runner").addHandler(give_ups)
+    logging.getLogger("cluster.frontends.runner").addHandler(give_ups)
     return Frontend(loop, backend, metrics, server, ms, give_ups=give_ups)
 
 
@@ -155,7 +155,7 @@ class _GiveUps(logging.Handler):
 @contextlib.contextmanager
 def http_frontend(model_dir, **frontend_kwargs):
     """start_frontend plus the OpenAI HTTP endpoint on the same request runner (`f.http`)."""
-    from cluster.http import serve_http
+    from cluster.frontends.http import serve_http
 
     f = start_frontend(model_dir, **frontend_kwargs)
     try:

@@ -1,4 +1,4 @@
-"""pdserve across test hosts (cluster/testbed): a Ray head with the frontend on h1,
+"""pdserve across test hosts (cluster/tools/testbed): a Ray head with the frontend on h1,
 Ray worker nodes carrying the pools' resources on the other hosts, as
 docs/deploy.md describes for real machines."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.testbed import TestBed, TestHost
+from cluster.tools.testbed import TestBed, TestHost
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cluster.client import GenerationClient, build_request
+from cluster.cli.client import GenerationClient, build_request
 from tiny_models import hf_greedy
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 from cluster.config import ServeConfig
-from cluster.metrics import WorkerStats
+from cluster.observability.metrics import WorkerStats
 from cluster.router.inflight import InFlightPrefixes, NoInFlightPrefixes
 from cluster.router.index import ApplyResult, PrefixIndex
 from cluster.router.policy import (POOLS, ClusterView, PolicyConfig, RoutingDecision,

@@ -27,7 +27,7 @@ from typing import Awaitable, Callable
 import grpc
 import torch
 
-from cluster.client import GenerationClient, build_request
+from cluster.cli.client import GenerationClient, build_request
 
 VOCAB_LO, VOCAB_HI = 3, 380          # token ids of the tiny model's vocabulary, no specials
 MIN_GAP = 1e-2                       # top-1 minus top-2 logit at every reference step (see above)

@@ -16,7 +16,7 @@ import pytest
 
 from chaos_lib import check_outcomes, trials
 from chaos_load import Outcome, draw_requests, run_load, stream_one
-from cluster.client import GenerationClient
+from cluster.cli.client import GenerationClient
 
 pytestmark = pytest.mark.ray
 OUTCOMES = ("finished", "cancelled", "deadline_exceeded", "unavailable", "internal", "resource_exhausted",

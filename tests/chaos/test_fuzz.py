@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.pb import generation_pb2 as pb
-from cluster.validation import ROLES
+from cluster.frontends.validation import ROLES
 from grpc_harness import start_frontend
 
 GENERATE = "/pdserve.v1.Generation/Generate"

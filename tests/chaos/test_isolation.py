@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from cluster.client import GenerationClient
-from cluster.grpc_auth import ApiKeys
+from cluster.cli.client import GenerationClient
+from cluster.frontends.auth import ApiKeys
 from grpc_harness import start_frontend
 
 PROMPT_LEN = 64          # 4 full blocks of 16

@@ -14,8 +14,8 @@ import asyncio
 
 import pytest
 
-from cluster.admission import AdmissionController, tenant_of
-from cluster.backend import BackendError, GenerateJob
+from cluster.frontends.admission import AdmissionController, tenant_of
+from cluster.orchestration.backend import BackendError, GenerateJob
 from engine.sampling_params import SamplingParams
 from kvtransfer.leases import LeaseTable, ReleaseCause
 
@@ -149,9 +149,9 @@ class _OneTokenBackend:
 def test_admission_slot_comes_back_when_the_closing_caller_is_cancelled_twice():
     """A client that goes away as its last chunk is written: the handler closing the
     stream is cancelled again while it waits for the cleanup. The slot must come back."""
-    from cluster.metrics import Metrics
-    from cluster.request_runner import RequestRunner
-    from cluster.validation import GenerateInput, Limits, SamplingInput
+    from cluster.observability.metrics import Metrics
+    from cluster.frontends.runner import RequestRunner
+    from cluster.frontends.validation import GenerateInput, Limits, SamplingInput
 
     adm = AdmissionController(max_requests=4, max_tokens=1000)
     runner = RequestRunner(_OneTokenBackend(), Metrics(), Limits(max_model_len=64, block_size=16, vocab_size=100), adm)
@@ -193,9 +193,9 @@ def test_admission_slot_comes_back_when_the_consumer_is_garbage_collected():
     import gc
     import threading
 
-    from cluster.metrics import Metrics
-    from cluster.request_runner import RequestRunner
-    from cluster.validation import GenerateInput, Limits, SamplingInput
+    from cluster.observability.metrics import Metrics
+    from cluster.frontends.runner import RequestRunner
+    from cluster.frontends.validation import GenerateInput, Limits, SamplingInput
 
     adm, backend = AdmissionController(max_requests=4, max_tokens=10_000), _EndlessBackend()
     runner = RequestRunner(backend, Metrics(), Limits(max_model_len=64, block_size=16, vocab_size=100), adm)
@@ -245,10 +245,10 @@ def test_a_consumer_that_stops_reading_is_given_up_after_consumer_timeout():
     own bounds do not reach): once the pump has waited consumer_timeout on its full queue, the
     request is aborted and its slot freed while the consumer still holds the stream; if the
     consumer reads again it gets CANCELLED, not the stale backlog."""
-    from cluster.backend import BackendError
-    from cluster.metrics import Metrics
-    from cluster.request_runner import RequestRunner
-    from cluster.validation import GenerateInput, Limits, SamplingInput
+    from cluster.orchestration.backend import BackendError
+    from cluster.observability.metrics import Metrics
+    from cluster.frontends.runner import RequestRunner
+    from cluster.frontends.validation import GenerateInput, Limits, SamplingInput
 
     adm, backend, metrics = AdmissionController(max_requests=4, max_tokens=10_000), _EndlessBackend(), Metrics()
     runner = RequestRunner(backend, metrics, Limits(max_model_len=64, block_size=16, vocab_size=100), adm,
@@ -283,9 +283,9 @@ def test_a_consumer_that_stops_reading_is_given_up_after_consumer_timeout():
 
 
 def test_consumer_timeout_must_not_be_negative():
-    from cluster.metrics import Metrics
-    from cluster.request_runner import RequestRunner
-    from cluster.validation import Limits
+    from cluster.observability.metrics import Metrics
+    from cluster.frontends.runner import RequestRunner
+    from cluster.frontends.validation import Limits
 
     with pytest.raises(ValueError, match="consumer_timeout must be >= 0"):
         RequestRunner(_EndlessBackend(), Metrics(), Limits(max_model_len=64, block_size=16, vocab_size=100),
@@ -306,9 +306,9 @@ def test_a_finished_request_whose_consumer_stopped_reading_frees_its_slot():
     reads it and never closes its stream (a handler its transport dropped): the pump must
     still free the slot after consumer_timeout. A consumer that reads to the end is not
     affected, and nothing is counted twice."""
-    from cluster.metrics import Metrics
-    from cluster.request_runner import RequestRunner
-    from cluster.validation import GenerateInput, Limits, SamplingInput
+    from cluster.observability.metrics import Metrics
+    from cluster.frontends.runner import RequestRunner
+    from cluster.frontends.validation import GenerateInput, Limits, SamplingInput
 
     adm, metrics = AdmissionController(max_requests=4, max_tokens=10_000), Metrics()
     runner = RequestRunner(_ShortBackend(), metrics, Limits(max_model_len=64, block_size=16, vocab_size=100), adm,

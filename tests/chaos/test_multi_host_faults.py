@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from cluster.testbed import TestBed
-from cluster.testbed.sys_cmd import need_root
+from cluster.tools.testbed import TestBed
+from cluster.tools.testbed.sys_cmd import need_root
 from testbed_cluster import MultiHostServe
 from testbed_faults import Tally, decode_host_kill, prefill_host_kill, prefill_host_partition
 

@@ -21,7 +21,7 @@ import yaml
 
 from chaos_lib import check_outcomes, trials
 from chaos_load import TokenCount, draw_requests, run_load
-from cluster.client import GenerationClient
+from cluster.cli.client import GenerationClient
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,8 +15,8 @@ import urllib.request
 
 import pytest
 
-from cluster.testbed import TestBed
-from cluster.testbed.sys_cmd import need_root
+from cluster.tools.testbed import TestBed
+from cluster.tools.testbed.sys_cmd import need_root
 from testbed_cluster import MultiHostServe, host_env
 from testbed_faults import Tally, decode_host_kill, prefill_host_kill, prefill_host_partition, prompt_of, stream
 from tiny_models import hf_greedy, load_hf_model

@@ -1,5 +1,5 @@
 """The gRPC frontend end to end: a real grpc.aio server on loopback, a real
-engine (LocalEngineBackend, tiny random Llama), clients from cluster.client."""
+engine (LocalEngineBackend, tiny random Llama), clients from cluster.cli.client."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.client import Completion, GenerationClient, build_request
+from cluster.cli.client import Completion, GenerationClient, build_request
 from cluster.pb import generation_pb2 as pb
 from cluster.pb import generation_pb2_grpc as pb_grpc
 from grpc_harness import start_frontend

@@ -7,8 +7,8 @@ import subprocess
 import grpc
 import pytest
 
-from cluster.client import ClientTls, GenerationClient
-from cluster.grpc_auth import ApiKeys, TlsConfig
+from cluster.cli.client import ClientTls, GenerationClient
+from cluster.frontends.auth import ApiKeys, TlsConfig
 from grpc_harness import start_frontend
 
 LONG_PROMPT = "Paged attention stores keys and values in fixed blocks of tokens. " * 3

@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster.admission import AdmissionController
+from cluster.frontends.admission import AdmissionController
 from cluster.config import ServeConfig
-from cluster.grpc_auth import ApiKeys
-from cluster.http import serve_http
-from cluster.request_runner import RequestRunner
+from cluster.frontends.auth import ApiKeys
+from cluster.frontends.http import serve_http
+from cluster.frontends.runner import RequestRunner
 from grpc_harness import http_frontend
 
 MSG = [{"role": "user", "content": "hi"}]

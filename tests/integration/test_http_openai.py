@@ -15,7 +15,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install -e .[test]")
 
-from cluster.client import GenerationClient  # noqa: E402
+from cluster.cli.client import GenerationClient  # noqa: E402
 from grpc_harness import http_frontend  # noqa: E402
 from tiny_models import hf_greedy, load_hf_model  # noqa: E402
 

@@ -128,7 +128,7 @@ def test_mutual_tls_needs_a_client_certificate(loop, tiny_llama_dir, certs):
 
 
 def test_unreadable_tls_files_are_refused_with_a_clear_error(certs):
-    from cluster.grpc_auth import TlsConfig
-    from cluster.http.server import uvicorn_tls
+    from cluster.frontends.auth import TlsConfig
+    from cluster.frontends.http.server import uvicorn_tls
     with pytest.raises(ValueError, match="key matches the certificate"):
         uvicorn_tls(TlsConfig(str(certs / "server.pem"), str(certs / "client.key")))

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from cluster.cli import main
-from cluster.client import GenerationClient
+from cluster.cli.client import GenerationClient
 from cluster.config import ServeConfig
 from cluster.server_stack import start_stack
 from cluster.version import version

@@ -10,7 +10,7 @@ import pytest
 
 import torch
 
-from cluster.launcher import check_kv_agreement
+from cluster.orchestration.launcher import check_kv_agreement
 from engine.block_hash import block_hashes
 from engine import LLM
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig

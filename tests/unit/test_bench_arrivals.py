@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from cluster.bench.arrivals import ArrivalSpec, schedule
+from cluster.tools.bench.arrivals import ArrivalSpec, schedule
 
 N = 20000
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cluster.bench import datasets as ds
+from cluster.tools.bench import datasets as ds
 
 VOCAB = 384
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.bench import cli
+from cluster.tools.bench import cli
 from cluster.pb import generation_pb2 as pb
 
 

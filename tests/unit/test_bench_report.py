@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench.report import Slo, format_table, latency_stats, summarize, timeline
-from cluster.bench.runner import INCOMPLETE, RequestResult, RunResult
+from cluster.tools.bench.report import Slo, format_table, latency_stats, summarize, timeline
+from cluster.tools.bench.runner import INCOMPLETE, RequestResult, RunResult
 
 
 def _ok(i, ttft, e2e, out, prompt=10, cached=0, itl=(), sent=0.0):

@@ -7,8 +7,8 @@ import asyncio
 import grpc
 import pytest
 
-from cluster.bench.datasets import BenchRequest
-from cluster.bench.runner import INCOMPLETE, RunnerConfig, run_load
+from cluster.tools.bench.datasets import BenchRequest
+from cluster.tools.bench.runner import INCOMPLETE, RunnerConfig, run_load
 from cluster.pb import generation_pb2 as pb
 from cluster.pb import generation_pb2_grpc as pb_grpc
 

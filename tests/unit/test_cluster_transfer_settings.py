@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import ServeConfig
-from cluster.launcher import cluster_secret, transfer_settings
+from cluster.orchestration.launcher import cluster_secret, transfer_settings
 from kvtransfer.settings import TransferSettings
 
 

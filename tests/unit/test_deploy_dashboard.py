@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.metrics import Metrics
+from cluster.observability.metrics import Metrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve.json"
 METRIC_RE = re.compile(r"\bpdserve_[A-Za-z0-9_]+")
@@ -82,7 +82,7 @@ def test_every_queried_metric_is_exported(dashboard):
     queried = {m for e in expressions(dashboard) for m in METRIC_RE.findall(e)}
     assert queried, "the dashboard queries no pdserve_ metric"
     unknown = sorted(queried - exported)
-    assert not unknown, f"dashboard queries metrics cluster/metrics.py does not export: {unknown}"
+    assert not unknown, f"dashboard queries metrics cluster/observability/metrics.py does not export: {unknown}"
 
 
 def test_dashboard_covers_required_topics(dashboard):

@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from cluster.config import ServeConfig
-from cluster.log_levels import configure_logging, parse_log_levels
+from cluster.observability.log_levels import configure_logging, parse_log_levels
 
 
 def test_a_level_then_logger_levels():

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import Metrics, TierStats, WorkerStats
+from cluster.observability.metrics import Metrics, TierStats, WorkerStats
 
 # The Gateway API Inference Extension's model-server protocol, vLLM column, and the
 # request-level series vLLM labels with model_name.

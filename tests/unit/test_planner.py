@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
-from cluster.planner import capacity as cap
-from cluster.planner.capacity import CapacityInputs, plan_capacity
-from cluster.planner.interconnect import select_interconnects, transfer_seconds
-from cluster.planner.model_spec import ModelSpec, default_model_path, resolve_model, spec_from_gguf
-from cluster.planner.pools import measure_speeds, size_pools
-from cluster.planner.presets import get_preset, preset_names
+from cluster.tools.planner import capacity as cap
+from cluster.tools.planner.capacity import CapacityInputs, plan_capacity
+from cluster.tools.planner.interconnect import select_interconnects, transfer_seconds
+from cluster.tools.planner.model_spec import ModelSpec, default_model_path, resolve_model, spec_from_gguf
+from cluster.tools.planner.pools import measure_speeds, size_pools
+from cluster.tools.planner.presets import get_preset, preset_names
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[2]

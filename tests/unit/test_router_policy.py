@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from cluster.config import ROUTER_POLICIES, ServeConfig
-from cluster.metrics import WorkerStats
+from cluster.observability.metrics import WorkerStats
 from cluster.router import (POLICIES, ClusterView, DecisionKind, MatchInfo, NoWorkerAvailable,
                             PolicyConfig, PrefixIndex, Router, RouterConfig, RoutingRequest,
                             WorkerLoad, WorkerView, make_policy)

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from cluster import serve_cli
+from cluster.cli import serve as serve_cli
 from cluster.config import ServeConfig
 
 

@@ -94,7 +94,7 @@ def test_served_model_name_flag_env_and_yaml(tmp_path):
     parser_args = ["serve", "--served-model-name", "first", "second", "--no-ray"]
     import argparse
 
-    from cluster import serve_cli as sc
+    from cluster.cli import serve as sc
     p = argparse.ArgumentParser()
     sc.register(p.add_subparsers())
     assert sc.config_from_args(p.parse_args(parser_args)).served_model_name == ("first", "second")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cluster.cli import main
-from cluster.sim.cli import without_wall
+from cluster.tools.sim.cli import without_wall
 
 ARGS = ["simulate", "--synthetic", "60", "--synthetic-rate", "20", "--prefill-nodes", "1", "--decode-nodes", "2",
         "--tokens-per-id", "16", "--block-size", "16", "--num-blocks", "64",

@@ -1,10 +1,10 @@
 """Small simulations: conservation, routing quality, the decode-run collapse."""
 import pytest
 
-from cluster.sim.cli import without_wall
-from cluster.sim.cluster_sim import ClusterSim, SimConfig, descriptor_runs
-from cluster.sim.cost_model import Table2D, TableCostModel, TransferCost
-from cluster.sim.workload import PromptBuilder, synthetic_shared_prefix
+from cluster.tools.sim.cli import without_wall
+from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig, descriptor_runs
+from cluster.tools.sim.cost_model import Table2D, TableCostModel, TransferCost
+from cluster.tools.sim.workload import PromptBuilder, synthetic_shared_prefix
 
 BS = 16
 
@@ -101,7 +101,7 @@ def test_joins_waiting_for_room_retry_only_when_room_changed(monkeypatch):
     """A hand-off that found no room on its decode node is retried only when
     that node's free/cached blocks or sequence slots changed: the same results
     as retrying at every step boundary, with fewer `add_remote_request` calls."""
-    import cluster.sim.cluster_sim as cs
+    import cluster.tools.sim.cluster_sim as cs
     from engine.scheduler import Scheduler
 
     calls = []
@@ -128,7 +128,7 @@ def test_joins_waiting_for_room_are_reported_as_waiting(monkeypatch):
     """As DecodeWorker.report: a hand-off waiting on its decode node for KV room
     is a waiting request in the load the router sees; the count is exact at
     every report and back to zero at the end."""
-    import cluster.sim.cluster_sim as cs
+    import cluster.tools.sim.cluster_sim as cs
 
     seen, real_tick = [], cs.ClusterSim._tick
 

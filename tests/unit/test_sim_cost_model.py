@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from cluster.sim.cost_model import Table2D, TableCostModel, TransferCost, load_cost_model
+from cluster.tools.sim.cost_model import Table2D, TableCostModel, TransferCost, load_cost_model
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput

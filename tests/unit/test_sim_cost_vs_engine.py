@@ -10,9 +10,9 @@ denser grid for docs/simulator.md.
 """
 import statistics
 
-from cluster.sim.cost_model import FIT_MODES
-from cluster.sim.measure import Cell, Grid, make_engine, measure_engine
-from cluster.sim.step_fit import shape_sched
+from cluster.tools.sim.cost_model import FIT_MODES
+from cluster.tools.sim.measure import Cell, Grid, make_engine, measure_engine
+from cluster.tools.sim.step_fit import shape_sched
 
 GRID = Grid(prefill_new=(16, 64, 256), prefill_cached=(0, 256), decode_batch=(1, 4, 8),
             decode_context=(64, 512), prefill_batches=(((32, 0),) * 2, ((16, 0), (16, 256)), ((64, 0),) * 3),
@@ -40,7 +40,7 @@ def test_step_cost_tracks_real_engine_steps(tiny_llama_dir):
 def test_pick_takes_the_fastest_or_the_median_rounds_fastest():
     import pytest
 
-    from cluster.sim.measure import pick
+    from cluster.tools.sim.measure import pick
     from engine.step_trace import StepShape
     shapes = [StepShape((), (i,)) for i in range(5)]
     rounds = list(zip(shapes, (0.010, 0.006, 0.011, 0.012, 0.0105)))

@@ -1,8 +1,8 @@
 """Virtual clock and event loop of the fleet simulator."""
 import pytest
 
-from cluster.sim.clock import VirtualClock
-from cluster.sim.events import EventLoop
+from cluster.tools.sim.clock import VirtualClock
+from cluster.tools.sim.events import EventLoop
 
 
 def test_events_run_in_time_order_and_ties_in_scheduling_order():

@@ -1,4 +1,4 @@
-"""Host interference measured in situ (cluster/sim/insitu.py): step shapes
+"""Host interference measured in situ (cluster/tools/sim/insitu.py): step shapes
 priced like the scheduler's own outputs, the factor table and the frontend's
 cost recovered from known traces, and the simulator applying them."""
 from __future__ import annotations
@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from cluster.sim.cluster_sim import ClusterSim, SimConfig
-from cluster.sim.cost_model import Table2D, TableCostModel, TransferCost
-from cluster.sim.insitu import (FrontendCost, Interference, fit_frontend, fit_interference, frontend_spans,
+from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
+from cluster.tools.sim.cost_model import Table2D, TableCostModel, TransferCost
+from cluster.tools.sim.insitu import (FrontendCost, Interference, fit_frontend, fit_interference, frontend_spans,
                                 occupancy, step_kind)
-from cluster.sim.step_fit import shape_sched
-from cluster.sim.workload import PromptBuilder, synthetic_shared_prefix
+from cluster.tools.sim.step_fit import shape_sched
+from cluster.tools.sim.workload import PromptBuilder, synthetic_shared_prefix
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from cluster.sim.metrics import LogHistogram
+from cluster.tools.sim.metrics import LogHistogram
 
 
 def _samples(seed=3):

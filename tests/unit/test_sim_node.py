@@ -1,9 +1,9 @@
 """One simulated node: decode runs, calls arriving inside them, against one event per step."""
 import pytest
 
-from cluster.sim.cost_model import Table2D, TableCostModel, TransferCost
-from cluster.sim.events import EventLoop
-from cluster.sim.node import SimNode
+from cluster.tools.sim.cost_model import Table2D, TableCostModel, TransferCost
+from cluster.tools.sim.events import EventLoop
+from cluster.tools.sim.node import SimNode
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams

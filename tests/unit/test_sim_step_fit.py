@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from cluster.sim.cost_model import Table2D, TableCostModel, TransferCost
-from cluster.sim.step_fit import TERMS, StepFeatures, StepFit, nnls
+from cluster.tools.sim.cost_model import Table2D, TableCostModel, TransferCost
+from cluster.tools.sim.step_fit import TERMS, StepFeatures, StepFit, nnls
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -97,7 +97,7 @@ def test_bad_fit_says_what_is_wrong():
 
 
 def test_scaled_cost_scales_steps_not_transfers():
-    from cluster.sim.cost_model import ScaledCost
+    from cluster.tools.sim.cost_model import ScaledCost
     base = _profile("fit")
     s = ScaledCost(base, 1.5, 0.002)
     sched = SchedulerOutput([_seq("a", 64, 0, 64), _seq("b", 10, 10, 1)])

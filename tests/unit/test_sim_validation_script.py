@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.sim.cost_model import load_cost_model
-from cluster.sim.workload import TraceRequest
+from cluster.tools.sim.cost_model import load_cost_model
+from cluster.tools.sim.workload import TraceRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 

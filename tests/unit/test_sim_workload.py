@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cluster.sim.workload import (PromptBuilder, TraceRequest, compress_time, load_mooncake, overlay,
+from cluster.tools.sim.workload import (PromptBuilder, TraceRequest, compress_time, load_mooncake, overlay,
                                   synthetic_shared_prefix)
 from engine.block_hash import block_hashes, packed_tokens
 from engine.block_manager import prompt_blocks

@@ -1,4 +1,4 @@
-"""Test hosts from Linux namespaces (cluster/testbed): each its own network,
+"""Test hosts from Linux namespaces (cluster/tools/testbed): each its own network,
 PID, IPC, UTS and mount namespace; links that can be capped, cut and restored;
 hosts killed whole; every trace removed by down() or by the next sweep."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from cluster.testbed import TestBed, sweep_stale
-from cluster.testbed.bed import STATE_ROOT
-from cluster.testbed.sys_cmd import need_root
+from cluster.tools.testbed import TestBed, sweep_stale
+from cluster.tools.testbed.bed import STATE_ROOT
+from cluster.tools.testbed.sys_cmd import need_root
 
 pytestmark = pytest.mark.skipif(bool(need_root()), reason=need_root() or "root")
 PY = sys.executable

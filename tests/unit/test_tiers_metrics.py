@@ -2,8 +2,8 @@
 import pytest
 
 from cluster.config import ServeConfig
-from cluster.launcher import engine_config
-from cluster.metrics import Metrics, TierStats, WorkerStats
+from cluster.orchestration.launcher import engine_config
+from cluster.observability.metrics import Metrics, TierStats, WorkerStats
 from engine.llm_engine import EngineStats
 
 

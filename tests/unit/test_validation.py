@@ -1,13 +1,13 @@
-"""cluster/validation.py: every bad field -> ValidationError naming it; good input -> a GenerateJob."""
+"""cluster/frontends/validation.py: every bad field -> ValidationError naming it; good input -> a GenerateJob."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from cluster.admission import AdmissionController
-from cluster.backend import BackendError
-from cluster.validation import (ChatMessage, GenerateInput, Limits, SamplingInput, ValidationError,
+from cluster.frontends.admission import AdmissionController
+from cluster.orchestration.backend import BackendError
+from cluster.frontends.validation import (ChatMessage, GenerateInput, Limits, SamplingInput, ValidationError,
                                 validate_request)
 from engine.block_hash import block_hashes
 
@@ -130,7 +130,7 @@ def test_bad_cache_salt():
 
 
 def test_limits_from_model_and_prompt_bound():
-    from cluster.backend import ModelInfoData
+    from cluster.orchestration.backend import ModelInfoData
     lim = Limits.from_model(ModelInfoData("m", 8, 4, 128, {}))
     assert lim.max_prompt_tokens == 7
     ok = validate_request(GenerateInput(prompt_token_ids=[1] * 7), TOK, lim)

@@ -1,0 +1,1 @@
+"""The gRPC frontend: pdserve.v1.Generation, health and reflection."""

@@ -1,0 +1,1 @@
+"""Metrics (Prometheus, including the vllm:* names gateways read), their HTTP server, log levels."""

@@ -1,0 +1,74 @@
+"""Prometheus metrics of a pdserve deployment, all prefixed `pdserve_`.
+
+One `Metrics` object per process owns its own CollectorRegistry (no global
+registry). Per-worker figures (running / waiting requests, KV usage, prefix
+cache and lease counters) are pulled from the worker actors by the frontend
+once per `stats_interval` and exported here with `worker` and `pool` labels,
+so a single scrape of the frontend's metrics port sees the whole cluster
+(cluster/observability/metrics_workers.py: gauges for occupancy, `*_total` counters for what
+a worker counts). Cumulative figures are counters, exported as `*_total`.
+`export_vllm_names` adds the vLLM-named series Kubernetes inference gateways
+read (cluster/observability/metrics_vllm.py).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from cluster.observability.metrics_vllm import VllmNames
+from cluster.observability.metrics_workers import PREEMPTION_MODES, TIERS, TierStats, WorkerSeries, WorkerStats
+
+__all__ = ["Metrics", "TierStats", "WorkerStats", "TIERS", "PREEMPTION_MODES", "LATENCY_BUCKETS"]
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                   0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+BYTES_BUCKETS = tuple(float(2 ** i) for i in range(10, 34, 2))
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        H, C, G = Histogram, Counter, Gauge
+        self.ttft = H("pdserve_time_to_first_token_seconds", "Time to first token", registry=r,
+                      buckets=LATENCY_BUCKETS)
+        self.itl = H("pdserve_inter_token_latency_seconds", "Gap between streamed tokens", registry=r,
+                     buckets=LATENCY_BUCKETS)
+        self.e2e = H("pdserve_e2e_request_latency_seconds", "End-to-end request latency", registry=r,
+                     buckets=LATENCY_BUCKETS)
+        self.queue_time = H("pdserve_queue_time_seconds", "Time from arrival to first scheduling",
+                            registry=r, buckets=LATENCY_BUCKETS)
+        self.transfer_seconds = H("pdserve_kv_transfer_seconds", "KV transfer duration", registry=r,
+                                  buckets=LATENCY_BUCKETS)
+        self.transfer_bytes = H("pdserve_kv_transfer_bytes", "KV bytes moved per transfer", registry=r,
+                                buckets=BYTES_BUCKETS)
+        self.transfer_blocks = C("pdserve_kv_transfer_blocks", "KV blocks moved between nodes",
+                                 registry=r)
+        self.handoff = H("pdserve_handoff_seconds", "The gap between a request's first token (the prefill "
+                         "node's) and its second (the decode node's), by stage: join (the decode node's "
+                         "submit: KV room + pull), room (waiting for KV blocks), pull (the KV read), "
+                         "first_step (joined to the second token at the frontend), total", ["stage"],
+                         registry=r, buckets=LATENCY_BUCKETS)
+        self.requests = C("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = C("pdserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = C("pdserve_generation_tokens", "Tokens generated", registry=r)
+        self.routing = C("pdserve_routing_decisions", "Routing decisions by kind", ["kind"], registry=r)
+        self.migrations = C("pdserve_request_migrations", "Requests moved to another decode worker "
+                            "after theirs died", registry=r)
+        self.transfer_failures = C("pdserve_transfer_failures", "KV transfers that failed", registry=r)
+        self.frontend_queue = G("pdserve_frontend_queue_depth", "Requests admitted and not finished",
+                                registry=r)
+        self.workers = WorkerSeries()
+        r.register(self.workers)
+        self._vllm: VllmNames | None = None
+
+    def export_vllm_names(self, model_name: str, block_size: int) -> None:
+        """Also export the vllm:* series gateways read (cluster/observability/metrics_vllm.py), labelled model_name."""
+        if self._vllm is not None:
+            self.registry.unregister(self._vllm)
+        self._vllm = VllmNames(self, model_name, block_size)
+        self.registry.register(self._vllm)
+
+    def observe_worker(self, s: WorkerStats) -> None:
+        self.workers.observe(s)
+
+    def forget_worker(self, worker_id: str, pool: str) -> None:
+        self.workers.forget(worker_id)

@@ -1,0 +1,366 @@
+"""`ClusterSim`: a pdserve cluster on a virtual clock.
+
+Arrival -> the real `Router` decides (on the KV events and load reports it
+has received so far) -> a remote prefill runs on the prefill node (its real
+scheduler, ``hold_kv_on_finish``) and produces the first token -> the decode
+node reserves blocks with `add_remote_request` (its own prefix cache counts)
+and pulls only the missing blocks (transfer time from the cost model,
+serialised per decode NIC) -> the prefill node releases its held blocks and
+the decode node joins the request with `remote_kv_ready` and decodes to the
+trace's output length. A local prefill (conditional disaggregation, or
+colocated mode when there are no prefill nodes) runs entirely on the decode
+node. Every ``report_interval_s`` each node whose state changed sends its
+load and drained KV events, which reach the router ``report_lag_s`` later
+(the real backend polls the same two things together).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cluster.router import DecisionKind, PolicyConfig, Router, RouterConfig, RoutingRequest, WorkerLoad
+from cluster.tools.sim.cost_model import CostModel
+from cluster.tools.sim.events import EventLoop
+from cluster.tools.sim.insitu import Interference, step_kind
+from cluster.tools.sim.metrics import LogHistogram, NodeUsage, RequestRecord, Slo, summarize
+from cluster.tools.sim.node import SimNode
+from cluster.tools.sim.workload import Prompt, PromptBuilder, TraceRequest
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.step_trace import StepShape
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    prefill_nodes: int
+    decode_nodes: int
+    policy: str = "prefix_aware"
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    block_size: int = 512
+    num_blocks: int | None = None             # per node; None: the profile's KV capacity
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 1 << 18
+    report_interval_s: float = 0.1
+    report_lag_s: float = 0.002
+    transfer_timeout_s: float = 10.0          # decode node without room: recompute locally after this
+    collapse: bool = True
+    seed: int = 0
+    slo: Slo = field(default_factory=Slo)
+    # every node on one shared host whose contention slows steps (measured in situ:
+    # cluster/tools/sim/insitu.py); None: each node has its hardware to itself
+    interference: Interference | None = None
+    # every this many simulated seconds, one progress line to stderr (0: none); changes no result
+    progress_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.decode_nodes < 1 or self.prefill_nodes < 0:
+            raise ValueError("give at least one decode node (--decode-nodes >= 1) and --prefill-nodes >= 0 "
+                             "(0 = colocated: every node prefills and decodes)")
+        if self.report_interval_s <= 0 or self.report_lag_s < 0:
+            raise ValueError("report_interval_s must be > 0 and report_lag_s >= 0 seconds")
+        if self.progress_s < 0:
+            raise ValueError(f"progress_s must be >= 0 simulated seconds (0 = no progress lines), "
+                             f"got {self.progress_s}")
+
+
+class _Live:
+    __slots__ = ("rec", "trace", "tokens", "hashes", "packed", "blocks", "deadline", "no_room", "joining")
+
+    def __init__(self, rec: RequestRecord, trace: TraceRequest, prompt: Prompt) -> None:
+        self.rec, self.trace = rec, trace
+        self.tokens, self.hashes, self.packed, self.blocks = prompt
+        self.deadline = 0.0
+        self.no_room: tuple | None = None     # the decode node's room when the last join failed
+        self.joining = False                  # its hand-off waits to join the decode node
+
+
+def _nothing(node: SimNode) -> None:
+    pass
+
+
+def room(scheduler: Scheduler) -> tuple[int, int, int]:
+    """What decides whether `add_remote_request` finds room: free and cached
+    blocks, and sequence slots in use. A join that failed fails again while
+    this is unchanged, so retrying it is skipped."""
+    kv = scheduler.kv
+    return kv.num_free_blocks, kv.pool.num_cached_blocks, scheduler.num_running + scheduler.num_remote
+
+
+def descriptor_runs(src: list[int], dst: list[int]) -> int:
+    """Descriptors of a block-major pull: one per run consecutive on both sides."""
+    runs = 0
+    for i in range(len(dst)):
+        if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            runs += 1
+    return runs
+
+
+class ClusterSim:
+    def __init__(self, config: SimConfig, cost: CostModel, workload: list[TraceRequest],
+                 builder: PromptBuilder) -> None:
+        if builder.block_size != config.block_size:
+            raise ValueError(f"the prompt builder's block size {builder.block_size} must equal the "
+                             f"simulated nodes' {config.block_size}")
+        self.config, self.cost, self.builder = config, cost, builder
+        self.workload = sorted(workload, key=lambda r: r.arrival_s)
+        self.loop = EventLoop()
+        self._rng = np.random.default_rng(config.seed)      # step jitter of the shared-host model
+        colocated = config.prefill_nodes == 0
+        pc = config.policy_config
+        if colocated and not pc.colocated:
+            pc = PolicyConfig(pc.temperature, pc.local_prefill_threshold, pc.local_prefill_hit_ratio, True,
+                              pc.weights)
+        self.router = Router(RouterConfig(config.policy, pc), rng=random.Random(config.seed),
+                             clock=self.loop.clock)
+        nb = config.num_blocks or cost.kv_capacity_tokens // config.block_size
+        self.num_blocks = nb
+        self.nodes: dict[str, SimNode] = {}
+        roles = [("prefill", f"p{i:04d}") for i in range(config.prefill_nodes)]
+        roles += [("colocated" if colocated else "decode", f"d{i:04d}") for i in range(config.decode_nodes)]
+        for role, nid in roles:
+            sched = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
+                              CacheConfig(block_size=config.block_size, num_blocks=nb), nb,
+                              config.max_model_len, clock=self.loop.clock)
+            shared = config.interference is not None
+            self.nodes[nid] = SimNode(nid, role, sched, cost, self.loop, self, collapse=config.collapse,
+                                      slowdown=self._slowdown if shared else None,
+                                      on_busy_change=self._host_changed if shared else None,
+                                      jitter=self._jitter if shared and config.interference.jitter else None)
+            self.router.add_worker(nid, role)
+        self.nic_free = {nid: 0.0 for nid in self.nodes}
+        self._frontend_until = 0.0       # the frontend's FIFO work ends (with interference.frontend)
+        self._frontend_gen = 0
+        self.records: list[RequestRecord] = []
+        self.live: dict[str, _Live] = {}
+        self.itl = LogHistogram()
+        self._next = 0
+        self.wall_s = 0.0
+        self.fallbacks = 0
+
+    def _frontend_work(self, t: float, arrivals: int, tokens: int) -> None:
+        fe = self.config.interference.frontend if self.config.interference is not None else None
+        if fe is None:
+            return
+        was_busy = self._frontend_until > self.loop.now
+        self._frontend_until = max(t, self._frontend_until) + arrivals * fe.arrival_s + tokens * fe.token_s
+        self._frontend_gen += 1
+        self.loop.at(self._frontend_until, self._frontend_idle, self._frontend_gen)
+        if not was_busy and self._frontend_until > self.loop.now:
+            self._host_changed(None)
+
+    def _frontend_idle(self, gen: int) -> None:
+        if gen == self._frontend_gen:
+            self._host_changed(None)
+
+    def _host_changed(self, changed: SimNode | None) -> None:
+        """A party on the shared host started or stopped being busy: every other
+        step in flight goes on at its new speed."""
+        for node in self.nodes.values():
+            if node is not changed and node.busy:
+                node.retime()
+
+    def _jitter(self, node: SimNode, sched) -> float:
+        return self.config.interference.jitter_at(node.role, step_kind(StepShape.of(sched)), self._rng.random())
+
+    def _slowdown(self, node: SimNode, sched) -> float:
+        busy = sum(n.busy for n in self.nodes.values()) - node.busy + (self._frontend_until > self.loop.now)
+        return self.config.interference.factor(node.role, step_kind(StepShape.of(sched)), busy)
+
+    # ---- driving -------------------------------------------------------------
+    def run(self) -> dict:
+        t0 = time.perf_counter()
+        if self.workload:
+            self.loop.at(self.workload[0].arrival_s, self._arrive)
+            self.loop.at(self.workload[0].arrival_s, self._tick)
+            if self.config.progress_s:
+                self.loop.at(self.workload[0].arrival_s + self.config.progress_s, self._progress, t0)
+        # The nodes' block pools are millions of long-lived objects, and every live
+        # prompt a list of thousands of ints: frozen, and with rarer young collections,
+        # the cyclic collector stops re-scanning them (~15% of a loaded 1000-node run's
+        # time before). Restored after, so everything can be freed.
+        thresholds = gc.get_threshold()
+        gc.freeze()
+        gc.set_threshold(max(thresholds[0], 100_000), max(thresholds[1], 50), max(thresholds[2], 100))
+        try:
+            self.loop.run()
+        finally:
+            gc.set_threshold(*thresholds)
+            gc.unfreeze()
+        self.wall_s = time.perf_counter() - t0
+        return self.summary()
+
+    def _progress(self, t0: float) -> None:
+        wall = time.perf_counter() - t0
+        sim = self.loop.now - self.workload[0].arrival_s
+        done = len(self.records) - len(self.live)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20     # KiB on Linux
+        print(json.dumps({"progress": {"sim_s": round(sim, 1), "wall_s": round(wall, 1),
+                                       "sim_s_per_wall_s": round(sim / wall, 3) if wall else None,
+                                       "arrived": len(self.records), "finished": done, "live": len(self.live),
+                                       "of": len(self.workload), "peak_rss_gb": round(rss, 2)}}),
+              file=sys.stderr, flush=True)
+        if self.live or self._next < len(self.workload):
+            self.loop.after(self.config.progress_s, self._progress, t0)
+
+    def summary(self) -> dict:
+        start = self.workload[0].arrival_s if self.workload else 0.0
+        end = max((r.finish_s for r in self.records if r.finish_s is not None), default=start)
+        nodes = [NodeUsage(n.node_id, n.role, n.busy_s, n.steps, n.scheduler.kv.prefix_cache_stats.queried_tokens,
+                           n.scheduler.kv.prefix_cache_stats.hit_tokens) for n in self.nodes.values()]
+        c = self.config
+        extra = {"config": {"prefill_nodes": c.prefill_nodes, "decode_nodes": c.decode_nodes, "policy": c.policy,
+                            "block_size": c.block_size, "num_blocks_per_node": self.num_blocks,
+                            "cost_model": getattr(self.cost, "name", type(self.cost).__name__),
+                            "local_prefill_threshold": c.policy_config.local_prefill_threshold,
+                            "report_interval_s": c.report_interval_s, "report_lag_s": c.report_lag_s},
+                 "sim": {"events": self.loop.events_run, "node_runs": sum(n.events for n in self.nodes.values()),
+                         "engine_steps": sum(n.steps for n in self.nodes.values()), "wall_s": self.wall_s,
+                         "sim_s_per_wall_s": (end - start) / self.wall_s if self.wall_s else None,
+                         "local_recompute_fallbacks": self.fallbacks}}
+        return summarize(self.records, self.itl, nodes, end - start, c.slo, extra)
+
+    def _arrive(self) -> None:
+        tr = self.workload[self._next]
+        self._next += 1
+        if self._next < len(self.workload):
+            self.loop.at(max(self.workload[self._next].arrival_s, self.loop.now), self._arrive)
+        self._frontend_work(self.loop.now, 1, 0)
+        prompt = self.builder.prompt(tr)
+        tokens, rid = prompt.tokens, tr.request_id
+        d = self.router.route(RoutingRequest(rid, len(tokens), tuple(prompt.hashes), self.config.block_size))
+        rec = RequestRecord(rid, self.loop.now, len(tokens), tr.output_length, d.kind.value,
+                            d.prefill_worker_id or d.decode_worker_id, d.decode_worker_id)
+        self.records.append(rec)
+        live = self.live[rid] = _Live(rec, tr, prompt)
+        if d.kind is DecisionKind.REMOTE_PREFILL:
+            req = self._request(live, tokens, 1, hold=True)
+            self.nodes[d.prefill_worker_id].post(lambda n: n.scheduler.add_request(req))
+        else:
+            req = self._request(live, tokens, tr.output_length)
+            self.nodes[d.decode_worker_id].post(lambda n: n.scheduler.add_request(req))
+
+    def _request(self, live: _Live, tokens: list[int], max_tokens: int, hold: bool = False) -> Request:
+        n_hash = len(tokens) // self.config.block_size
+        return Request(live.rec.request_id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                       cache_salt=live.trace.salt, arrival_time=live.rec.arrival_s,
+                       block_hashes=live.hashes[:n_hash], hold_kv_on_finish=hold,
+                       prompt_packed=live.packed if tokens is live.tokens else None,
+                       prompt_blocks=live.blocks if tokens is live.tokens else None)
+
+    # ---- node callbacks ------------------------------------------------------
+    def on_tokens(self, node: SimNode, requests: list[Request], ends: np.ndarray) -> None:
+        first, last, k = float(ends[0]), float(ends[-1]), len(ends)
+        self._frontend_work(last, 0, len(requests) * k)
+        live, first_gaps = self.live, []
+        for r in requests:
+            rec = live[r.request_id].rec
+            if rec.first_token_s is None:
+                rec.first_token_s = first
+                rec.cached_tokens = r.num_cached_tokens or 0
+            else:
+                first_gaps.append(first - rec.last_token_s)
+            rec.tokens_out += k
+            rec.last_token_s = last
+        if first_gaps:
+            self.itl.add(np.asarray(first_gaps))
+        if k > 1:
+            self.itl.add(np.diff(ends), weight=len(requests))
+
+    def on_finished(self, node: SimNode, request: Request, t: float) -> None:
+        live = self.live[request.request_id]
+        if not request.hold_kv_on_finish:
+            self._done(live, t, request)
+            return
+        if live.trace.output_length <= 1:            # the first token ended it: nobody reads the KV
+            node.scheduler.release_held(request.request_id)
+            self._done(live, t, request)
+            return
+        live.deadline, live.joining = t + self.config.transfer_timeout_s, True
+        decode = self.nodes[live.rec.decode_node]
+        # reserving blocks changes no running sequence: it need not end the decode node's run
+        decode.post_retry(lambda dn: self._join(dn, node, live), keeps_batch=True)
+        # a join waiting for room fails until something on the node is freed (a run boundary),
+        # or until its deadline: wake the node then, so it ends the run in flight and falls back
+        self.loop.at(live.deadline, self._wake_at_deadline, decode, live)
+
+    def _wake_at_deadline(self, decode: SimNode, live: _Live) -> None:
+        if live.joining:
+            decode.post(_nothing)
+
+    def _done(self, live: _Live, t: float, request: Request) -> None:
+        live.rec.finish_s = t
+        live.rec.preempted += request.num_preemptions
+        del self.live[live.rec.request_id]
+
+    # ---- prefill -> decode hand-off -----------------------------------------
+    def _join(self, dn: SimNode, pn: SimNode, live: _Live) -> bool:
+        rid, rec, now = live.rec.request_id, live.rec, self.loop.now
+        if now < live.deadline and live.no_room is not None and live.no_room == room(dn.scheduler):
+            return False
+        alloc = dn.scheduler.add_remote_request(self._request(live, live.tokens, live.trace.output_length))
+        if alloc is None:
+            if now < live.deadline:
+                if live.no_room is None:              # as DecodeWorker: now it waits for room here
+                    dn.joining += 1                   # (joins run inside post / _end: dn is dirty)
+                live.no_room = room(dn.scheduler)
+                return False
+            self._joined(dn, live)
+            self.fallbacks += 1                       # as DecodeWorker: recompute here, keep the first token
+            pn.post(lambda n: n.scheduler.release_held(rid))
+            tokens = live.tokens + [dn.output_token]
+            dn.scheduler.add_request(self._request(live, tokens, max(1, live.trace.output_length - 1)))
+            return True
+        self._joined(dn, live)
+        held = pn.scheduler.kv.get_block_ids(rid)
+        src, dst = held[alloc.num_cached_blocks:len(alloc.block_ids)], list(alloc.blocks_to_pull)
+        nbytes = len(dst) * self.config.block_size * self.cost.kv_bytes_per_token
+        rec.decode_cached_tokens = alloc.num_cached_tokens
+        rec.transferred_blocks, rec.transferred_bytes = len(dst), nbytes
+        rec.descriptors = descriptor_runs(src, dst)
+        start = max(now, self.nic_free[dn.node_id])
+        done = start + self.cost.transfer_seconds(rec.descriptors, nbytes)
+        self.nic_free[dn.node_id] = done
+        self.loop.at(done, self._landed, dn, pn, rid)
+        return True
+
+    @staticmethod
+    def _joined(dn: SimNode, live: _Live) -> None:
+        live.joining = False
+        if live.no_room is not None:                  # it had waited for room
+            dn.joining -= 1
+
+    def _landed(self, dn: SimNode, pn: SimNode, rid: str) -> None:
+        pn.post(lambda n: n.scheduler.release_held(rid))
+        dn.post(lambda n: n.scheduler.remote_kv_ready(rid, n.output_token))
+
+    # ---- load reports and KV events -----------------------------------------
+    def _tick(self) -> None:
+        batch = []
+        for nid, node in self.nodes.items():
+            if not node.dirty:
+                continue
+            node.dirty = False
+            s = node.scheduler
+            # as DecodeWorker.report: hand-offs waiting for KV room are waiting requests
+            load = WorkerLoad(s.num_waiting_tokens, s.num_running, s.num_waiting + node.joining, s.kv_usage)
+            batch.append((nid, load, s.kv.drain_events()))
+        if batch:
+            self.loop.after(self.config.report_lag_s, self._deliver, batch)
+        if self.live or self._next < len(self.workload):
+            self.loop.after(self.config.report_interval_s, self._tick)
+
+    def _deliver(self, batch: list) -> None:
+        for nid, load, events in batch:
+            if events and self.router.on_events(nid, events).needs_resync:
+                self.router.on_snapshot(nid, self.nodes[nid].scheduler.kv.snapshot())
+            self.router.update_load(nid, load)
