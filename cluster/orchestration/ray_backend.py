@@ -26,7 +26,8 @@ from cluster.observability.metrics import Metrics, TierStats, WorkerStats
 from cluster.orchestration.ray_drain import DrainMixin
 from cluster.orchestration.ray_recovery import Moved, Prefilled, RecoveryMixin, RecoveryState, describe_decision
 from cluster.router.policy import DecisionKind, NoWorkerAvailable, RoutingRequest
-from cluster.router.router import Router, RouterConfig
+from cluster.orchestration.router_config import router_config
+from cluster.router.router import Router
 from engine.outputs import StepDelta
 
 log = logging.getLogger("pdserve.cluster")
@@ -72,7 +73,7 @@ class RayClusterBackend(RecoveryMixin, DrainMixin, GenerationBackend):
         model = load_model_config(self.model_path)
         self._vocab_size = model.vocab_size                 # ids the model accepts (>= the tokenizer's)
         self._max_model_len = config.max_model_len or model.max_position_embeddings   # 0 = the model's
-        self.router = Router(RouterConfig.from_serve_config(config), rng=random.Random(0), clock=time.monotonic)
+        self.router = Router(router_config(config), rng=random.Random(0), clock=time.monotonic)
         self.workers: dict[str, WorkerRef] = {}
         self._inflight: dict[str, _Inflight] = {}
         self._by_wid: dict[str, _Inflight] = {}     # worker-side id of the current attempt -> state
