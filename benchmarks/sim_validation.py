@@ -1,7 +1,7 @@
 """The simulator against real pdserve on the same scaled-down Mooncake trace.
 
 For each setup (1P+1D, 2P+2D) this starts a real local pdserve cluster (Ray
-actors, gRPC, the real router) on a small random Llama (tests/tiny_models.py,
+actors, gRPC, the real router) on a small random Llama (cluster/tools/tiny_models.py,
 sized so engine steps, not Python overheads, dominate), and:
 
 1. measures the real capacity: the first ``--requests`` trace requests sent at
@@ -47,18 +47,16 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+from cluster.router import PolicyConfig
+from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
+from cluster.tools.sim.cost_model import CostModel, ScaledCost, TableCostModel, TransferCost, load_cost_model
+from cluster.tools.sim.insitu import Interference, fit_frontend, fit_interference, occupancy, step_kind
+from cluster.tools.sim.step_fit import shape_sched
+from cluster.tools.sim.measure import Grid, make_engine, measure_engine
+from cluster.tools.sim.workload import PromptBuilder, TraceRequest, load_mooncake
+from engine.step_trace import StepRecord
 
-from cluster.router import PolicyConfig  # noqa: E402
-from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig  # noqa: E402
-from cluster.tools.sim.cost_model import CostModel, ScaledCost, TableCostModel, TransferCost, load_cost_model  # noqa: E402
-from cluster.tools.sim.insitu import Interference, fit_frontend, fit_interference, occupancy, step_kind  # noqa: E402
-from cluster.tools.sim.step_fit import shape_sched  # noqa: E402
-from cluster.tools.sim.measure import Grid, make_engine, measure_engine  # noqa: E402
-from cluster.tools.sim.workload import PromptBuilder, TraceRequest, load_mooncake  # noqa: E402
-from engine.step_trace import StepRecord  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 SETUPS = {"1p1d": (1, 1), "2p2d": (2, 2)}
@@ -106,7 +104,7 @@ def salted(reqs: list[TraceRequest], salt: str, offsets: list[float]) -> list[Tr
 # ---------------------------------------------------------------- model and profile
 def model_dir(path: Path) -> str:
     if not (path / "config.json").exists():
-        from tiny_models import make_tiny_model
+        from cluster.tools.tiny_models import make_tiny_model
         make_tiny_model(path, "llama", **MODEL)
     return str(path)
 
@@ -230,7 +228,6 @@ class CpuSampler:
             if self._stop.wait(self.interval):
                 self._sample()
                 return
-
 
 
 class RealCluster:
