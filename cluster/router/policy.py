@@ -141,7 +141,7 @@ def _getter(matches: Mapping[str, MatchInfo]) -> Callable[[str], MatchInfo | Non
     return (matches.as_dict() if isinstance(matches, Matches) else matches).get
 
 
-def with_in_flight(matches: MutableMapping[str, MatchInfo], in_flight: InFlightMatch) -> None:
+def with_in_flight(matches: Matches | MutableMapping[str, MatchInfo], in_flight: InFlightMatch) -> None:
     """Extend the in-flight node's indexed match to the blocks sent to it (in place)."""
     m = matches.get(in_flight.worker_id, NO_MATCH)
     extra = in_flight.blocks - m.blocks
