@@ -108,7 +108,7 @@ def test_bad_input_is_invalid_argument_and_cluster_stays_up(cluster, hf):
 def test_workers_run_at_the_configured_niceness(cluster):
     """pdserve's own Ray cluster starts the engine actors at ServeConfig.worker_niceness
     (this cluster sets 0; Ray's default, and pdserve's, is 15)."""
-    for wid in cluster.orchestration.backend.workers:
+    for wid in cluster.backend.workers:
         assert cluster.call(wid, "ready")["niceness"] == 0
 
 
@@ -158,7 +158,7 @@ def test_gateway_metrics_under_vllm_names_while_requests_run(cluster):
                 await s.aclose()
             return out
 
-    model = cluster.orchestration.backend.model_info().model_name
+    model = cluster.backend.model_info().model_name
     f = asyncio.run(scrape_while_streaming())
     assert {f[n].type for n in ("vllm:num_requests_waiting", "vllm:num_requests_running",
                                 "vllm:kv_cache_usage_perc", "vllm:cache_config_info")} == {"gauge"}
@@ -192,7 +192,7 @@ def test_dead_decode_worker_fails_requests_with_unavailable_then_recovers(cluste
                 async for r in c.generate(prompt_token_ids=list(range(3, 60)), max_tokens=450,
                                           temperature=0.0, ignore_eos=True):
                     if r.token_ids:
-                        ray.kill(cluster.orchestration.backend.workers["decode-0"].actor, no_restart=False)
+                        ray.kill(cluster.backend.workers["decode-0"].actor, no_restart=False)
             return ei.value
 
     err = asyncio.run(asyncio.wait_for(long_request(), 120))

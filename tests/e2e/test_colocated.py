@@ -34,7 +34,7 @@ async def _complete(target, ids, max_tokens=8):
 
 def _hit_tokens(cluster) -> dict[str, float]:
     return {w: cluster.sample("pdserve_prefix_cache_hit_tokens_total", worker=w, pool="colocated")
-            for w in cluster.orchestration.backend.workers}
+            for w in cluster.backend.workers}
 
 
 def test_colocated_greedy_and_prefix_routing(cluster, tiny_llama_dir):

@@ -52,10 +52,10 @@ def test_int8_cluster_serves_hands_off_and_pages_to_host(cluster, tiny_llama_dir
     # the workers' KV events carry int8-domain hashes, the ones the frontend computes for routing
     int8_hashes = block_hashes(a, BS, kv_cache_dtype="int8")
     deadline = time.monotonic() + 10
-    while not set(int8_hashes) <= set(cluster.orchestration.backend.router.index.worker_blocks("prefill-0")):
+    while not set(int8_hashes) <= set(cluster.backend.router.index.worker_blocks("prefill-0")):
         assert time.monotonic() < deadline, "the router never saw the prefill node's int8 blocks"
         time.sleep(0.05)
-    assert not set(block_hashes(a, BS)) & set(cluster.orchestration.backend.router.index.worker_blocks("prefill-0"))
+    assert not set(block_hashes(a, BS)) & set(cluster.backend.router.index.worker_blocks("prefill-0"))
     for p in others:                              # 7 blocks each: a's blocks leave the 24-block pools
         assert asyncio.run(_complete(cluster.target, p)).tokens == expect[tuple(p)]
         cluster.wait_idle()
@@ -66,7 +66,7 @@ def test_int8_cluster_serves_hands_off_and_pages_to_host(cluster, tiny_llama_dir
     blocks = cluster.sample("pdserve_kv_transfer_blocks_total") - blocks0
     moved = cluster.sample("pdserve_kv_transfer_bytes_sum") - bytes0
     assert blocks > 0 and moved == blocks * INT8_BLOCK, "int8 blocks (scales inside) cross between pools"
-    stats = {w: cluster.call(w, "report").stats for w in cluster.orchestration.backend.workers}
+    stats = {w: cluster.call(w, "report").stats for w in cluster.backend.workers}
     assert sum(s.kv_page_outs for s in stats.values()) > 0
     assert sum(s.kv_page_ins for s in stats.values()) > 0
     assert all(s.kv_host_blocks_total == (2 << 20) // INT8_BLOCK for s in stats.values())

@@ -39,11 +39,11 @@ def test_killed_decode_worker_migrates_streams_exactly(cluster, tiny_llama_dir):
                                       ignore_eos=True):
                 tokens += list(r.token_ids)
                 if len(tokens) >= 10 and not killed:
-                    victim = next(w for w, ref in cluster.orchestration.backend.workers.items()
+                    victim = next(w for w, ref in cluster.backend.workers.items()
                                   if ref.pool == "decode" and any(
-                                      st.decode_id == w for st in cluster.orchestration.backend._inflight.values()))
+                                      st.decode_id == w for st in cluster.backend.in_flight.values()))
                     killed.append(victim)
-                    ray.kill(cluster.orchestration.backend.workers[victim].actor, no_restart=False)
+                    ray.kill(cluster.backend.workers[victim].actor, no_restart=False)
             return tokens
 
     async def go():

@@ -111,7 +111,7 @@ def test_user_ids_are_checked_against_the_models_range(cluster, tok, hf):
 
 
 def post(cluster, path, body):
-    req = urllib.request.Request(cluster.frontends.http.url + path, data=json.dumps(body).encode(),
+    req = urllib.request.Request(cluster.http.url + path, data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
@@ -121,7 +121,7 @@ def post(cluster, path, body):
 
 
 def test_http_serves_padded_ids(cluster, tok, hf):
-    name = cluster.frontends.http.state.model_name
+    name = cluster.http.state.model_name
     for ids, ref in padded_first(tok, hf):
         status, body = post(cluster, "/v1/completions", {"model": name, "prompt": ids, "max_tokens": 12,
                                                          "temperature": 0, "ignore_eos": True, "logprobs": 0,
@@ -150,11 +150,11 @@ def test_migration_continues_through_padded_ids(cluster, tok, hf):
                                       ignore_eos=True):
                 tokens += list(r.token_ids)
                 if len(tokens) >= 12 and not killed:
-                    victim = next(w for w, ref_ in cluster.orchestration.backend.workers.items()
+                    victim = next(w for w, ref_ in cluster.backend.workers.items()
                                   if ref_.pool == "decode" and any(
-                                      st.decode_id == w for st in cluster.orchestration.backend._inflight.values()))
+                                      st.decode_id == w for st in cluster.backend.in_flight.values()))
                     killed.append(victim)
-                    ray.kill(cluster.orchestration.backend.workers[victim].actor, no_restart=False)
+                    ray.kill(cluster.backend.workers[victim].actor, no_restart=False)
             return tokens
 
     out = asyncio.run(asyncio.wait_for(go(), 180))
