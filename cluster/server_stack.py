@@ -75,8 +75,8 @@ def make_backend(cfg: ServeConfig, metrics: Metrics) -> GenerationBackend:
         from cluster.orchestration.local import LocalEngineBackend
         return LocalEngineBackend(engine_config(cfg), model_name=cfg.served_model_name[0] if cfg.served_model_name
                                   else None)
-    from cluster.orchestration.ray_backend import RayClusterBackend
-    return RayClusterBackend(cfg, metrics)
+    from cluster.orchestration.cluster_backend import ClusterBackend
+    return ClusterBackend(cfg, metrics)
 
 
 async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None) -> ServerStack:

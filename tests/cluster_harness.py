@@ -21,7 +21,12 @@ class Cluster:
         return self.stack.grpc.target
 
     def call(self, worker_id: str, method: str, *args):
-        return self.loop.run(self.backend.call_worker(worker_id, method, *args))
+        """Call a worker actor's method by name, from the test's thread."""
+        actor = self.backend.workers[worker_id].actor
+
+        async def call():
+            return await getattr(actor, method).remote(*args)
+        return self.loop.run(call())
 
     def sample(self, name: str, **labels) -> float:
         return self.stack.metrics.registry.get_sample_value(name, labels) or 0.0

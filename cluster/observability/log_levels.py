@@ -1,6 +1,6 @@
 """`--log-level`: one level, or a root level with per-logger levels after it,
 e.g. `INFO,pdserve.requests=DEBUG` (what each request was routed to and
-joined, see cluster/orchestration/ray_recovery.py)."""
+joined, see cluster/orchestration/handoff.py)."""
 from __future__ import annotations
 
 import logging

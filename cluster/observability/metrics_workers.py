@@ -1,7 +1,7 @@
 """Per-worker Prometheus series, exported from the workers' latest reports.
 
 The frontend pulls a `WorkerStats` from every worker once per stats interval
-(cluster/orchestration/ray_backend.py) and hands it to `WorkerSeries.observe`. A scrape then
+(cluster/orchestration/pool.py) and hands it to `WorkerSeries.observe`. A scrape then
 turns the latest report of each live worker into families labelled
 `worker` and `pool`: occupancy as gauges, and what the worker counts since it
 started (prefix-cache lookups, lease expiries, preemptions, tier movements)

@@ -7,7 +7,7 @@ engine step that produced tokens for this request, the last one carrying
 that decides when to stop (the decode node), so deltas carry text.
 
 Implementations: `LocalEngineBackend` (an engine in this process, for
-`pdserve generate` without a server and for tests) and `RayClusterBackend`
+`pdserve generate` without a server and for tests) and `ClusterBackend`
 (router + prefill/decode actor pools).
 """
 from __future__ import annotations

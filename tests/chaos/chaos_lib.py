@@ -42,7 +42,7 @@ class ChaosCluster(Cluster):
         return await asyncio.wrap_future(self.loop.submit(call()))
 
     def events(self) -> list[tuple[str, str]]:
-        return self.loop.run(self.on_loop_sync(lambda: list(self.backend.recovery.events)))
+        return self.loop.run(self.on_loop_sync(lambda: list(self.backend.journal.events)))
 
     async def on_loop_sync(self, fn):
         return fn()
@@ -65,7 +65,7 @@ class ChaosCluster(Cluster):
         return self.stack.runner.admission
 
     def counters(self) -> dict[str, int]:
-        return dataclasses.asdict(self.backend.recovery.counters)
+        return dataclasses.asdict(self.backend.journal.counters)
 
     def lease_counters(self) -> dict[str, dict]:
         return {w: dataclasses.asdict(self.call(w, "lease_counters")) for w in self.pool("prefill")}
@@ -94,7 +94,7 @@ class ChaosCluster(Cluster):
         end = time.monotonic() + timeout
         while True:
             states = {w: self.call(w, "check_integrity") for w in self.backend.workers}   # raises if broken
-            front = (len(self.backend._inflight), self.admission.in_flight)
+            front = (len(self.backend.in_flight), self.admission.in_flight)
             busy = {w: s for w, s in states.items() if s["kv_blocks_used"] or s.get("running", 0)
                     or s.get("waiting", 0) or s.get("leases", 0) or s.get("held", 0)}
             if not busy and front == (0, 0):
@@ -103,7 +103,7 @@ class ChaosCluster(Cluster):
                 leaked = sum(s["kv_blocks_used"] for s in states.values())
                 raise AssertionError(f"not idle after {timeout}s: workers {busy}, frontend in flight {front} "
                                      f"(admitted {sorted(self.admission._in_flight)}, backend "
-                                     f"{sorted(self.backend._inflight)}, cleanups pending "
+                                     f"{sorted(self.backend.in_flight)}, cleanups pending "
                                      f"{len(self.stack.runner._cleanups)}), leaked blocks {leaked}")
             time.sleep(0.1)
 

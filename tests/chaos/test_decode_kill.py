@@ -30,7 +30,7 @@ def run_decode_kill(c, hf, report, n_trials: int, n_requests: int, seed: int) ->
             while streamed.total < threshold:
                 await asyncio.sleep(0.01)
             by_worker = await c.on_loop(lambda: Counter(
-                st.decode_id for st in c.backend._inflight.values() if st.decode_id))
+                st.decode_id for st in c.backend.in_flight.values() if st.decode_id))
             victim = max(c.pool("decode"), key=lambda w: (by_worker[w], rng.random()))
             killed.update(victim=victim, in_flight=by_worker[victim])
             ray.kill(c.backend.workers[victim].actor, no_restart=False)

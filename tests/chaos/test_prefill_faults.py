@@ -68,11 +68,11 @@ def run_prefill_fault(c, hf, report, kind: str, n_trials: int, n_requests: int, 
                 await asyncio.sleep(0.05)
             os.kill(victim["pid"], signal.SIGCONT)
 
-        c.backend.recovery.hooks.after_prefill = after_prefill
+        c.backend.hooks.after_prefill = after_prefill
         try:
             outs = asyncio.run(run_load(c.target, reqs, during=resume))
         finally:
-            c.backend.recovery.hooks.after_prefill = None
+            c.backend.hooks.after_prefill = None
             if kind == "stop" and victim:
                 os.kill(victim["pid"], signal.SIGCONT)
             c.backend.config = base

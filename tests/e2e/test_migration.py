@@ -42,7 +42,7 @@ def test_killed_decode_worker_migrates_streams_exactly(cluster, tiny_llama_dir):
                 if len(tokens) >= 10 and not killed:
                     victim = next(w for w, ref in cluster.backend.workers.items()
                                   if ref.pool == "decode" and any(
-                                      st.decode_id == w for st in cluster.backend._inflight.values()))
+                                      st.decode_id == w for st in cluster.backend.in_flight.values()))
                     killed.append(victim)
                     ray.kill(cluster.backend.workers[victim].actor, no_restart=False)
             return tokens

@@ -152,7 +152,7 @@ def test_migration_continues_through_padded_ids(cluster, tok, hf):
                 if len(tokens) >= 12 and not killed:
                     victim = next(w for w, ref_ in cluster.backend.workers.items()
                                   if ref_.pool == "decode" and any(
-                                      st.decode_id == w for st in cluster.backend._inflight.values()))
+                                      st.decode_id == w for st in cluster.backend.in_flight.values()))
                     killed.append(victim)
                     ray.kill(cluster.backend.workers[victim].actor, no_restart=False)
             return tokens

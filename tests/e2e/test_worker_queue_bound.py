@@ -32,7 +32,7 @@ def test_burst_beyond_worker_queues_is_spread_or_refused(cluster, tiny_llama_dir
     hf = load_hf_model(tiny_llama_dir)
     prompts = [list(range(3 + i, 30 + i)) for i in range(12)]
     max_tokens = 24
-    busy0 = cluster.backend.recovery.counters.busy
+    busy0 = cluster.backend.journal.counters.busy
 
     async def one(ids):
         async with GenerationClient(cluster.target) as c:
@@ -56,7 +56,7 @@ def test_burst_beyond_worker_queues_is_spread_or_refused(cluster, tiny_llama_dir
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (err.code(), err.details())
         assert "max_worker_queue" in err.details()
         assert int(dict(err.trailing_metadata())["retry-after-ms"]) > 0
-    busy = cluster.backend.recovery.counters.busy - busy0
+    busy = cluster.backend.journal.counters.busy - busy0
     assert busy >= 1, "no worker ever refused: the burst did not exceed the queue bounds"
     assert refused < len(prompts), "nothing ran"
     cluster.wait_idle()

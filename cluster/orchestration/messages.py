@@ -1,0 +1,50 @@
+"""What arrives on one request's queue while it is decoded: typed messages, one kind each."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from cluster.orchestration.backend import BackendError
+from engine.outputs import StepDelta
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A step's delta from the decode worker serving the request."""
+    delta: StepDelta
+
+
+@dataclass(frozen=True)
+class Counted:
+    """A delta already counted among the streamed tokens (a re-prefill's first token, or
+    one queued before the request moved on): stream it, do not count it again."""
+    delta: StepDelta
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """The decode worker serving the request died or became unreachable."""
+    error: BackendError
+
+
+@dataclass(frozen=True)
+class Moved:
+    """The draining worker `worker_id` gave the request back unstarted."""
+    worker_id: str
+
+
+Message = Tokens | Counted | WorkerLost | Moved
+
+
+async def next_message(queue: asyncio.Queue, deadline: float | None):
+    """The next item of a request's queue, or DEADLINE_EXCEEDED."""
+    if deadline is None:
+        return await queue.get()
+    timeout = deadline - time.monotonic()
+    try:
+        if timeout <= 0:
+            raise asyncio.TimeoutError
+        return await asyncio.wait_for(queue.get(), timeout)
+    except asyncio.TimeoutError:
+        raise BackendError("DEADLINE_EXCEEDED", "the request's deadline passed before it finished") from None

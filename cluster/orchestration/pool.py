@@ -1,0 +1,215 @@
+"""WorkerPool: the prefill and decode worker actors one frontend serves with.
+
+It owns the worker handles, their health (alive, dead, draining) and their
+membership in the router: a worker is routed to while it is alive and not
+draining. It polls every worker's report (load and KV events -> router index
+and metrics), consumes each decode worker's output stream (one message per
+engine step) and hands each delta to `deliver`, and turns a failed call into
+the `BackendError` a frontend understands, marking a worker that died so its
+requests hear of it (`on_lost`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any, Awaitable, Callable, Iterable
+
+from cluster.config import ServeConfig
+from cluster.observability.metrics import Metrics, TierStats, WorkerStats
+from cluster.orchestration.backend import BackendError
+from cluster.orchestration.launcher import WorkerRef, launch_workers
+from cluster.router.policy import NoWorkerAvailable, RoutingDecision, RoutingRequest
+from cluster.router.router import Router, RouterConfig
+from engine.outputs import StepDelta
+
+log = logging.getLogger("pdserve.cluster")
+REPORT_TIMEOUT_S = 5.0
+
+
+class WorkerPool:
+    def __init__(self, config: ServeConfig, metrics: Metrics, *, report_interval: float = 0.1) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.router = Router(RouterConfig.from_serve_config(config), rng=random.Random(0), clock=time.monotonic)
+        self.workers: dict[str, WorkerRef] = {}
+        self.draining: set[str] = set()
+        self.deliver: Callable[[str, StepDelta], None] = lambda worker_id, delta: None
+        self.on_lost: Callable[[str, BackendError], None] = lambda worker_id, error: None
+        self._streaming: set[str] = set()    # decode workers whose output stream is up
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+        self._report_interval = report_interval
+        self._stopping = False
+
+    # ---------------------------------------------------------------- life
+    async def start(self) -> None:
+        for ref in await launch_workers(self.config):
+            self.workers[ref.worker_id] = ref
+            self.router.add_worker(ref.worker_id, ref.pool)
+        loop = asyncio.get_running_loop()
+        for ref in self.workers.values():
+            if ref.pool != "prefill":
+                self._tasks.append(loop.create_task(self._consume(ref)))
+        self._tasks.append(loop.create_task(self._poll_reports()))
+
+    async def stop(self) -> None:
+        import ray
+
+        self._stopping = True
+        for t in self._tasks:
+            t.cancel()
+        await self._shutdown_check()
+        for ref in self.workers.values():
+            try:
+                ray.kill(ref.actor)
+            except Exception:
+                pass
+
+    async def _shutdown_check(self) -> None:
+        """Log each live worker's integrity and blocks in use: a leak shows at shutdown."""
+        live = [r for r in self.workers.values() if r.alive]
+        try:
+            states = await asyncio.wait_for(asyncio.gather(
+                *[r.actor.check_integrity.remote() for r in live], return_exceptions=True), 10.0)
+        except Exception:
+            return
+        for ref, st in zip(live, states):
+            if isinstance(st, Exception):
+                log.warning("shutdown check: %s failed: %s", ref.worker_id, st)
+            else:
+                log.info("shutdown check: %s: integrity ok, %d KV blocks in use", ref.worker_id,
+                         st["kv_blocks_used"])
+
+    # ------------------------------------------------------------- routing
+    def route(self, request_id: str, prompt_len: int, hashes: Iterable[int]) -> RoutingDecision:
+        try:
+            return self.router.route(RoutingRequest(request_id, prompt_len, tuple(hashes), self.config.block_size))
+        except NoWorkerAvailable as e:
+            raise BackendError("UNAVAILABLE", f"no worker available: {e}", retry_after_s=1.0) from e
+
+    def live(self, worker_id: str | None) -> WorkerRef | None:
+        ref = self.workers.get(worker_id or "")
+        return ref if ref is not None and ref.alive else None
+
+    def other_prefill(self, exclude: Iterable[str]) -> str | None:
+        """The least-loaded live prefill node not in `exclude` (draining ones are not live)."""
+        return self._least_loaded(self.router.view.prefill, exclude, lambda load: (load.queued_prefill_tokens,))
+
+    def other_decode(self, exclude: Iterable[str]) -> str | None:
+        """The least-loaded live decode node not in `exclude`."""
+        return self._least_loaded(self.router.view.decode, exclude, lambda load: (load.waiting, load.running))
+
+    def _least_loaded(self, views, exclude: Iterable[str], key) -> str | None:
+        skip = set(exclude)
+        live = [v for v in views if v.worker_id not in skip and self.workers[v.worker_id].alive]
+        return min(live, key=lambda v: (*key(v.load), v.worker_id)).worker_id if live else None
+
+    def unroute(self, worker_id: str) -> None:
+        """Stop routing to a worker that stays up (a drain): its reports no longer revive it."""
+        self.draining.add(worker_id)
+        self.router.on_worker_dead(worker_id)
+
+    def reroute(self, worker_id: str) -> None:
+        """Route to it again; its next report resyncs the router."""
+        self.draining.discard(worker_id)
+
+    # ---------------------------------------------------------------- calls
+    async def call(self, ref: WorkerRef, object_ref: Awaitable[Any], deadline: float | None) -> Any:
+        """Await a remote call; a failure becomes the BackendError a frontend reports."""
+        import ray.exceptions as rex
+
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(object_ref, timeout)
+        except asyncio.TimeoutError:
+            raise BackendError("DEADLINE_EXCEEDED", "the request's deadline passed before it finished") from None
+        except (rex.RayActorError, rex.ActorUnavailableError) as e:
+            self.mark_dead(ref)
+            raise BackendError("UNAVAILABLE", f"worker {ref.worker_id} died; retry the request") from e
+        except rex.RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, ValueError):
+                raise BackendError("INVALID_ARGUMENT", str(cause).splitlines()[-1]) from e
+            raise BackendError("INTERNAL", f"worker {ref.worker_id} failed: {type(cause).__name__}") from e
+
+    def background(self, awaitable: Awaitable[Any], timeout: float | None = None) -> None:
+        """Fire and forget, bounded (a dead worker frees everything anyway)."""
+        async def run():
+            try:
+                await asyncio.wait_for(awaitable, timeout or self.config.transfer_timeout)
+            except Exception:
+                pass
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --------------------------------------------------------------- health
+    def mark_dead(self, ref: WorkerRef) -> None:
+        if not ref.alive:   # already handled: its requests were told once
+            return
+        log.warning("worker %s is gone; its requests migrate or end with UNAVAILABLE", ref.worker_id)
+        ref.alive = False
+        self.router.on_worker_dead(ref.worker_id)
+        self.metrics.forget_worker(ref.worker_id, ref.pool)
+        self.on_lost(ref.worker_id, BackendError(
+            "UNAVAILABLE", f"worker {ref.worker_id} died mid-request; retry the request"))
+
+    async def _consume(self, ref: WorkerRef) -> None:
+        """Fan out one decode worker's per-step batches; survive its restarts."""
+        while not self._stopping:
+            try:
+                gen = ref.actor.output_stream.options(num_returns="streaming").remote()
+                async for obj in gen:
+                    batch = await obj
+                    ref.alive = True    # the stream's first (empty) batch says it is back
+                    self._streaming.add(ref.worker_id)
+                    for delta in batch:
+                        self.deliver(ref.worker_id, delta)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("output stream of %s broke: %s", ref.worker_id, type(e).__name__)
+                self._streaming.discard(ref.worker_id)
+                self.mark_dead(ref)
+                await asyncio.sleep(0.5)
+
+    async def _poll_reports(self) -> None:
+        while not self._stopping:
+            await asyncio.gather(*[self._poll_one(ref) for ref in self.workers.values()])
+            await asyncio.sleep(self._report_interval)
+
+    async def _poll_one(self, ref: WorkerRef) -> None:
+        try:
+            report = await asyncio.wait_for(ref.actor.report.remote(), REPORT_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except asyncio.TimeoutError:   # slow (a loaded host), not dead: only Ray says dead
+            log.info("report of %s timed out; keeping it", ref.worker_id)
+            return
+        except Exception:
+            self.mark_dead(ref)
+            return
+        if ref.worker_id in self.draining:   # unrouted: its reports must not revive it
+            return
+        if not ref.alive and ref.pool != "prefill" and ref.worker_id not in self._streaming:
+            return   # a decode worker is back only once its output stream is (see _consume); a late
+            # failure of a call to its previous incarnation must not keep a live one unrouted
+        revived = not ref.alive or ref.worker_id not in self.router.index.worker_ids
+        ref.alive = True
+        result = self.router.on_events(ref.worker_id, report.events)
+        if revived or result.needs_resync:
+            try:
+                self.router.on_snapshot(ref.worker_id, await ref.actor.kv_snapshot.remote())
+            except Exception:
+                return
+        self._observe(ref, report)
+
+    def _observe(self, ref: WorkerRef, report) -> None:
+        s = report.stats
+        stats = WorkerStats(ref.worker_id, ref.pool, s.running, s.waiting, s.kv_blocks_used, s.kv_blocks_total,
+                            s.prefix_queried_tokens, s.prefix_hit_tokens, report.lease_expiries,
+                            report.leases_active, s.preemptions, TierStats.from_engine(s))
+        self.router.observe_stats(stats, queued_prefill_tokens=s.waiting_tokens)
+        self.metrics.observe_worker(stats)

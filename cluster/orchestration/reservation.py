@@ -1,0 +1,48 @@
+"""Decode blocks reserved while the prompt is prefilled (`reserve_decode_blocks`): the
+submit after the prefill then pulls at once instead of first waiting an engine step for
+room. A reservation no submit claims is freed: by the request here (abort, a first token
+that ends it, a submit elsewhere) or, should this frontend vanish, by the decode worker's
+own expiry."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from cluster.orchestration.backend import BackendError, GenerateJob
+from cluster.orchestration.pool import WorkerPool
+
+
+@dataclass
+class Reservation:
+    worker_id: str                 # the decode worker holding the blocks until a submit claims them
+    task: asyncio.Task             # -> True once reserved
+
+    @classmethod
+    def start(cls, pool: WorkerPool, wid: str, job: GenerateJob, decode_id: str | None) -> Reservation | None:
+        ref = pool.live(decode_id)
+        if not pool.config.reserve_decode_blocks or ref is None:
+            return None
+
+        async def reserve() -> bool:
+            try:
+                return await pool.call(ref, ref.actor.reserve.remote(
+                    wid, list(job.prompt_token_ids), job.sampling, job.cache_salt), job.deadline)
+            except BackendError:   # dead or slow: the submit finds out and allocates as before
+                return False
+        return cls(ref.worker_id, asyncio.get_running_loop().create_task(reserve()))
+
+    async def settle(self, pool: WorkerPool, wid: str, decode_id: str | None) -> None:
+        """Before a submit to `decode_id` (None: no submit follows): wait for the blocks to
+        be reserved; a reservation on another worker is freed."""
+        free, reserved = self.worker_id != decode_id, False
+        try:
+            reserved = await self.task
+        except asyncio.CancelledError:   # no submit follows: free whatever was reserved
+            free = reserved = True
+            raise
+        except Exception:
+            pass
+        finally:
+            ref = pool.live(self.worker_id)
+            if free and reserved and ref is not None:
+                pool.background(ref.actor.abort.remote(wid))
