@@ -39,6 +39,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -233,9 +234,12 @@ class CpuSampler:
 class RealCluster:
     def __init__(self, model: str, p: int, d: int, cfg: Cfg, ray_dir: str) -> None:
         from cluster.config import ServeConfig
+        with socket.socket() as sock:   # a free port for gRPC (grpc_port 0 would turn it off)
+            sock.bind(("127.0.0.1", 0))
+            grpc_port = sock.getsockname()[1]
         self.serve = ServeConfig(model=model, block_size=cfg.block_size, num_kv_blocks=cfg.num_blocks,
                                  max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                 max_num_batched_tokens=cfg.max_num_batched_tokens, grpc_port=0, metrics_port=0,
+                                 max_num_batched_tokens=cfg.max_num_batched_tokens, grpc_port=grpc_port, metrics_port=0,
                                  http_port=0, prefill_workers=p, decode_workers=d,
                                  cpus_per_worker=min(1.0, (os.cpu_count() or 2) / (p + d)), torch_threads=1,
                                  router_policy="prefix_aware", router_temperature=0.0,

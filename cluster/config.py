@@ -62,9 +62,9 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     # endpoints
     host: str = "127.0.0.1"
-    grpc_port: int = 50051
+    grpc_port: int = 50051                # 0 = off (then http_port must be on)
     metrics_port: int = 9400
-    http_port: int = 8000                 # 0 = off
+    http_port: int = 8000                 # 0 = off (then grpc_port must be on)
     # pools
     prefill_workers: int = 1
     decode_workers: int = 1

@@ -61,8 +61,8 @@ class MultiHostServe:
         cfg = dict(model=str(model), address=f"{self.head.address}:{RAY_PORT}", host=self.head.address,
                    prefill_resource="pdserve_prefill", decode_resource="pdserve_decode",
                    prefill_workers=prefill_workers, decode_workers=decode_workers, num_kv_blocks=128,
-                   max_model_len=512, max_num_seqs=8, grpc_port=0, metrics_port=0,
-                   http_port=8000,   # the head host's own network namespace: nothing else binds it
+                   max_model_len=512, max_num_seqs=8, metrics_port=0,
+                   grpc_port=50051, http_port=8000,   # the head host's own network namespace: nothing else binds them
                    transfer_backend="tcp", local_prefill_threshold=0, local_prefill_hit_ratio=1.0,
                    log_level="INFO,pdserve.requests=DEBUG")
         cfg.update(serve)
