@@ -66,7 +66,7 @@ async def pin_workers(stack) -> dict[str, int]:
     cores = sorted(os.sched_getaffinity(0))
     pinned = {}
     for i, wid in enumerate(sorted(stack.backend.workers)):
-        pid = (await stack.backend.workers[wid].actor.ready.remote())["pid"]
+        pid = (await stack.backend.workers[wid].actor.ready.remote()).pid
         core = cores[i % len(cores)]
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:

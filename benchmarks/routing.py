@@ -69,7 +69,7 @@ async def pin_prefill_workers(stack) -> dict[str, int]:
     cores, pinned = sorted(os.sched_getaffinity(0)), {}
     prefill = sorted(w for w, ref in stack.backend.workers.items() if ref.pool == "prefill")
     for i, wid in enumerate(prefill):
-        pid = (await stack.backend.workers[wid].actor.ready.remote())["pid"]
+        pid = (await stack.backend.workers[wid].actor.ready.remote()).pid
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
                 os.sched_setaffinity(int(tid), {cores[i % len(cores)]})

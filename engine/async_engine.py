@@ -22,14 +22,10 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class WorkerReport:
-    """A worker's periodic report: load and the KV events since the last one."""
-    worker_id: str
-    pool: str
+class EngineReport:
+    """The engine's load as of its last step, and the KV events since the last report."""
     stats: EngineStats
     events: tuple[KVEvent, ...]
-    leases_active: int = 0          # prefill role: blocks pinned for readers
-    lease_expiries: int = 0         # prefill role: cumulative leases that expired unread
 
 
 class AsyncEngine:
@@ -74,11 +70,11 @@ class AsyncEngine:
         while True:
             yield await self._batches.get()
 
-    async def report(self, worker_id: str, pool: str) -> WorkerReport:
+    async def report(self) -> EngineReport:
         """Load and KV events as of the last step: answers at once even mid-step."""
         await self.start()
         stats, events = self._loop.snapshot()
-        return WorkerReport(worker_id, pool, stats, tuple(events))
+        return EngineReport(stats=stats, events=tuple(events))
 
     def step_trace(self) -> dict:
         """The steps recorded since the last call (EngineConfig.step_trace_size > 0), as JSON-able dicts."""

@@ -184,6 +184,15 @@ class LLMEngine:
             found |= self.scheduler.release_held(request_id)
         return found or group is not None
 
+    def abort_unstarted(self) -> list[str]:
+        """Abort the single-sample requests still queued with nothing computed (no
+        token produced, no block written here) and return their ids: a host that
+        stops taking work hands these to another engine."""
+        ids = self.scheduler.unstarted_request_ids()
+        for rid in ids:
+            self.abort_request(rid)
+        return ids
+
     # ------------------------------------------------------------------- step
     def has_unfinished(self) -> bool:
         return bool(self._seqs) and self.scheduler.has_unfinished()

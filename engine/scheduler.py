@@ -278,6 +278,11 @@ class Scheduler(RemoteKVMixin):
     def has_unfinished(self) -> bool:
         return len(self.queues) > 0
 
+    def unstarted_request_ids(self) -> list[str]:
+        """Waiting single-sample requests that have computed nothing yet, in queue order."""
+        return [r.request_id for r in self.waiting
+                if r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 and r.sampling_params.n == 1]
+
     def get_request(self, request_id: str) -> Request | None:
         return self.queues.get(request_id)
 

@@ -17,6 +17,5 @@ class KVHandle:
     peer: PeerInfo
     block_ids: tuple[int, ...]
     num_tokens: int
-    first_token: int
     lease_ttl_s: float
     preemptions: int = 0

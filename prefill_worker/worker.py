@@ -20,144 +20,119 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from typing import Any
 
-from engine.async_engine import AsyncEngine, WorkerReport
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, QueueFull
+from engine.llm_engine import QueueFull
 from engine.outputs import StepDelta
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from kvtransfer.engine import PeerInfo
 from kvtransfer.handle import KVHandle
-from kvtransfer.layout import KVPoolLayout
 from kvtransfer.leases import Lease, LeaseTable, ReleaseCause
 from kvtransfer.settings import TransferSettings
+from worker_api.base import WorkerBase
+from worker_api.messages import IntegrityReport, LeaseCounters, PrefillResult, ReadyInfo, WorkerReport, WorkItem
+from worker_api.protocol import PrefillWorkerAPI, ReadAheadHandle, ReadAheadTarget
 
 log = logging.getLogger("pdserve.prefill")
 
 
-@dataclass(frozen=True)
-class PrefillResult:
-    """The first token's delta, and the KV handle unless that token ended the request.
-    `moved`: the worker did not start it (`first` is None): prefill elsewhere. It is
-    draining, or (`busy`) its queue is full."""
-    first: StepDelta | None
-    handle: KVHandle | None
-    queue_seconds: float
-    prefill_seconds: float
-    moved: bool = False
-    busy: bool = False   # with `moved`: its queue was full (SchedulerConfig.max_waiting)
-
-
-@dataclass(frozen=True)
-class LeaseCounters:
-    active: int
-    expired: int
-    notified: int
-    released: int
-    pinned: int = 0      # ever pinned: pinned == active + expired + notified + released
-    renewed: int = 0
-
-
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferSettings,
                  torch_threads: int = 1) -> None:
-        import torch
-
-        torch.set_num_threads(max(1, torch_threads))
-        self.worker_id = worker_id
-        if not transfer.host:   # a cluster's settings: bind this worker's own node address
-            transfer = transfer.on_node(_node_address())
-        self.settings = transfer
-        self.engine = LLMEngine(engine_config)
-        self.aengine = AsyncEngine(self.engine)
-        self.transfer = transfer.create(worker_id)
-        self.transfer.register_pool(KVPoolLayout.from_tensor(self.engine.kv_pool.tensor))
+        super().__init__(worker_id, "prefill", engine_config, transfer, torch_threads)
+        self.transfer = self._open_transfer()
         # a source that sees its reads refuses those of ended leases; one that does not
         # (one-sided NIXL reads) keeps an expired lease's blocks a transfer timeout longer
-        grace = 0.0 if self.transfer.sees_reads else transfer.timeout
+        grace = 0.0 if self.transfer.sees_reads else self.settings.timeout
         self.leases = LeaseTable(time.monotonic, self._on_lease_end, expiry_grace=grace)
         self.transfer.set_read_guard(self.leases)
         self._maintenance: asyncio.Task | None = None
         self._pending: dict[str, asyncio.Queue] = {}   # request id -> queue, while prefilling
-        self._draining = False
         self._fired: set[asyncio.Task] = set()   # read_ahead messages sent in this process
 
     # ------------------------------------------------------------- control
-    async def ready(self) -> dict:
-        await self.aengine.start()
+    async def _start(self) -> None:
+        await super()._start()
         if self._maintenance is None:
             self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
-        return {"worker_id": self.worker_id, "pid": os.getpid(), "niceness": os.nice(0),
-                "address": self.settings.host, "hostname": socket.gethostname(),
-                "backend": self.transfer.backend_name, "kv_port": self.transfer.peer_info().port,
-                "num_blocks": self.engine.kv_pool.num_blocks, "block_size": self.engine.block_size,
-                "kv_cache_dtype": self.engine.kv_pool.kv_cache_dtype,
-                "kv_bytes_per_block": self.engine.kv_pool.bytes_per_block}
 
-    def peer_info(self):
+    def _ready_info(self) -> ReadyInfo:
+        return replace(super()._ready_info(), backend=self.transfer.backend_name,
+                       kv_port=self.transfer.peer_info().port)
+
+    def peer_info(self) -> PeerInfo:
         return self.transfer.peer_info()
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      cache_salt: str | None = None, read_ahead=None) -> PrefillResult:
+    async def prefill(self, *, item: WorkItem,
+                      read_ahead: ReadAheadTarget | ReadAheadHandle | None = None) -> PrefillResult:
         """Compute the prompt's KV and its first token; pin the blocks for a reader.
         `read_ahead`: a decode worker (a Ray actor handle, or the object itself) whose
-        `read_ahead(request_id, peer, first_index, block_ids, preemptions)` is told of
+        `read_ahead(request_id=, peer=, first_index=, block_ids=, preemptions=)` is told of
         the prompt blocks completed since it was last told, after every chunk's step
         (all of them again after a preemption). Best effort: a message lost or late
         only means those blocks are read after the first token."""
-        await self.ready()
+        await self._start()
         t0 = time.monotonic()
         if self._draining:
-            return PrefillResult(None, None, 0.0, 0.0, moved=True)
-        queue = self.aengine.subscribe(request_id)
-        self._pending[request_id] = queue
+            return PrefillResult(first=None, moved=True)
+        rid = item.request_id
+        queue = self.aengine.subscribe(rid)
+        self._pending[rid] = queue
         try:
             try:
-                await self.aengine.call(lambda e: e.add_request(request_id, prompt_token_ids, params,
-                                                                cache_salt, prefill_only=True))
+                await self.aengine.call(lambda e: e.add_request(rid, item.prompt_token_ids, item.sampling,
+                                                                item.cache_salt, prefill_only=True))
             except QueueFull:
-                return PrefillResult(None, None, 0.0, 0.0, moved=True, busy=True)
-            told, epoch = 0, 0   # blocks told to the reader, at the preemption count `epoch`
-            while True:
-                first: StepDelta | None = await queue.get()
-                if first is None or first.new_token_ids:
-                    break
-                if read_ahead is None:   # a chunk's progress: only a pipelined hand-off wants it
-                    continue
-                if first.preemptions != epoch:
-                    told, epoch = 0, first.preemptions
-                blocks = first.computed_block_ids
-                if len(blocks) > told:
-                    with contextlib.suppress(Exception):   # the reader is gone: its submit says so
-                        self._fire(read_ahead.read_ahead, request_id, self.transfer.peer_info(), told,
-                                   blocks[told:], epoch)
-                    told = len(blocks)
+                return PrefillResult(first=None, moved=True, busy=True)
+            first = await self._first_token(rid, queue, read_ahead)
         except BaseException:
-            await self.aengine.call(lambda e: e.abort_request(request_id))
+            await self.aengine.call(lambda e: e.abort_request(rid))
             raise
         finally:
-            self.aengine.unsubscribe(request_id)
-            self._pending.pop(request_id, None)
+            self.aengine.unsubscribe(rid)
+            self._pending.pop(rid, None)
         if first is None:   # drain() took it back before it started (or release() ended it)
-            return PrefillResult(None, None, 0.0, 0.0, moved=True)
+            return PrefillResult(first=None, moved=True)
         t1 = time.monotonic()
         # the blocks come with the token (StepDelta.held_block_ids): asking the engine thread
         # would wait for the step it is running, adding a whole prefill step to the TTFT
         block_ids = list(first.held_block_ids)
         handle = None
         if first.finish_reason:       # the first token ended it: nobody will read the KV
-            self.aengine.post(lambda e: e.release_held(request_id))    # not on the TTFT path
+            self.aengine.post(lambda e: e.release_held(rid))    # not on the TTFT path
         else:
-            self.leases.pin(request_id, block_ids, self.settings.lease_ttl)
-            handle = KVHandle(request_id, self.transfer.peer_info(), tuple(block_ids), len(prompt_token_ids),
-                              first.new_token_ids[0], self.settings.lease_ttl, first.preemptions)
-        return PrefillResult(first, handle, queue_seconds=0.0, prefill_seconds=t1 - t0)
+            self.leases.pin(rid, block_ids, self.settings.lease_ttl)
+            handle = KVHandle(request_id=rid, peer=self.transfer.peer_info(), block_ids=tuple(block_ids),
+                              num_tokens=len(item.prompt_token_ids), lease_ttl_s=self.settings.lease_ttl,
+                              preemptions=first.preemptions)
+        # the engine reports the queue time with a sequence's first token
+        return PrefillResult(first=first, handle=handle, queue_seconds=first.queue_seconds,
+                             prefill_seconds=t1 - t0)
 
-    async def release(self, request_id: str) -> bool:
+    async def _first_token(self, request_id: str, queue: asyncio.Queue,
+                           read_ahead: ReadAheadTarget | ReadAheadHandle | None) -> StepDelta | None:
+        """Wait for the request's first token (None: ended before it started), telling
+        `read_ahead` of the prompt blocks each chunk completed on the way."""
+        told, epoch = 0, 0   # blocks told to the reader, at the preemption count `epoch`
+        while True:
+            delta: StepDelta | None = await queue.get()
+            if delta is None or delta.new_token_ids:
+                return delta
+            if read_ahead is None:   # a chunk's progress: only a pipelined hand-off wants it
+                continue
+            if delta.preemptions != epoch:
+                told, epoch = 0, delta.preemptions
+            blocks = delta.computed_block_ids
+            if len(blocks) > told:
+                with contextlib.suppress(Exception):   # the reader is gone: its submit says so
+                    self._fire(read_ahead, request_id=request_id, peer=self.transfer.peer_info(),
+                               first_index=told, block_ids=blocks[told:], preemptions=epoch)
+                told = len(blocks)
+
+    async def release(self, *, request_id: str) -> bool:
         """The decode side will not read (cancelled, or it recomputed): free now."""
         if self.leases.release(request_id, ReleaseCause.RELEASED):
             return True
@@ -166,10 +141,10 @@ class PrefillWorker:
             pending.put_nowait(None)
         return await self.aengine.call(lambda e: e.abort_request(request_id))
 
-    async def abort(self, request_id: str) -> bool:
-        return await self.release(request_id)
+    async def abort(self, *, request_id: str) -> bool:
+        return await self.release(request_id=request_id)
 
-    def renew(self, request_id: str, ttl: float | None = None) -> bool:
+    def renew(self, *, request_id: str, ttl: float | None = None) -> bool:
         """The reader still waits (queued for KV room): keep the blocks pinned
         `ttl` (default lease_ttl) seconds from now. False if the lease is gone."""
         return self.leases.renew(request_id, ttl or self.settings.lease_ttl)
@@ -177,48 +152,39 @@ class PrefillWorker:
     async def drain(self) -> list[str]:
         """Scale-down: accept no new prefills and hand back the queued, unstarted
         ones (their prefill() returns `moved`). Running prefills finish."""
-        self._draining = True
-        moved = await self.aengine.call(abort_unstarted)
+        moved = await self._stop_taking_work()
         for rid in moved:
             q = self._pending.get(rid)
             if q is not None:
                 q.put_nowait(None)
         return moved
 
-    def undrain(self) -> None:
-        self._draining = False
-
     # ----------------------------------------------------------- reporting
     async def report(self) -> WorkerReport:
-        report = await self.aengine.report(self.worker_id, "prefill")
+        report = await super().report()
         return replace(report, leases_active=len(self.leases),
                        lease_expiries=self.leases.releases[ReleaseCause.EXPIRED])
 
-    def step_trace(self) -> dict:
-        """Steps timed since the last call (step_trace_size > 0): see engine/step_trace.py."""
-        return {"worker_id": self.worker_id, **self.aengine.step_trace()}
-
-    async def kv_snapshot(self):
-        return await self.aengine.call(lambda e: e.kv_snapshot())
-
     def lease_counters(self) -> LeaseCounters:
         r = self.leases.releases
-        return LeaseCounters(len(self.leases), r[ReleaseCause.EXPIRED], r[ReleaseCause.NOTIFIED],
-                             r[ReleaseCause.RELEASED], self.leases.pins, self.leases.renewals)
+        return LeaseCounters(active=len(self.leases), expired=r[ReleaseCause.EXPIRED],
+                             notified=r[ReleaseCause.NOTIFIED], released=r[ReleaseCause.RELEASED],
+                             pinned=self.leases.pins, renewed=self.leases.renewals)
 
-    async def check_integrity(self) -> dict:
-        """Raise if the engine's pools are inconsistent; return block usage."""
-        stats = await self.aengine.call(lambda e: (e.check_integrity(), e.stats())[1])
-        return {"kv_blocks_used": stats.kv_blocks_used, "held": stats.held, "leases": len(self.leases)}
+    async def check_integrity(self) -> IntegrityReport:
+        """Raise if the engine's pools are inconsistent; return block usage and leases."""
+        return replace(await super().check_integrity(), leases=len(self.leases))
 
     # ------------------------------------------------------------- internal
-    def _fire(self, method, *args) -> None:
-        """Call without waiting: a Ray actor method's `.remote`, or (one process) a
-        coroutine method scheduled on this loop."""
+    def _fire(self, target: ReadAheadTarget | ReadAheadHandle, **kwargs: Any) -> None:
+        """Call `target.read_ahead` without waiting: a Ray actor method's `.remote`, or
+        (one process) a coroutine method scheduled on this loop."""
+        method = target.read_ahead
         if hasattr(method, "remote"):
-            method.remote(*args)
+            method.remote(**kwargs)
             return
-        task = asyncio.get_running_loop().create_task(method(*args))
+        call: Callable[..., Coroutine[Any, Any, None]] = method
+        task = asyncio.get_running_loop().create_task(call(**kwargs))
         self._fired.add(task)
         task.add_done_callback(self._fired.discard)
 
@@ -240,18 +206,5 @@ class PrefillWorker:
             await asyncio.sleep(0.001)
 
 
-def abort_unstarted(engine: LLMEngine) -> list[str]:
-    """On the engine thread: abort the n == 1 requests still queued with nothing
-    computed (no token produced here) and return their ids."""
-    ids = [r.request_id for r in engine.scheduler.waiting
-           if r.status is RequestStatus.WAITING and r.num_computed_tokens == 0 and r.sampling_params.n == 1]
-    for rid in ids:
-        engine.abort_request(rid)
-    return ids
-
-
-def _node_address() -> str:
-    """The address of the Ray node this worker runs on (what peers on other machines reach)."""
-    import ray
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-
+def _implements_api(worker: PrefillWorker) -> PrefillWorkerAPI:
+    return worker   # mypy checks here that PrefillWorker implements the protocol

@@ -40,7 +40,7 @@ class Cluster:
         end = time.monotonic() + timeout
         while True:
             states = {w: self.call(w, "check_integrity") for w in self.backend.workers}
-            if all(s["kv_blocks_used"] == 0 and s.get("running", 0) == 0 and s.get("leases", 0) == 0
+            if all(s.kv_blocks_used == 0 and s.running == 0 and s.leases == 0
                    for s in states.values()):
                 return states
             assert time.monotonic() < end, f"workers not idle: {states}"

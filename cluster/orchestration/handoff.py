@@ -42,9 +42,11 @@ from cluster.orchestration.journal import Journal, Recovery, attempt_id, describ
 from cluster.orchestration.messages import Counted, Moved, Tokens, WorkerLost, next_message
 from cluster.orchestration.pool import WorkerPool
 from cluster.orchestration.reservation import Reservation
+from cluster.orchestration.work_items import work_item
 from cluster.router.policy import DecisionKind
 from engine.block_hash import block_hashes
 from engine.outputs import StepDelta
+from worker_api.messages import PullFailure
 
 log = logging.getLogger("pdserve.cluster")
 
@@ -143,7 +145,8 @@ class Handoff:
                 self.emitted.extend(result.first.new_token_ids)
                 if remaining:   # the decode node joins while the first token streams to the client
                     self.clock = HandoffClock(time.monotonic())
-                    joining = asyncio.ensure_future(self._submit(job, decision.decode_worker_id, result.handle))
+                    joining = asyncio.ensure_future(self._submit(job, decision.decode_worker_id, result.handle,
+                                                                 first_token=result.first_token))
                 done = not remaining
                 yield result.first
                 if done:
@@ -199,8 +202,7 @@ class Handoff:
             self.prefill_id = prefill_id
             try:
                 result = await self.s.pool.call(ref, ref.actor.prefill.remote(
-                    job.request_id, list(job.prompt_token_ids), job.sampling, job.cache_salt,
-                    read_ahead=self._read_ahead_actor()), job.deadline)
+                    item=work_item(job), read_ahead=self._read_ahead_actor()), job.deadline)
             except BackendError as e:
                 self.prefill_id = None
                 if e.code != "UNAVAILABLE":
@@ -242,15 +244,15 @@ class Handoff:
         ref = self.s.pool.live(self.prefill_id)
         self.prefill_id = None
         if ref is not None:
-            self.s.pool.background(ref.actor.release.remote(self.wid))
+            self.s.pool.background(ref.actor.release.remote(request_id=self.wid))
 
     # --------------------------------------------------------------- decode
-    async def _submit(self, job: GenerateJob, decode_id: str, handle) -> None:
+    async def _submit(self, job: GenerateJob, decode_id: str, handle, first_token: int | None = None) -> None:
         """Join the request to a decode worker (pulling `handle`'s blocks, if any)."""
         await self._settle_reservation(decode_id)
         self._to(Stage.DECODING if handle is None else Stage.HANDED_OFF)
         try:
-            sub = await self._submit_somewhere(job, decode_id, handle)
+            sub = await self._submit_somewhere(job, decode_id, handle, first_token)
         except BackendError:   # every decode worker full, or the only one draining
             if handle is not None:
                 self._release_prefill()
@@ -264,9 +266,9 @@ class Handoff:
         if handle is not None:
             await self._pulled(sub)
 
-    async def _submit_somewhere(self, job: GenerateJob, decode_id: str, handle):
+    async def _submit_somewhere(self, job: GenerateJob, decode_id: str, handle, first_token: int | None):
         """Submit to `decode_id`, or to another decode worker when it is full or draining."""
-        on_failure = "report" if self.config.prefill_failure_policy == "reprefill" else "recompute"
+        on_failure = PullFailure.REPORT if self.config.prefill_failure_policy == "reprefill" else PullFailure.RECOMPUTE
         full: list[str] = []              # decode workers that refused it: queue full
         while True:
             decode = self.s.pool.workers[decode_id]
@@ -274,8 +276,8 @@ class Handoff:
             try:
                 async with self._renewing(handle):
                     sub = await self.s.pool.call(decode, decode.actor.submit.remote(
-                        job.request_id, list(job.prompt_token_ids), job.sampling, job.cache_salt, handle,
-                        on_failure), job.deadline)
+                        item=work_item(job), handle=handle, first_token=first_token, on_pull_failure=on_failure),
+                        job.deadline)
             except BackendError as e:
                 raise _CallFailed(e) from e
             if not sub.moved:
@@ -336,7 +338,7 @@ class Handoff:
             while True:
                 await asyncio.sleep(ttl / 3)
                 try:
-                    if await asyncio.wait_for(ref.actor.renew.remote(rid, ttl), ttl / 3):
+                    if await asyncio.wait_for(ref.actor.renew.remote(request_id=rid, ttl=ttl), ttl / 3):
                         journal.note(rid, Recovery.LEASE_RENEWAL, count_only=True)
                 except Exception:   # unreachable: its lease, or its death, frees the blocks
                     pass
@@ -361,7 +363,7 @@ class Handoff:
         self.s.journal.note(self.job.request_id, Recovery.MIGRATION)
         old = self.s.pool.workers.get(self.decode_id or "")
         if old is not None:   # best effort: it may be unreachable rather than dead
-            self.s.pool.background(old.actor.abort.remote(self.wid))
+            self.s.pool.background(old.actor.abort.remote(request_id=self.wid))
         log.warning("migrating %s after %d tokens", self.job.request_id, len(self.emitted))
         self.s.journal.trace(self.job.request_id, f"migrating from {self.decode_id} after "
                              f"{len(self.emitted)} tokens")
@@ -391,7 +393,8 @@ class Handoff:
             if result.first.finish_reason:
                 return
             handle = result.handle
-        await self._submit(cont, decision.decode_worker_id, handle)
+        await self._submit(cont, decision.decode_worker_id, handle,
+                           first_token=result.first_token if result is not None else None)
 
     def _next_attempt(self) -> GenerateJob:
         """The job of the next attempt: prompt + streamed tokens, under a new worker-side id."""
@@ -461,9 +464,9 @@ class Handoff:
             await self._settle_reservation(None)
         calls = []
         if (ref := self.s.pool.live(self.decode_id)) is not None:
-            calls.append(ref.actor.abort.remote(self.wid))
+            calls.append(ref.actor.abort.remote(request_id=self.wid))
         if (ref := self.s.pool.live(self.prefill_id)) is not None:
-            calls.append(ref.actor.release.remote(self.wid))
+            calls.append(ref.actor.release.remote(request_id=self.wid))
         for c in calls:
             try:   # bounded: a stopped worker must not hold the caller (its lease frees the blocks)
                 await asyncio.wait_for(c, self.config.transfer_timeout)

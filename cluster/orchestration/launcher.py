@@ -4,13 +4,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from cluster.config import ServeConfig, parse_size
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvtransfer.settings import TransferSettings
+from worker_api.messages import ReadyInfo
+from worker_api.protocol import DecodeWorkerHandle, PrefillWorkerHandle
 
 log = logging.getLogger("pdserve.launcher")
 
@@ -19,7 +21,8 @@ log = logging.getLogger("pdserve.launcher")
 class WorkerRef:
     worker_id: str
     pool: str            # "prefill" | "decode" | "colocated"
-    actor: Any           # a Ray actor handle
+    # a Ray actor handle: a PrefillWorker's for the "prefill" pool, else a DecodeWorker's
+    actor: PrefillWorkerHandle | DecodeWorkerHandle
     alive: bool = True
 
 
@@ -88,7 +91,7 @@ def init_ray(cfg: ServeConfig) -> None:
 
 
 def _pythonpath() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(Path(__file__).resolve().parents[2])   # the repository: cluster/orchestration/launcher.py
     return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
 
 
@@ -123,21 +126,21 @@ async def launch_workers(cfg: ServeConfig) -> list[WorkerRef]:
             wid = f"colocated-{i}"
             actor = ray.remote(DecodeWorker).options(**_options(cfg, f"pdserve-{tag}-{wid}", cfg.decode_resource)) \
                 .remote(wid, ecfg, tcfg, cfg.torch_threads, "colocated")
-            refs.append(WorkerRef(wid, "colocated", actor))
+            refs.append(WorkerRef(worker_id=wid, pool="colocated", actor=actor))
     else:
         for i in range(cfg.prefill_workers):
             wid = f"prefill-{i}"
             actor = ray.remote(PrefillWorker).options(**_options(cfg, f"pdserve-{tag}-{wid}", cfg.prefill_resource)) \
                 .remote(wid, ecfg, tcfg, cfg.torch_threads)
-            refs.append(WorkerRef(wid, "prefill", actor))
+            refs.append(WorkerRef(worker_id=wid, pool="prefill", actor=actor))
         for i in range(cfg.decode_workers):
             wid = f"decode-{i}"
             actor = ray.remote(DecodeWorker).options(**_options(cfg, f"pdserve-{tag}-{wid}", cfg.decode_resource)) \
                 .remote(wid, ecfg, tcfg, cfg.torch_threads, "decode")
-            refs.append(WorkerRef(wid, "decode", actor))
-    infos = await asyncio.gather(*[r.actor.ready.remote() for r in refs])
+            refs.append(WorkerRef(worker_id=wid, pool="decode", actor=actor))
+    infos: list[ReadyInfo] = await asyncio.gather(*[r.actor.ready.remote() for r in refs])
     for r, info in zip(refs, infos):
-        log.info("worker %s ready: %s", r.worker_id, info)
+        log.info("worker %s ready: %s", r.worker_id, asdict(info))   # a dict: tests/testbed_cluster.py reads it
     try:
         check_kv_agreement([(r.worker_id, info) for r, info in zip(refs, infos)])
     except ValueError:
@@ -147,13 +150,13 @@ async def launch_workers(cfg: ServeConfig) -> list[WorkerRef]:
     return refs
 
 
-def check_kv_agreement(infos: list[tuple[str, dict]]) -> None:
+def check_kv_agreement(infos: list[tuple[str, ReadyInfo]]) -> None:
     """Workers hand KV blocks to each other byte for byte, and the router matches their
     block hashes: every worker must store K/V alike (kv_cache_dtype, block size, bytes
     per block). Refuses at start-up, naming who disagrees, rather than at the first hand-off."""
     layouts: dict[tuple, list[str]] = {}
     for worker_id, info in infos:
-        key = (info.get("kv_cache_dtype", "auto"), info["block_size"], info.get("kv_bytes_per_block"))
+        key = (info.kv_cache_dtype, info.block_size, info.kv_bytes_per_block)
         layouts.setdefault(key, []).append(worker_id)
     if len(layouts) > 1:
         described = "; ".join(f"{', '.join(ids)}: kv_cache_dtype={kv}, block_size={bs}, {nbytes} B/block"

@@ -81,7 +81,7 @@ class WorkerPool:
                 log.warning("shutdown check: %s failed: %s", ref.worker_id, st)
             else:
                 log.info("shutdown check: %s: integrity ok, %d KV blocks in use", ref.worker_id,
-                         st["kv_blocks_used"])
+                         st.kv_blocks_used)
 
     # ------------------------------------------------------------- routing
     def route(self, request_id: str, prompt_len: int, hashes: Iterable[int]) -> RoutingDecision:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from cluster.orchestration.backend import BackendError, GenerateJob
 from cluster.orchestration.pool import WorkerPool
+from cluster.orchestration.work_items import work_item
 
 
 @dataclass
@@ -25,8 +26,7 @@ class Reservation:
 
         async def reserve() -> bool:
             try:
-                return await pool.call(ref, ref.actor.reserve.remote(
-                    wid, list(job.prompt_token_ids), job.sampling, job.cache_salt), job.deadline)
+                return await pool.call(ref, ref.actor.reserve.remote(item=work_item(job, wid)), job.deadline)
             except BackendError:   # dead or slow: the submit finds out and allocates as before
                 return False
         return cls(ref.worker_id, asyncio.get_running_loop().create_task(reserve()))
@@ -45,4 +45,4 @@ class Reservation:
         finally:
             ref = pool.live(self.worker_id)
             if free and reserved and ref is not None:
-                pool.background(ref.actor.abort.remote(wid))
+                pool.background(ref.actor.abort.remote(request_id=wid))

@@ -55,7 +55,7 @@ class ChaosCluster(Cluster):
         return f"events {events}; leases {self.lease_counters()}"
 
     def pid(self, worker_id: str) -> int:
-        return self.call(worker_id, "ready")["pid"]
+        return self.call(worker_id, "ready").pid
 
     def pool(self, name: str) -> list[str]:
         return sorted(w for w, r in self.backend.workers.items() if r.pool == name)
@@ -95,12 +95,12 @@ class ChaosCluster(Cluster):
         while True:
             states = {w: self.call(w, "check_integrity") for w in self.backend.workers}   # raises if broken
             front = (len(self.backend.in_flight), self.admission.in_flight)
-            busy = {w: s for w, s in states.items() if s["kv_blocks_used"] or s.get("running", 0)
-                    or s.get("waiting", 0) or s.get("leases", 0) or s.get("held", 0)}
+            busy = {w: s for w, s in states.items() if s.kv_blocks_used or s.running
+                    or s.waiting or s.leases or s.held}
             if not busy and front == (0, 0):
                 return 0
             if time.monotonic() > end:
-                leaked = sum(s["kv_blocks_used"] for s in states.values())
+                leaked = sum(s.kv_blocks_used for s in states.values())
                 raise AssertionError(f"not idle after {timeout}s: workers {busy}, frontend in flight {front} "
                                      f"(admitted {sorted(self.admission._in_flight)}, backend "
                                      f"{sorted(self.backend.in_flight)}, cleanups pending "

@@ -18,6 +18,7 @@ from cluster.frontends.admission import AdmissionController, tenant_of
 from cluster.orchestration.backend import BackendError, GenerateJob
 from engine.sampling_params import SamplingParams
 from kvtransfer.leases import LeaseTable, ReleaseCause
+from worker_api.messages import WorkItem
 
 
 class Clock:
@@ -63,17 +64,17 @@ def test_unread_lease_expires_and_frees_blocks_renewed_one_survives(prefill_work
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
     async def go():
-        gone = await w.prefill("gone", list(range(3, 43)), params)
-        kept = await w.prefill("kept", list(range(50, 90)), params)
-        assert gone.handle and kept.handle and (await w.check_integrity())["leases"] == 2
+        gone = await w.prefill(item=WorkItem(request_id="gone", prompt_token_ids=tuple(range(3, 43)), sampling=params))
+        kept = await w.prefill(item=WorkItem(request_id="kept", prompt_token_ids=tuple(range(50, 90)), sampling=params))
+        assert gone.handle and kept.handle and (await w.check_integrity()).leases == 2
         for _ in range(30):                   # >= 1.5 s, 5 x the 0.3 s TTL: "gone" must expire
-            assert w.renew("kept", 1.0)       # "kept" is renewed all along
+            assert w.renew(request_id="kept", ttl=1.0)   # "kept" is renewed all along
             await asyncio.sleep(0.05)
         mid = w.lease_counters()
-        assert await w.release("kept")
+        assert await w.release(request_id="kept")
         for _ in range(200):
             state = await w.check_integrity()
-            if state["kv_blocks_used"] == 0:
+            if state.kv_blocks_used == 0:
                 break
             await asyncio.sleep(0.01)
         return mid, w.lease_counters(), state
@@ -81,7 +82,7 @@ def test_unread_lease_expires_and_frees_blocks_renewed_one_survives(prefill_work
     mid, after, state = asyncio.run(go())
     assert (mid.active, mid.expired) == (1, 1), mid
     assert (after.active, after.expired, after.released, after.pinned) == (0, 1, 1, 2), after
-    assert after.renewed == 30 and state["kv_blocks_used"] == 0 and state["held"] == 0
+    assert after.renewed == 30 and state.kv_blocks_used == 0 and state.held == 0
 
 
 def _job(rid: str, salt: str | None, tokens: int = 10) -> GenerateJob:

@@ -91,7 +91,7 @@ def test_cancel_mid_stream_frees_blocks_on_both_sides(cluster):
 
     assert asyncio.run(cancel_after_two()) == 2
     states = cluster.wait_idle()
-    assert states["prefill-0"]["held"] == 0
+    assert states["prefill-0"].held == 0
 
 
 def test_bad_input_is_invalid_argument_and_cluster_stays_up(cluster, hf):
@@ -110,7 +110,7 @@ def test_workers_run_at_the_configured_niceness(cluster):
     """pdserve's own Ray cluster starts the engine actors at ServeConfig.worker_niceness
     (this cluster sets 0; Ray's default, and pdserve's, is 15)."""
     for wid in cluster.backend.workers:
-        assert cluster.call(wid, "ready")["niceness"] == 0
+        assert cluster.call(wid, "ready").niceness == 0
 
 
 def test_health_model_info_and_metrics(cluster):

@@ -17,6 +17,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from kvtransfer.settings import TransferSettings
+from worker_api.messages import WorkItem
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -39,7 +40,11 @@ def workers(tiny_llama_dir):   # per test: a worker's engine loop belongs to one
 
 
 async def _used(dw) -> int:
-    return (await dw.check_integrity())["kv_blocks_used"]
+    return (await dw.check_integrity()).kv_blocks_used
+
+
+def _item(rid: str, prompt: list[int]) -> WorkItem:
+    return WorkItem(request_id=rid, prompt_token_ids=tuple(prompt), sampling=GREEDY)
 
 
 async def _decode(dw, rid: str) -> list[int]:
@@ -57,10 +62,10 @@ async def _decode(dw, rid: str) -> list[int]:
 
 async def _hand_off(pw, dw, rid: str, prompt: list[int], reserve: bool, ahead: bool = False):
     if reserve:
-        assert await dw.reserve(rid, prompt, GREEDY)
-    pre = await pw.prefill(rid, prompt, GREEDY, read_ahead=dw if ahead else None)
+        assert await dw.reserve(item=_item(rid, prompt))
+    pre = await pw.prefill(item=_item(rid, prompt), read_ahead=dw if ahead else None)
     out = asyncio.ensure_future(_decode(dw, rid))
-    sub = await dw.submit(rid, prompt, GREEDY, handle=pre.handle)
+    sub = await dw.submit(item=_item(rid, prompt), handle=pre.handle, first_token=pre.first_token)
     return sub, list(pre.first.new_token_ids) + await out
 
 
@@ -110,22 +115,24 @@ def test_blocks_read_ahead_from_what_is_no_longer_their_source_are_read_again(wo
 
     async def go():
         decoy = list(range(200, 264))
-        d = await pw.prefill("decoy", decoy, GREEDY)   # its blocks hold other KV
+        d = await pw.prefill(item=_item("decoy", decoy))   # its blocks hold other KV
         peer = d.handle.peer
         out = {}
         cases = (("stale-count", list(range(20, 84)), 1), ("stale-blocks", list(range(30, 94)), 0))
         for rid, prompt, preemptions in cases:   # 64 tokens: 4 blocks each, none cached on the decode node
-            assert await dw.reserve(rid, prompt, GREEDY)
-            pre = await pw.prefill(rid, prompt, GREEDY)
+            assert await dw.reserve(item=_item(rid, prompt))
+            pre = await pw.prefill(item=_item(rid, prompt))
             if preemptions:   # the right blocks, but read before a preemption the handle reports
                 pre = replace(pre, handle=replace(pre.handle, preemptions=preemptions))
-                await dw.read_ahead(rid, peer, 0, pre.handle.block_ids, 0)
+                await dw.read_ahead(request_id=rid, peer=peer, first_index=0, block_ids=pre.handle.block_ids,
+                                    preemptions=0)
             else:             # another source's blocks (the decoy's), told as this prompt's
-                await dw.read_ahead(rid, peer, 0, d.handle.block_ids, 0)
+                await dw.read_ahead(request_id=rid, peer=peer, first_index=0, block_ids=d.handle.block_ids,
+                                    preemptions=0)
             decoded = asyncio.ensure_future(_decode(dw, rid))
-            sub = await dw.submit(rid, prompt, GREEDY, handle=pre.handle)
+            sub = await dw.submit(item=_item(rid, prompt), handle=pre.handle, first_token=pre.first_token)
             out[rid] = (sub, list(pre.first.new_token_ids) + await decoded)
-        await pw.release("decoy")
+        await pw.release(request_id="decoy")
         for rid, prompt, _ in cases:   # the reference: a plain hand-off of the same prompt
             out[rid] += ((await _hand_off(pw, dw, rid + "-ref", prompt, reserve=False))[1],)
         return out
@@ -143,23 +150,24 @@ def test_every_unclaimed_reservation_frees_its_blocks(workers):
     async def go():
         seen = {}
         assert await _used(dw) == 0
-        assert await dw.reserve("aborted", list(range(3, 40)), GREEDY)
+        assert await dw.reserve(item=_item("aborted", list(range(3, 40))))
         seen["reserved"] = await _used(dw)
-        await dw.abort("aborted")
+        await dw.abort(request_id="aborted")
         seen["abort"] = await _used(dw)
 
-        assert await dw.reserve("drained", list(range(3, 40)), GREEDY)
+        assert await dw.reserve(item=_item("drained", list(range(3, 40))))
         assert await dw.drain() == []
         seen["drain"] = await _used(dw)
-        pre = await pw.prefill("drained", list(range(3, 40)), GREEDY)
-        seen["moved"] = await dw.submit("drained", list(range(3, 40)), GREEDY, handle=pre.handle)
-        await pw.release("drained")
+        pre = await pw.prefill(item=_item("drained", list(range(3, 40))))
+        seen["moved"] = await dw.submit(item=_item("drained", list(range(3, 40))), handle=pre.handle,
+                                        first_token=pre.first_token)
+        await pw.release(request_id="drained")
         dw.undrain()
 
         # the prefill node was lost: the decode node prefills itself after all
-        assert await dw.reserve("local", list(range(3, 40)), GREEDY)
+        assert await dw.reserve(item=_item("local", list(range(3, 40))))
         out = asyncio.ensure_future(_decode(dw, "local"))
-        sub = await dw.submit("local", list(range(3, 40)), GREEDY)
+        sub = await dw.submit(item=_item("local", list(range(3, 40))))
         seen["local"] = (sub, len(await out))
         seen["after_local"] = await _used(dw)
         return seen
@@ -180,9 +188,9 @@ def test_no_room_reserves_nothing_and_an_unclaimed_reservation_expires(tiny_llam
                       TransferSettings(backend="tcp", lease_ttl=60.0, timeout=timeout))
 
     async def go():
-        assert await dw.reserve("orphan", list(range(3, 40)), GREEDY)   # 3 of the 6 blocks
+        assert await dw.reserve(item=_item("orphan", list(range(3, 40))))   # 3 of the 6 blocks
         held = await _used(dw)
-        too_big = await dw.reserve("big", list(range(3, 73)), GREEDY)   # 5 blocks: 3 are free
+        too_big = await dw.reserve(item=_item("big", list(range(3, 73))))   # 5 blocks: 3 are free
         after_refusal = await _used(dw)
         await asyncio.sleep(RESERVATION_TTL_FACTOR * timeout + 0.5)
         return held, too_big, after_refusal, await _used(dw)

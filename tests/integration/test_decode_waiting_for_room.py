@@ -12,6 +12,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from kvtransfer.settings import TransferSettings
+from worker_api.messages import WorkItem
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +37,14 @@ def test_a_hand_off_waiting_for_room_is_reported_waiting_and_drains_moved(worker
 
     async def go():
         a_prompt, b_prompt = list(range(3, 43)), list(range(60, 100))
-        a = await pw.prefill("a", a_prompt, long)
-        joined = await dw.submit("a", a_prompt, long, handle=a.handle)
+        a_item = WorkItem(request_id="a", prompt_token_ids=tuple(a_prompt), sampling=long)
+        b_item = WorkItem(request_id="b", prompt_token_ids=tuple(b_prompt), sampling=long)
+        a = await pw.prefill(item=a_item)
+        joined = await dw.submit(item=a_item, handle=a.handle, first_token=a.first_token)
         assert joined.joined and not joined.moved, joined
         assert await waiting() == 0
-        b = await pw.prefill("b", b_prompt, long)
-        pending = asyncio.ensure_future(dw.submit("b", b_prompt, long, handle=b.handle))
+        b = await pw.prefill(item=b_item)
+        pending = asyncio.ensure_future(dw.submit(item=b_item, handle=b.handle, first_token=b.first_token))
         seen = 0
         for _ in range(2000):           # "a" decodes ~1900 steps: "b" finds no slot meanwhile
             seen = await waiting()
@@ -52,8 +55,8 @@ def test_a_hand_off_waiting_for_room_is_reported_waiting_and_drains_moved(worker
         result = await pending
         after = await waiting()
         dw.undrain()
-        await dw.abort("a")
-        await pw.release("b")
+        await dw.abort(request_id="a")
+        await pw.release(request_id="b")
         return seen, moved, result, after
 
     seen, moved, result, after = asyncio.run(go())

@@ -16,6 +16,7 @@ from engine import LLM
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from kvtransfer.settings import TransferSettings
+from worker_api.messages import WorkItem
 
 SETTINGS = TransferSettings(backend="tcp", lease_ttl=60.0, timeout=60.0)
 
@@ -48,17 +49,18 @@ def test_int8_blocks_hand_off_byte_for_byte(tiny_llama_dir):
     async def go():
         infos = [await pw.ready(), await dw.ready()]
         check_kv_agreement([("prefill-q", infos[0]), ("decode-q", infos[1])])
-        res = await pw.prefill("r", prompt, params)
+        item = WorkItem(request_id="r", prompt_token_ids=tuple(prompt), sampling=params)
+        res = await pw.prefill(item=item)
         src = pw.engine.kv_pool.tensor[list(res.handle.block_ids)].clone()
         stream = asyncio.ensure_future(_decode_tokens(dw, "r"))
-        joined = await dw.submit("r", prompt, params, handle=res.handle)
+        joined = await dw.submit(item=item, handle=res.handle, first_token=res.first_token)
         assert joined.joined, joined
         rest = await stream
         return infos, res, src, rest
 
     infos, res, src, rest = asyncio.run(go())
-    assert infos[0]["kv_cache_dtype"] == infos[1]["kv_cache_dtype"] == "int8"
-    assert infos[0]["kv_bytes_per_block"] == 16 * 2 * 3 * 2 * (16 + 2)     # codes + bf16 scales, 3 layers
+    assert infos[0].kv_cache_dtype == infos[1].kv_cache_dtype == "int8"
+    assert infos[0].kv_bytes_per_block == 16 * 2 * 3 * 2 * (16 + 2)     # codes + bf16 scales, 3 layers
     tokens = list(res.first.new_token_ids) + rest
     colocated = LLM(str(tiny_llama_dir), kv_cache_dtype="int8", block_size=16, num_kv_blocks=64,
                     max_model_len=512).generate([prompt], params)[0].outputs[0].token_ids

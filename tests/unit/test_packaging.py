@@ -19,7 +19,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "kvtransfer", "cluster", "prefill_worker", "decode_worker")
+PACKAGES = ("engine", "kvtransfer", "cluster", "worker_api", "prefill_worker", "decode_worker")
 PB = ROOT / "cluster" / "pb" / "pdserve" / "v1"
 TEST_ONLY = {"pytest", "hypothesis", "transformers", "openai", "guidellm", "grpcio-tools", "jsonschema",
              "kubernetes-validate", "dockerfile", "pytest-timeout", "mypy"}
