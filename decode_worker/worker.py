@@ -96,8 +96,9 @@ class DecodeWorker(WorkerBase):
         await self._start()
         if self._draining:
             return SubmitResult(local_prefill=handle is None, joined=False, moved=True, error="draining")
-        if handle is None or first_token is None:
+        if handle is None:
             return await self._prefill_here(item)
+        assert first_token is not None   # checked above, before anything changed
         self._submitting.add(item.request_id)
         try:
             return await self._pull(item, handle, first_token, on_pull_failure)
@@ -166,8 +167,8 @@ class DecodeWorker(WorkerBase):
         src = tuple(block_ids[i - first_index] for i in indices)
         task = asyncio.get_running_loop().create_task(
             self._read(peer, list(src), [alloc.block_ids[i] for i in indices], b""))
-        self._ahead.setdefault(request_id, []).append(
-            _AheadRead((peer.agent_name, peer.incarnation), indices, src, preemptions, task))
+        self._ahead.setdefault(request_id, []).append(_AheadRead(
+            source=(peer.agent_name, peer.incarnation), indices=indices, src=src, preemptions=preemptions, task=task))
 
     async def _settle_ahead(self, request_id: str) -> list[_AheadRead]:
         """Wait for the reads into `request_id`'s reserved blocks: before the blocks are
@@ -281,7 +282,8 @@ class DecodeWorker(WorkerBase):
         """Read `peer`'s blocks `src` into ours `dst`: (status, bytes, descriptors, error).
         `notify` (the request id) tells the source the read is done: its lease ends."""
         transfer = self.transfer
-        assert transfer is not None, "a colocated worker reads no KV (reserve and submit take no handle there)"
+        if transfer is None:   # colocated: nothing to read with; the caller recomputes or reports
+            return TransferStatus.FAILED, 0, 0, "a colocated worker moves no KV: submit it without a handle"
         loop = asyncio.get_running_loop()
         try:
             xfer = await loop.run_in_executor(self._xfer_thread, lambda: transfer.read(
