@@ -38,7 +38,7 @@ class GenerateJob:
     sampling: SamplingParams
     cache_salt: str | None = None
     block_hashes: tuple[int, ...] = ()     # chained hashes of the prompt's full blocks
-    deadline: float | None = None          # time.monotonic() deadline, None = none
+    deadline: float | None = None          # time.monotonic(); enforced by the runner (frontends/runner.py) alone
     arrival_time: float = field(default_factory=time.monotonic)
 
 

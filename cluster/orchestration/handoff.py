@@ -39,7 +39,7 @@ from cluster.observability.metrics import Metrics
 from cluster.orchestration.backend import BackendError, GenerateJob
 from cluster.orchestration.handoff_timing import HandoffClock, observe_handoff, observe_transfer
 from cluster.orchestration.journal import Journal, Recovery, attempt_id, describe_decision, describe_submit
-from cluster.orchestration.messages import Counted, Moved, Tokens, WorkerLost, next_message
+from cluster.orchestration.messages import Counted, Moved, Tokens, WorkerLost
 from cluster.orchestration.pool import WorkerPool
 from cluster.orchestration.reservation import Reservation
 from cluster.orchestration.work_items import work_item
@@ -96,7 +96,7 @@ class Shared:
 
 
 class _CallFailed(Exception):
-    """The submit call itself failed (the worker died, the deadline passed, ...)."""
+    """The submit call itself failed (the worker died, or failed)."""
 
     def __init__(self, error: BackendError) -> None:
         super().__init__(error.message)
@@ -163,7 +163,7 @@ class Handoff:
     async def _next_delta(self) -> StepDelta:
         """The next delta to stream, after whatever recovery the queue asks for."""
         while True:
-            msg = await next_message(self.queue, self.job.deadline)
+            msg = await self.queue.get()
             match msg:
                 case WorkerLost(error=err):
                     await self._migrate_or_raise(err)
@@ -202,7 +202,7 @@ class Handoff:
             self.prefill_id = prefill_id
             try:
                 result = await self.s.pool.call(ref, ref.actor.prefill.remote(
-                    item=work_item(job), read_ahead=self._read_ahead_actor()), job.deadline)
+                    item=work_item(job), read_ahead=self._read_ahead_actor()))
             except BackendError as e:
                 self.prefill_id = None
                 if e.code != "UNAVAILABLE":
@@ -276,8 +276,7 @@ class Handoff:
             try:
                 async with self._renewing(handle):
                     sub = await self.s.pool.call(decode, decode.actor.submit.remote(
-                        item=work_item(job), handle=handle, first_token=first_token, on_pull_failure=on_failure),
-                        job.deadline)
+                        item=work_item(job), handle=handle, first_token=first_token, on_pull_failure=on_failure))
             except BackendError as e:
                 raise _CallFailed(e) from e
             if not sub.moved:

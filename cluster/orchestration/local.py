@@ -6,8 +6,6 @@ deltas are fanned out to per-request asyncio queues.
 """
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import AsyncIterator
 
 from cluster.orchestration.backend import BackendError, GenerateJob, GenerationBackend, ModelInfoData
@@ -51,7 +49,7 @@ class LocalEngineBackend(GenerationBackend):
                 raise BackendError("RESOURCE_EXHAUSTED", str(e), retry_after_s=1.0) from e
             remaining = job.sampling.n
             while remaining:
-                delta = await next_delta(queue, job.deadline)
+                delta = await queue.get()
                 if delta.finish_reason:
                     remaining -= 1
                 done = remaining == 0
@@ -72,16 +70,3 @@ class LocalEngineBackend(GenerationBackend):
 
     def tokenizer(self):
         return self.engine.tokenizer
-
-
-async def next_delta(queue: asyncio.Queue, deadline: float | None):
-    """The next item of a request's queue, or DEADLINE_EXCEEDED."""
-    if deadline is None:
-        return await queue.get()
-    timeout = deadline - time.monotonic()
-    try:
-        if timeout <= 0:
-            raise asyncio.TimeoutError
-        return await asyncio.wait_for(queue.get(), timeout)
-    except asyncio.TimeoutError:
-        raise BackendError("DEADLINE_EXCEEDED", "the request's deadline passed before it finished") from None

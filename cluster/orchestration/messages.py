@@ -1,8 +1,6 @@
 """What arrives on one request's queue while it is decoded: typed messages, one kind each."""
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
 
 from cluster.orchestration.backend import BackendError
@@ -35,16 +33,3 @@ class Moved:
 
 
 Message = Tokens | Counted | WorkerLost | Moved
-
-
-async def next_message(queue: asyncio.Queue, deadline: float | None):
-    """The next item of a request's queue, or DEADLINE_EXCEEDED."""
-    if deadline is None:
-        return await queue.get()
-    timeout = deadline - time.monotonic()
-    try:
-        if timeout <= 0:
-            raise asyncio.TimeoutError
-        return await asyncio.wait_for(queue.get(), timeout)
-    except asyncio.TimeoutError:
-        raise BackendError("DEADLINE_EXCEEDED", "the request's deadline passed before it finished") from None

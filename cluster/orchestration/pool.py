@@ -117,15 +117,13 @@ class WorkerPool:
         self.draining.discard(worker_id)
 
     # ---------------------------------------------------------------- calls
-    async def call(self, ref: WorkerRef, object_ref: Awaitable[Any], deadline: float | None) -> Any:
-        """Await a remote call; a failure becomes the BackendError a frontend reports."""
+    async def call(self, ref: WorkerRef, object_ref: Awaitable[Any]) -> Any:
+        """Await a remote call; a failure becomes the BackendError a frontend reports. (A
+        request's deadline is the runner's: it cancels the request, and with it this await.)"""
         import ray.exceptions as rex
 
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return await asyncio.wait_for(object_ref, timeout)
-        except asyncio.TimeoutError:
-            raise BackendError("DEADLINE_EXCEEDED", "the request's deadline passed before it finished") from None
+            return await object_ref
         except (rex.RayActorError, rex.ActorUnavailableError) as e:
             self.mark_dead(ref)
             raise BackendError("UNAVAILABLE", f"worker {ref.worker_id} died; retry the request") from e

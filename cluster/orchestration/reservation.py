@@ -26,7 +26,7 @@ class Reservation:
 
         async def reserve() -> bool:
             try:
-                return await pool.call(ref, ref.actor.reserve.remote(item=work_item(job, wid)), job.deadline)
+                return await pool.call(ref, ref.actor.reserve.remote(item=work_item(job, wid)))
             except BackendError:   # dead or slow: the submit finds out and allocates as before
                 return False
         return cls(ref.worker_id, asyncio.get_running_loop().create_task(reserve()))
