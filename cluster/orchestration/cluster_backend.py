@@ -15,7 +15,7 @@ from typing import AsyncIterator, Mapping
 from cluster.config import ServeConfig
 from cluster.observability.metrics import Metrics
 from cluster.orchestration.backend import BackendError, GenerateJob, GenerationBackend, ModelInfoData
-from cluster.orchestration.drain import DrainReport, drain_worker, undrain_worker
+from cluster.orchestration.drain import DrainReport, drain_worker, retire_worker, undrain_worker
 from cluster.orchestration.handoff import Handoff, Hooks, Shared
 from cluster.orchestration.journal import Journal
 from cluster.orchestration.launcher import WorkerRef
@@ -104,6 +104,15 @@ class ClusterBackend(GenerationBackend):
     async def undrain_worker(self, worker_id: str) -> None:
         """Route to a drained worker again (its next report resyncs the router)."""
         await undrain_worker(self.pool, worker_id)
+
+    async def grow_pool(self, pool: str) -> str:
+        """Add one worker to `pool` ("prefill", "decode" or "colocated"); its id."""
+        return (await self.pool.grow(pool)).worker_id
+
+    async def retire_worker(self, worker_id: str, timeout: float | None = None) -> bool:
+        """Scale-in: drain one worker and stop it for good once it holds nothing; False (and
+        it serves again) if it did not empty within `timeout` (default drain_timeout)."""
+        return await retire_worker(self.pool, self._by_wid, worker_id, timeout or self.config.drain_timeout)
 
     # ---------------------------------------------------------------- info
     def model_info(self) -> ModelInfoData:
