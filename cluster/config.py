@@ -86,6 +86,10 @@ class ServeConfig:
     min_decode_workers: int = 1
     max_decode_workers: int = 0           # 0 = decode_workers (no growth)
     autoscale_interval: float = 5.0       # seconds between the controller's decisions
+    autoscale_cooldown_s: float = 60.0    # no scale-in for this long after a change, nor before the load
+                                          # stayed low this long; no scale-out for half of it after one
+    autoscale_prefill_tokens_per_s: float = 0.0   # one prefill worker's prompt tokens/s; 0 = measured
+    autoscale_decode_seqs_per_worker: int = 0      # sequences one decode worker holds; 0 = measured
     # routing
     router_policy: str = "prefix_aware"
     router_temperature: float = 0.0       # 0 = pick the minimum cost
@@ -208,6 +212,10 @@ class ServeConfig:
 def _check_autoscale(cfg: ServeConfig) -> None:
     if cfg.slo_ttft_ms <= 0 or cfg.slo_itl_ms <= 0 or cfg.autoscale_interval <= 0:
         raise ValueError("slo_ttft_ms, slo_itl_ms and autoscale_interval must be positive")
+    if cfg.autoscale_cooldown_s < 0 or cfg.autoscale_prefill_tokens_per_s < 0 or \
+            cfg.autoscale_decode_seqs_per_worker < 0:
+        raise ValueError("autoscale_cooldown_s, autoscale_prefill_tokens_per_s and "
+                         "autoscale_decode_seqs_per_worker must be >= 0 (0 = measured, for the capacities)")
     if not cfg.autoscale:
         return
     for pool in (("decode",) if cfg.colocated else ("prefill", "decode")):

@@ -10,10 +10,12 @@ It holds the pieces and wires them; the work is theirs:
 """
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator, Mapping
 
 from cluster.config import ServeConfig
 from cluster.observability.metrics import Metrics
+from cluster.orchestration.autoscaler import Autoscaler
 from cluster.orchestration.backend import BackendError, GenerateJob, GenerationBackend, ModelInfoData
 from cluster.orchestration.drain import DrainReport, drain_worker, retire_worker, undrain_worker
 from cluster.orchestration.handoff import Handoff, Hooks, Shared
@@ -44,12 +46,23 @@ class ClusterBackend(GenerationBackend):
         self.hooks = Hooks()
         self._in_flight: dict[str, Handoff] = {}   # client request id -> its hand-off
         self._by_wid: dict[str, Handoff] = {}      # worker-side id of each current attempt -> hand-off
+        self.autoscaler: Autoscaler | None = None
+        self._autoscaling: asyncio.Task | None = None
 
     # ---------------------------------------------------------------- life
     async def start(self) -> None:
         await self.pool.start()
+        if self.config.autoscale:
+            self.autoscaler = Autoscaler(self, self.config, self.metrics)
+            self._autoscaling = asyncio.get_running_loop().create_task(self.autoscaler.run())
+        else:
+            for pool in ("prefill", "decode"):
+                self.metrics.pool_target_workers.labels(pool=pool).set(len(self.pool.serving(pool)))
 
     async def stop(self) -> None:
+        if self._autoscaling is not None and self.autoscaler is not None:
+            self._autoscaling.cancel()
+            self.autoscaler.stop()
         await self.pool.stop()
 
     # ------------------------------------------------------------ requests

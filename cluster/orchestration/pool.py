@@ -39,6 +39,7 @@ class WorkerPool:
         self.draining: set[str] = set()
         self.deliver: Callable[[str, StepDelta], None] = lambda worker_id, delta: None
         self.on_lost: Callable[[str, BackendError], None] = lambda worker_id, error: None
+        self.stats: dict[str, WorkerStats] = {}   # each worker's latest report
         self._streaming: set[str] = set()    # decode workers whose output stream is up
         self._tasks: list[asyncio.Task] = []
         self._consumers: dict[str, asyncio.Task] = {}   # decode worker -> its output stream's consumer
@@ -83,6 +84,7 @@ class WorkerPool:
         self.draining.discard(worker_id)
         self._streaming.discard(worker_id)
         self.router.remove_worker(worker_id)
+        self.stats.pop(worker_id, None)
         self.metrics.forget_worker(worker_id, ref.pool)
         try:
             ray.kill(ref.actor, no_restart=True)
@@ -255,5 +257,6 @@ class WorkerPool:
         stats = WorkerStats(ref.worker_id, ref.pool, s.running, s.waiting, s.kv_blocks_used, s.kv_blocks_total,
                             s.prefix_queried_tokens, s.prefix_hit_tokens, report.lease_expiries,
                             report.leases_active, s.preemptions, TierStats.from_engine(s))
+        self.stats[ref.worker_id] = stats
         self.router.observe_stats(stats, queued_prefill_tokens=s.waiting_tokens)
         self.metrics.observe_worker(stats)
