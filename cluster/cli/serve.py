@@ -49,7 +49,7 @@ HELP = {
     "autoscale_interval": "seconds between autoscaling decisions",
     "autoscale_cooldown_s": "seconds of low load before a scale-in, and between a change and the next "
                             "scale-in (half of it between scale-outs)",
-    "autoscale_prefill_tokens_per_s": "prompt tokens/s one prefill worker sustains (pdserve plan prints it; "
+    "autoscale_prefill_tokens_per_s": "prompt tokens/s one prefill worker sustains (`pdserve plan --measure` measures it; "
                                       "0 = measured from the workers' reports)",
     "autoscale_decode_seqs_per_worker": "sequences one decode worker holds (0 = measured: its KV blocks over "
                                         "the blocks a running sequence holds, capped by --max-num-seqs)",

@@ -17,8 +17,8 @@ Signals: queued prefill tokens and loads from the router's view (the workers'
 reports); the prompt-token arrival rate from `pdserve_prompt_tokens_total`;
 TTFT and ITL p90 over the interval from the frontends' histograms. Worker
 capacity (prompt tokens/s one prefill worker sustains, sequences one decode
-worker holds) is the operator's figure when given (`pdserve plan` prints it)
-or measured here: `capacity.py`.
+worker holds) is the operator's figure when given
+or measured here (capacity.py); `pdserve plan` gives the sequences that fit a worker.
 """
 from __future__ import annotations
 
