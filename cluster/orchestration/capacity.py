@@ -1,8 +1,8 @@
 """What one worker can take, for the autoscaler, and latency percentiles over an interval.
 
 Capacity is the operator's figure when given (`autoscale_prefill_tokens_per_s`,
-`autoscale_decode_seqs_per_worker`; `pdserve plan` prints both for a model and a
-device) or measured from the workers' reports:
+`autoscale_decode_seqs_per_worker`; `pdserve plan` gives the sequences that fit a worker and
+`pdserve plan --measure` a prefill rate on this host) or measured from the workers' reports:
 
 - a prefill worker's prompt tokens/s: the prompt tokens it computed (queried
   minus prefix hits) per second, over intervals when it had prompts queued (it
