@@ -19,7 +19,7 @@ from cluster.config import ServeConfig
 from cluster.tools.bench.arrivals import ArrivalSpec, schedule
 from cluster.tools.bench.datasets import BenchRequest
 from cluster.tools.bench.runner import RequestResult, RunnerConfig, run_load
-from cluster_harness import Cluster
+from cluster_harness import Cluster, free_port
 from tiny_models import hf_greedy, load_hf_model
 
 pytestmark = pytest.mark.ray
@@ -28,7 +28,7 @@ GROW_WITHIN_S, SHRINK_WITHIN_S = 20.0, 60.0
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, tmp_path_factory):
-    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=1024, grpc_port=0, http_port=0,
+    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=1024, grpc_port=free_port(), http_port=0,
                       metrics_port=0, prefill_workers=1, decode_workers=1, cpus_per_worker=0.25,
                       local_prefill_threshold=0, max_num_seqs=4, autoscale=True, autoscale_interval=0.5,
                       autoscale_cooldown_s=3.0, max_prefill_workers=2, max_decode_workers=3,
