@@ -118,9 +118,12 @@ def test_decode_kv_room_and_waiting_drive_scale_out():
     # few sequences but long contexts: KV at 95% on 2 workers needs 3 at 85%
     out = replay(config(), [({"rate": 1000}, {"running": 20, "kv": 0.95})])
     assert out[0].decode.reason is Reason.KV_ROOM and out[0].decode.target == 3
-    # requests waiting for room: at least one more even if the count looks fine
-    out = replay(config(), [({"rate": 1000}, {"running": 20, "waiting": 1, "kv": 0.5})], d0=4)
+    # requests waiting while KV is full: at least one more even if the count looks fine
+    out = replay(config(), [({"rate": 1000}, {"running": 20, "waiting": 1, "kv": 0.85})], d0=4)
     assert out[0].decode.reason is Reason.KV_ROOM and out[0].decode.target == 5
+    # waiting with room to spare: a batch slot a step away, not a reason to grow
+    out = replay(config(), [({"rate": 1000}, {"running": 20, "waiting": 1, "kv": 0.5})], d0=4)
+    assert out[0].decode.reason is Reason.STEADY and out[0].decode.target == 4
 
 
 def test_itl_miss_grows_decode_by_one_and_blocks_scale_in():

@@ -24,8 +24,9 @@ Which signals decide each pool, and why:
 - **Decode** serves concurrent sequences, bounded by KV room, so its load is
   the sequences it holds (running + waiting) against what one worker holds, and
   the KV blocks in use (measured, so it also sees long contexts the
-  per-worker figure underestimates). Waiting requests mean no room now: that is
-  scale-out (KV_ROOM). ITL p90 above target grows the pool by one (a large
+  per-worker figure underestimates). Requests waiting while KV is above its
+  target mean no room now: at least one more worker (KV_ROOM); waiting with
+  room to spare is a batch slot a step away, counted as load only. ITL p90 above target grows the pool by one (a large
   batch slows every step, and a hand-off waiting for room shows up as a long
   first gap).
 
@@ -164,8 +165,8 @@ def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
     by_seqs = _ceil(seqs_out / (s.seqs_per_worker * c.target_utilization))
     kv_workers = s.kv_usage * s.ready_workers        # workers' worth of KV in use
     by_kv = _ceil(kv_workers / c.target_kv_usage)
-    if s.waiting > 0 and s.ready_workers > 0:
-        by_kv = max(by_kv, s.workers + 1)            # nothing free now: at least one more
+    if s.waiting > 0 and s.kv_usage >= c.target_kv_usage:
+        by_kv = max(by_kv, s.workers + 1)            # requests wait and KV is full: at least one more
     out, reason = (by_kv, Reason.KV_ROOM) if by_kv > by_seqs else (by_seqs, Reason.LOAD)
     slo_miss = s.itl_p90_ms is not None and s.itl_p90_ms > c.slo_itl_ms
     if slo_miss and out <= s.workers:
