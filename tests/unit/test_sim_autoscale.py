@@ -3,6 +3,7 @@ pools grow under a load step and shrink back, and no request is lost or
 duplicated by a scale-in."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -119,3 +120,25 @@ def test_autoscale_is_deterministic():
 def test_autoscale_needs_a_prefill_pool():
     with pytest.raises(ValueError, match="prefill-nodes"):
         SimConfig(0, 2, autoscale=_autoscale())
+
+
+def test_cli_autoscale_flags(tmp_path, capsys):
+    from cluster.cli import main
+    out = tmp_path / "as.json"
+    args = ["simulate", "--synthetic", "120", "--synthetic-rate", "30", "--prefill-nodes", "1", "--decode-nodes", "1",
+            "--tokens-per-id", "16", "--block-size", "16", "--num-blocks", "64", "--autoscale",
+            "--slo-ttft-ms", "1500", "--slo-itl-ms", "80", "--min-prefill-workers", "1", "--max-prefill-workers", "3",
+            "--min-decode-workers", "1", "--max-decode-workers", "4", "--max-total-workers", "6",
+            "--autoscale-interval", "1", "--autoscale-window", "3", "--startup-delay", "1", "--output", str(out)]
+    assert main(args) == 0
+    s = json.loads(out.read_text())["runs"][0]["summary"]
+    assert s["finished"] == s["requests"] == 120
+    a = s["autoscale"]
+    assert (a["slo_ttft_ms"], a["slo_itl_ms"], a["max_total_workers"]) == (1500, 80, 6)
+    assert a["prefill_bounds"] == [1, 3] and a["decode_bounds"] == [1, 4]
+    assert s["slo"] == {"ttft_s": 1.5, "itl_s": 0.08}
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["worker_hours"] > 0 and "peak_workers" in line
+    # bounds that cannot hold are a clear error
+    assert main([*args[:-2], "--min-decode-workers", "5"]) == 2
+    assert "min workers <= max workers" in capsys.readouterr().err
