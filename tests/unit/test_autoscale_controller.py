@@ -69,8 +69,15 @@ def test_prefill_queue_drives_scale_out_when_the_rate_fits():
 
 
 def test_ttft_miss_with_a_queue_grows_by_one_even_if_the_model_says_enough():
+    # 3.5 s against 2 s: +75%, at most a step (+50%): 4 -> 6
     out = replay(config(), [({"rate": 1000, "queued": 100, "ttft": 3500.0}, idle_decode())], p0=4)
+    assert out[0].prefill.reason is Reason.TTFT_SLO and out[0].prefill.target == 6
+    # a small miss: at least one worker
+    out = replay(config(), [({"rate": 1000, "queued": 100, "ttft": 2050.0}, idle_decode())], p0=4)
     assert out[0].prefill.reason is Reason.TTFT_SLO and out[0].prefill.target == 5
+    # a miss without a queue (one long prompt): more prefill workers would not help
+    out = replay(config(), [({"rate": 1000, "queued": 0, "ttft": 3500.0}, idle_decode())], p0=4)
+    assert out[0].prefill.target == 4
 
 
 def test_drop_shrinks_only_after_the_hold_and_stepwise_to_min():
@@ -127,12 +134,16 @@ def test_decode_kv_room_and_waiting_drive_scale_out():
 
 
 def test_itl_miss_grows_decode_by_one_and_blocks_scale_in():
-    out = replay(config(), [({"rate": 1000}, {"running": 10, "itl": 150.0})], d0=4)
-    assert out[0].decode.reason is Reason.ITL_SLO and out[0].decode.target == 5
-    # over the hold time with low load but ITL missed: never IDLE
-    series = [({"rate": 1000}, {"running": 10, "itl": 150.0})] * 20
+    out = replay(config(), [({"rate": 1000}, {"running": 10, "itl": 120.0})], d0=4)
+    assert out[0].decode.reason is Reason.ITL_SLO and out[0].decode.target == 5      # +20% -> +1
+    # over the hold time with low load but ITL near its target (over 70% of it): never IDLE
+    series = [({"rate": 1000}, {"running": 10, "itl": 80.0})] * 20
     out = replay(config(), series, d0=20)
-    assert all(x.decode.reason is not Reason.IDLE for x in out)
+    assert all(x.decode.reason is not Reason.IDLE for x in out) and out[-1].decode.target == 20
+    # well under it: shrinks
+    series = [({"rate": 1000}, {"running": 10, "itl": 30.0})] * 20
+    out = replay(config(), series, d0=20)
+    assert out[-1].decode.target < 20 and Reason.IDLE in {x.decode.reason for x in out}
 
 
 def test_bounds_at_max_and_at_min():

@@ -18,17 +18,21 @@ Which signals decide each pool, and why:
   the requests in it still meet the TTFT target (a queue of Q tokens on W
   workers waits Q / (W x capacity) seconds before its last prompt starts). The
   TTFT p90 is the check: above the target while tokens queue, the pool grows by
-  one even if the model says it is big enough (the capacity figure is wrong
-  for this workload). TTFT is prefill's SLO alone: a decode pool without room
+  the relative miss (at least one worker, at most a step) even if the model
+  says it is big enough (the capacity figure is optimistic for this workload:
+  long prompts, uneven prefix-aware placement); and the pool shrinks only while
+  the p90 is well under target (``slo_scale_in_margin``), so it does not shrink
+  back into a miss the model cannot see. TTFT is prefill's SLO alone: a decode pool without room
   delays the hand-off, not the first token.
 - **Decode** serves concurrent sequences, bounded by KV room, so its load is
   the sequences it holds (running + waiting) against what one worker holds, and
   the KV blocks in use (measured, so it also sees long contexts the
   per-worker figure underestimates). Requests waiting while KV is above its
   target mean no room now: at least one more worker (KV_ROOM); waiting with
-  room to spare is a batch slot a step away, counted as load only. ITL p90 above target grows the pool by one (a large
-  batch slows every step, and a hand-off waiting for room shows up as a long
-  first gap).
+  room to spare is a batch slot a step away, counted as load only. ITL p90
+  above target grows the pool by the relative miss (a large batch slows every
+  step, and a hand-off waiting for room shows up as a long first gap); it
+  shrinks only while the ITL p90 is well under target.
 
 Load is predicted ``predict_ahead_s`` ahead (about a worker's start-up time):
 the last observation plus the smoothed slope (an EWMA of the EWMA's slope) times
@@ -38,9 +42,9 @@ falling); scale-in the largest of observation, EWMA and prediction (leave
 slowly: the EWMA remembers a recent peak).
 
 Against flapping: a hysteresis band (scale out above ``target_utilization``,
-scale in only when the load fits at ``scale_in_utilization`` in fewer workers,
-and only after it stayed there ``scale_in_hold_s``, with no SLO miss and no
-queue), cool-downs (no further scale-out for ``cooldown_out_s`` after one, no
+scale in only when the load fits at ``scale_in_utilization`` in fewer workers
+and the SLO p90 is under ``slo_scale_in_margin`` of target, and only after that
+held for ``scale_in_hold_s``), cool-downs (no further scale-out for ``cooldown_out_s`` after one, no
 scale-in for ``cooldown_in_s`` after any change), step limits, and bounds (per
 pool, and optionally for both pools together).
 """
@@ -141,6 +145,15 @@ def _ceil(x: float) -> int:
     return max(0, math.ceil(x - 1e-9))
 
 
+def _slo_step(workers: int, p90: float, target: float, c: AutoscaleConfig) -> int:
+    """Workers after an SLO miss: grown by the relative miss, at least one, at most a step."""
+    return workers + max(1, math.ceil(workers * min(c.max_step_up, p90 / target - 1.0)))
+
+
+def _under_margin(p90: float | None, target: float, c: AutoscaleConfig) -> bool:
+    return p90 is None or p90 <= c.slo_scale_in_margin * target
+
+
 def _prefill_want(s: PrefillSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
     pred = st.predicted(s.prompt_tokens_per_s, c)
     rate_out = max(s.prompt_tokens_per_s, pred)
@@ -152,9 +165,9 @@ def _prefill_want(s: PrefillSignals, st: PoolState, c: AutoscaleConfig) -> _Want
     reason = Reason.QUEUE if out > s.workers and by_rate <= s.workers else Reason.LOAD
     slo_miss = s.ttft_p90_ms is not None and s.ttft_p90_ms > c.slo_ttft_ms
     if slo_miss and s.queued_tokens > 0 and out <= s.workers:
-        out, reason = s.workers + 1, Reason.TTFT_SLO
+        out, reason = _slo_step(s.workers, s.ttft_p90_ms, c.slo_ttft_ms, c), Reason.TTFT_SLO
     fits_in = _ceil((rate_in + drain) / (cap * c.scale_in_utilization))
-    return _Want(out, reason, fits_in, not slo_miss and s.queued_tokens == 0, rate_out)
+    return _Want(out, reason, fits_in, _under_margin(s.ttft_p90_ms, c.slo_ttft_ms, c), rate_out)
 
 
 def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
@@ -170,11 +183,11 @@ def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
     out, reason = (by_kv, Reason.KV_ROOM) if by_kv > by_seqs else (by_seqs, Reason.LOAD)
     slo_miss = s.itl_p90_ms is not None and s.itl_p90_ms > c.slo_itl_ms
     if slo_miss and out <= s.workers:
-        out, reason = s.workers + 1, Reason.ITL_SLO
+        out, reason = _slo_step(s.workers, s.itl_p90_ms, c.slo_itl_ms, c), Reason.ITL_SLO
     ratio = c.scale_in_utilization / c.target_utilization
     fits_in = max(_ceil(seqs_in / (s.seqs_per_worker * c.scale_in_utilization)),
                   _ceil(kv_workers / (c.target_kv_usage * ratio)))
-    return _Want(out, reason, fits_in, not slo_miss and s.waiting == 0, seqs_out)
+    return _Want(out, reason, fits_in, _under_margin(s.itl_p90_ms, c.slo_itl_ms, c) and s.waiting == 0, seqs_out)
 
 
 def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c: AutoscaleConfig,
