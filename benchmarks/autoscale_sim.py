@@ -43,8 +43,9 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
     scale = None
     if autoscale:
         config = AutoscaleConfig(
-            slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
-            prefill=PoolBounds(max(1, n // 20), n), decode=PoolBounds(max(1, n // 20), n), max_total_workers=n,
+            slo_ttft_ms=args.slo_ttft_ms * args.steer, slo_itl_ms=args.slo_itl_ms * args.steer,
+            prefill=PoolBounds(max(1, n // 20), n), decode=PoolBounds(max(1, n // 20), n),
+            max_total_workers=n if args.fleet_cap else None,
             predict_ahead_s=args.startup_delay, cooldown_out_s=max(args.startup_delay, args.interval))
         scale = SimAutoscale(config, interval_s=args.interval, window_s=args.window, startup_s=args.startup_delay)
     sched = cost.meta.get("scheduler", {})
@@ -79,9 +80,12 @@ def main() -> None:
     ap.add_argument("--prefill-fractions", default="0.3,0.4,0.5,0.6,0.7")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-itl-ms", type=float, default=100.0)
+    ap.add_argument("--steer", type=float, default=0.75,
+                    help="the controller steers each p90 to this part of its SLO (goodput counts the SLO itself)")
     ap.add_argument("--interval", type=float, default=5.0)
     ap.add_argument("--window", type=float, default=30.0)
     ap.add_argument("--startup-delay", type=float, default=30.0)
+    ap.add_argument("--fleet-cap", action="store_true", help="cap both autoscaled pools together at N")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--output", help="also write every run here (JSON)")
     args = ap.parse_args()
@@ -99,7 +103,8 @@ def main() -> None:
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         rows = list(pool.map(one, *zip(*[(args, *j) for j in jobs])))
-    out = {"slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}, "profile": args.profile,
+    out = {"slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}, "steer": args.steer,
+           "profile": args.profile, "fleet_cap": args.fleet_cap,
            "startup_delay_s": args.startup_delay, "interval_s": args.interval, "fleets": {}}
     for f in fleets:
         mine = [r for r in rows if r["nodes"] == f["nodes"]]

@@ -42,7 +42,7 @@ def _step_workload(seed=3):
 def _autoscale(**kw):
     cfg = AutoscaleConfig(slo_ttft_ms=1000, slo_itl_ms=100, prefill=PoolBounds(1, 6), decode=PoolBounds(1, 10),
                           predict_ahead_s=2.0, scale_in_hold_s=5.0, cooldown_out_s=2.0, cooldown_in_s=4.0,
-                          max_step_down=0.5, **kw)
+                          max_step_down=0.5, capacity_recovery_per_s=0.05, **kw)
     return SimAutoscale(cfg, interval_s=1.0, window_s=3.0, startup_s=2.0)
 
 

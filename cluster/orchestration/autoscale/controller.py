@@ -16,8 +16,10 @@ Which signals decide each pool, and why:
   TTFT target)) / (one worker's tokens/s x ``target_utilization``). The rate
   term keeps up with arrivals; the queue term clears a backlog fast enough that
   the requests in it still meet the TTFT target (a queue of Q tokens on W
-  workers waits Q / (W x capacity) seconds before its last prompt starts). The
-  TTFT p90 is the check: above the target while tokens queue, the pool grows by
+  workers waits Q / (W x capacity) seconds before its last prompt starts), while
+  the TTFT p90 is over target (a burst TTFT absorbs is not a
+  reason to grow: with prefix-aware routing a backlog sits on the nodes that
+  hold its prefix, which new workers do not relieve). The TTFT p90 is the check: above the target while tokens queue, the pool grows by
   the relative miss (at least one worker, at most a step) even if the model
   says it is big enough (the capacity figure is optimistic for this workload:
   long prompts, uneven prefix-aware placement); and the pool shrinks only while
@@ -40,6 +42,14 @@ the horizon. Scale-out uses the larger of the last observation and the
 prediction (react at once to a step and to a ramp, but not to a spike already
 falling); scale-in the largest of observation, EWMA and prediction (leave
 slowly: the EWMA remembers a recent peak).
+
+The per-worker capacity figures are the caller's model; what a worker sustains
+*within the SLO* can be less (TTFT needs short queues behind long prompts). So
+each pool keeps a learned ``capacity_scale``: an SLO miss at a size the figure
+said was enough lowers it so the figure asks for the grown size, and it
+recovers toward 1 by ``capacity_recovery_per_s`` while the SLO holds with
+margin; shrinking then has to wait until the recovered figure says the load
+fits in fewer workers.
 
 Against flapping: a hysteresis band (scale out above ``target_utilization``,
 scale in only when the load fits at ``scale_in_utilization`` in fewer workers
@@ -108,6 +118,10 @@ class PoolState:
     last_out_t: float = _NEVER       # time of the last scale-out
     last_change_t: float = _NEVER    # time of the last change either way
     below_since: float | None = None  # the load has fit in fewer workers since then
+    # what one worker really sustains within the SLO, as a part of the caller's capacity figure:
+    # lowered when the SLO missed at a size the figure said was enough, recovering slowly while
+    # the SLO holds with margin
+    capacity_scale: float = 1.0
 
     def observe(self, load: float, now: float, config: AutoscaleConfig) -> "PoolState":
         if self.ewma is None or self.last_t is None:
@@ -137,8 +151,21 @@ class _Want:
     out: int                  # workers needed at the target utilisation (scale out if > current)
     out_reason: Reason
     fits_in: int              # workers the load fits at the scale-in utilisation
-    may_shrink: bool          # no SLO miss, no queue: shrinking is allowed at all
+    may_shrink: bool          # the SLO holds with margin: shrinking is allowed at all
     predicted: float
+    load_per_worker: float    # the load one worker takes at the target utilisation, unscaled
+
+
+def _learn(st: PoolState, want: _Want, workers: int, dt: float, c: AutoscaleConfig) -> PoolState:
+    """Adjust ``capacity_scale``: an SLO miss at a size the figure said was enough means one
+    worker sustains less (scale so the figure asks for the grown size); the SLO holding with
+    margin lets it recover toward 1 at ``capacity_recovery_per_s``."""
+    if want.out_reason in (Reason.TTFT_SLO, Reason.ITL_SLO) and want.out > workers and want.predicted > 0:
+        fit = want.predicted / (want.out * want.load_per_worker)
+        return replace(st, capacity_scale=max(c.min_capacity_scale, min(st.capacity_scale, fit)))
+    if want.may_shrink and st.capacity_scale < 1.0 and dt > 0:
+        return replace(st, capacity_scale=min(1.0, st.capacity_scale * (1.0 + c.capacity_recovery_per_s * dt)))
+    return st
 
 
 def _ceil(x: float) -> int:
@@ -158,16 +185,23 @@ def _prefill_want(s: PrefillSignals, st: PoolState, c: AutoscaleConfig) -> _Want
     pred = st.predicted(s.prompt_tokens_per_s, c)
     rate_out = max(s.prompt_tokens_per_s, pred)
     rate_in = max(s.prompt_tokens_per_s, st.ewma or 0.0, pred)
-    drain = s.queued_tokens / (c.queue_drain_fraction * c.slo_ttft_ms / 1000.0)
-    cap = s.tokens_per_s_per_worker
+    # a backlog counts while it hurts: TTFT p90 over target (a burst that TTFT absorbs is no
+    # reason to grow, and with prefix-aware routing it sits on the nodes holding its prefix,
+    # which new workers would not relieve)
+    hurting = s.ttft_p90_ms is None or s.ttft_p90_ms > c.slo_ttft_ms
+    drain = s.queued_tokens / (c.queue_drain_fraction * c.slo_ttft_ms / 1000.0) if hurting else 0.0
+    # arrivals need what a worker sustains within the SLO (learned scale); the backlog drains
+    # at a worker's raw speed
+    cap, raw = s.tokens_per_s_per_worker * st.capacity_scale, s.tokens_per_s_per_worker
     by_rate = _ceil(rate_out / (cap * c.target_utilization))
-    out = _ceil((rate_out + drain) / (cap * c.target_utilization))
+    out = _ceil(rate_out / (cap * c.target_utilization) + drain / (raw * c.target_utilization))
     reason = Reason.QUEUE if out > s.workers and by_rate <= s.workers else Reason.LOAD
     slo_miss = s.ttft_p90_ms is not None and s.ttft_p90_ms > c.slo_ttft_ms
     if slo_miss and s.queued_tokens > 0 and out <= s.workers:
         out, reason = _slo_step(s.workers, s.ttft_p90_ms, c.slo_ttft_ms, c), Reason.TTFT_SLO
-    fits_in = _ceil((rate_in + drain) / (cap * c.scale_in_utilization))
-    return _Want(out, reason, fits_in, _under_margin(s.ttft_p90_ms, c.slo_ttft_ms, c), rate_out)
+    fits_in = _ceil(rate_in / (cap * c.scale_in_utilization) + drain / (raw * c.scale_in_utilization))
+    return _Want(out, reason, fits_in, _under_margin(s.ttft_p90_ms, c.slo_ttft_ms, c), rate_out,
+                 raw * c.target_utilization)
 
 
 def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
@@ -175,7 +209,8 @@ def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
     pred = st.predicted(seqs_obs, c)
     seqs_out = max(seqs_obs, pred)
     seqs_in = max(seqs_obs, st.ewma or 0.0, pred)
-    by_seqs = _ceil(seqs_out / (s.seqs_per_worker * c.target_utilization))
+    spw = s.seqs_per_worker * st.capacity_scale
+    by_seqs = _ceil(seqs_out / (spw * c.target_utilization))
     kv_workers = s.kv_usage * s.ready_workers        # workers' worth of KV in use
     by_kv = _ceil(kv_workers / c.target_kv_usage)
     if s.waiting > 0 and s.kv_usage >= c.target_kv_usage:
@@ -185,9 +220,10 @@ def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
     if slo_miss and out <= s.workers:
         out, reason = _slo_step(s.workers, s.itl_p90_ms, c.slo_itl_ms, c), Reason.ITL_SLO
     ratio = c.scale_in_utilization / c.target_utilization
-    fits_in = max(_ceil(seqs_in / (s.seqs_per_worker * c.scale_in_utilization)),
+    fits_in = max(_ceil(seqs_in / (spw * c.scale_in_utilization)),
                   _ceil(kv_workers / (c.target_kv_usage * ratio)))
-    return _Want(out, reason, fits_in, _under_margin(s.itl_p90_ms, c.slo_itl_ms, c) and s.waiting == 0, seqs_out)
+    return _Want(out, reason, fits_in, _under_margin(s.itl_p90_ms, c.slo_itl_ms, c), seqs_out,
+                 s.seqs_per_worker * c.target_utilization)
 
 
 def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c: AutoscaleConfig,
@@ -246,12 +282,15 @@ def _fleet_cap(p: PoolDecision, d: PoolDecision, cap: int | None) -> tuple[PoolD
 def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerState,
            now: float) -> tuple[FleetDecision, ControllerState]:
     """One interval: the target size of each pool, with its reason, and the new state."""
+    dt_p = now - state.prefill.last_t if state.prefill.last_t is not None else 0.0
+    dt_d = now - state.decode.last_t if state.decode.last_t is not None else 0.0
     ps = state.prefill.observe(signals.prefill.prompt_tokens_per_s, now, config)
     ds = state.decode.observe(float(signals.decode.running + signals.decode.waiting), now, config)
-    p, ps = _pool("prefill", signals.prefill.workers, _prefill_want(signals.prefill, ps, config), ps,
-                  config.prefill, config, now)
-    d, ds = _pool("decode", signals.decode.workers, _decode_want(signals.decode, ds, config), ds,
-                  config.decode, config, now)
+    wp, wd = _prefill_want(signals.prefill, ps, config), _decode_want(signals.decode, ds, config)
+    ps = _learn(ps, wp, signals.prefill.workers, dt_p, config)
+    ds = _learn(ds, wd, signals.decode.workers, dt_d, config)
+    p, ps = _pool("prefill", signals.prefill.workers, wp, ps, config.prefill, config, now)
+    d, ds = _pool("decode", signals.decode.workers, wd, ds, config.decode, config, now)
     p2, d2 = _fleet_cap(p, d, config.max_total_workers)
     # a trimmed scale-out that ended at no change must not start the scale-out cool-down
     if p2.target == p2.current and p.target > p.current:

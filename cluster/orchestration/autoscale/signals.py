@@ -112,10 +112,12 @@ class AutoscaleConfig:
     decode: PoolBounds
     max_total_workers: int | None = None   # both pools together (a fleet cap); None: none
     target_utilization: float = 0.8
-    scale_in_utilization: float = 0.55
+    scale_in_utilization: float = 0.45
     queue_drain_fraction: float = 0.5      # drain the prefill queue within this part of the TTFT target
-    slo_scale_in_margin: float = 0.7       # scale in only while the pool's SLO p90 is under this part of target
-    target_kv_usage: float = 0.85
+    slo_scale_in_margin: float = 0.7      # scale in only while the pool's SLO p90 is under this part of target
+    capacity_recovery_per_s: float = 0.001  # learned capacity scale recovers toward 1 this fast (x per s)
+    min_capacity_scale: float = 0.05
+    target_kv_usage: float = 0.75
     ewma_alpha: float = 0.3                # weight of the newest observation
     trend_alpha: float = 0.3
     predict_ahead_s: float = 30.0          # forecast horizon (about a worker's start-up time)
@@ -135,7 +137,9 @@ class AutoscaleConfig:
             raise ValueError("queue_drain_fraction, target_kv_usage and slo_scale_in_margin must be in (0, 1]")
         if not 0 < self.ewma_alpha <= 1 or not 0 <= self.trend_alpha <= 1:
             raise ValueError("ewma_alpha must be in (0, 1] and trend_alpha in [0, 1]")
-        for name in ("predict_ahead_s", "scale_in_hold_s", "cooldown_out_s", "cooldown_in_s",
+        if not 0 < self.min_capacity_scale <= 1:
+            raise ValueError("min_capacity_scale must be in (0, 1]")
+        for name in ("capacity_recovery_per_s", "predict_ahead_s", "scale_in_hold_s", "cooldown_out_s", "cooldown_in_s",
                      "max_step_up", "max_step_down"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
