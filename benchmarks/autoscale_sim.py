@@ -54,7 +54,7 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
                     slo=Slo(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0), autoscale=scale)
     t0 = time.perf_counter()
     s = ClusterSim(cfg, cost, reqs, PromptBuilder(512)).run()
-    row = {"nodes": n, "split": f"{p}:{d}", "autoscale": autoscale, "requests": s["requests"],
+    row = {"fleet": fleet["label"], "nodes": n, "split": f"{p}:{d}", "autoscale": autoscale, "requests": s["requests"],
            "finished": s["finished"], "good": s["goodput"]["requests"],
            "good_fraction": round(s["goodput"]["fraction"], 4),
            "worker_hours": round(s["fleet"]["worker_hours"]["total"], 3),
@@ -92,7 +92,8 @@ def main() -> None:
     fleets = []
     for spec in args.fleet or ["100:1000:12:1", "1000:300:120:1"]:
         n, limit, copies, ts = spec.split(":")
-        fleets.append({"nodes": int(n), "limit": int(limit), "copies": int(copies), "time_scale": float(ts)})
+        fleets.append({"label": spec, "nodes": int(n), "limit": int(limit), "copies": int(copies),
+                       "time_scale": float(ts)})
     fractions = [float(x) for x in args.prefill_fractions.split(",")]
     jobs = []
     for f in fleets:
@@ -107,11 +108,11 @@ def main() -> None:
            "profile": args.profile, "fleet_cap": args.fleet_cap,
            "startup_delay_s": args.startup_delay, "interval_s": args.interval, "fleets": {}}
     for f in fleets:
-        mine = [r for r in rows if r["nodes"] == f["nodes"]]
+        mine = [r for r in rows if r["fleet"] == f["label"]]
         fixed = [r for r in mine if not r["autoscale"]]
         best = max(fixed, key=lambda r: (r["good"], -r["worker_hours"]))
         auto = next(r for r in mine if r["autoscale"])
-        out["fleets"][str(f["nodes"])] = {
+        out["fleets"][f["label"]] = {
             "window": f, "requests": best["requests"],
             "best_fixed": {k: best[k] for k in ("split", "good", "good_fraction", "worker_hours", "ttft_p90_s",
                                                 "itl_p90_ms", "duration_s")},
