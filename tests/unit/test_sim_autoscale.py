@@ -25,10 +25,10 @@ def _cost():
 
 
 def _step_workload(seed=3):
-    """4 req/s for 20 s, 40 req/s for 20 s, 4 req/s for 60 s; 128-token unique prompts (above the
+    """4 req/s for 20 s, 40 req/s for 20 s, 4 req/s for 120 s; 128-token unique prompts (above the
     local-prefill threshold: prefilled remotely), 40-token outputs."""
     rng, t, out, i = random.Random(seed), 0.0, [], 0
-    for rate, until in ((4.0, 20.0), (40.0, 40.0), (4.0, 100.0)):
+    for rate, until in ((4.0, 20.0), (40.0, 40.0), (4.0, 160.0)):
         while True:
             t += rng.expovariate(rate)
             if t >= until:
@@ -43,7 +43,7 @@ def _autoscale(**kw):
     cfg = AutoscaleConfig(slo_ttft_ms=1000, slo_itl_ms=100, prefill=PoolBounds(1, 6), decode=PoolBounds(1, 10),
                           predict_ahead_s=2.0, scale_in_hold_s=5.0, cooldown_out_s=2.0, cooldown_in_s=4.0,
                           max_step_down=0.5, capacity_recovery_per_s=0.05, **kw)
-    return SimAutoscale(cfg, interval_s=1.0, window_s=3.0, startup_s=2.0)
+    return SimAutoscale(cfg, interval_s=1.0, window_s=8.0, startup_s=2.0)
 
 
 def _run(reqs, p=1, d=1, autoscale=None):
@@ -74,6 +74,9 @@ def test_pools_grow_under_a_step_and_shrink_back_without_losing_a_request():
         # and after it the pool came back to its size before the step, by scale-ins for idleness
         assert len(sim.ready_nodes(pool)) <= before
         assert {c["reason"] for c in mine if c["to"] < c["from"]} == {"idle"}
+        # no flapping: from the peak on, it only shrinks
+        top = max(i for i, c in enumerate(mine) if c["to"] == peak)
+        assert all(c["to"] < c["from"] for c in mine[top + 1:])
     # drained nodes left, took nothing after their drain, and hold no block
     assert sim.retired and not sim.draining
     for node in sim.retired:
@@ -92,7 +95,7 @@ def test_pools_grow_under_a_step_and_shrink_back_without_losing_a_request():
     _, peak = _run(reqs, p=a["peak_workers"]["prefill"], d=a["peak_workers"]["decode"])
     assert s["fleet"]["worker_hours"]["total"] < 0.7 * peak["fleet"]["worker_hours"]["total"]
     _, small = _run(reqs, p=1, d=1)
-    assert s["goodput"]["fraction"] >= 0.6 and s["goodput"]["fraction"] > small["goodput"]["fraction"] + 0.2
+    assert s["goodput"]["fraction"] >= 0.5 and s["goodput"]["fraction"] > small["goodput"]["fraction"] + 0.2
 
 
 def test_fixed_fleet_worker_hours_are_nodes_times_span():
