@@ -12,20 +12,20 @@ target it acted on (starting workers included).
 Which signals decide each pool, and why:
 
 - **Prefill** serves prompt tokens, so its load is a token rate. Workers needed
-  = (predicted prompt tokens/s + queued tokens / (``queue_drain_fraction`` x
-  TTFT target)) / (one worker's tokens/s x ``target_utilization``). The rate
+  = predicted prompt tokens/s / (what one worker sustains x
+  ``target_utilization``) + queued tokens / (``queue_drain_fraction`` x TTFT
+  target) / (one worker's raw tokens/s x ``target_utilization``). The rate
   term keeps up with arrivals; the queue term clears a backlog fast enough that
   the requests in it still meet the TTFT target (a queue of Q tokens on W
-  workers waits Q / (W x capacity) seconds before its last prompt starts), while
-  the TTFT p90 is over target (a burst TTFT absorbs is not a
-  reason to grow: with prefix-aware routing a backlog sits on the nodes that
-  hold its prefix, which new workers do not relieve). The TTFT p90 is the check: above the target while tokens queue, the pool grows by
-  the relative miss (at least one worker, at most a step) even if the model
-  says it is big enough (the capacity figure is optimistic for this workload:
-  long prompts, uneven prefix-aware placement); and the pool shrinks only while
-  the p90 is well under target (``slo_scale_in_margin``), so it does not shrink
-  back into a miss the model cannot see. TTFT is prefill's SLO alone: a decode pool without room
-  delays the hand-off, not the first token.
+  workers waits Q / (W x capacity) seconds before its last prompt starts). The
+  queue counts only while TTFT p90 misses its target: a burst that TTFT absorbs
+  is no reason to grow, and with prefix-aware routing a backlog sits on the
+  nodes that hold its prefix, which new workers do not relieve. TTFT p90 above
+  target while tokens queue grows the pool by the relative miss (at least one
+  worker, at most a step) even if the model says it is big enough; the pool
+  shrinks only while the p90 is well under target (``slo_scale_in_margin``).
+  TTFT is prefill's SLO alone: a decode pool without room delays the hand-off,
+  not the first token.
 - **Decode** serves concurrent sequences, bounded by KV room, so its load is
   the sequences it holds (running + waiting) against what one worker holds, and
   the KV blocks in use (measured, so it also sees long contexts the
@@ -196,9 +196,9 @@ def _prefill_want(s: PrefillSignals, st: PoolState, c: AutoscaleConfig) -> _Want
     by_rate = _ceil(rate_out / (cap * c.target_utilization))
     out = _ceil(rate_out / (cap * c.target_utilization) + drain / (raw * c.target_utilization))
     reason = Reason.QUEUE if out > s.workers and by_rate <= s.workers else Reason.LOAD
-    slo_miss = s.ttft_p90_ms is not None and s.ttft_p90_ms > c.slo_ttft_ms
-    if slo_miss and s.queued_tokens > 0 and out <= s.workers:
-        out, reason = _slo_step(s.workers, s.ttft_p90_ms, c.slo_ttft_ms, c), Reason.TTFT_SLO
+    ttft = s.ttft_p90_ms
+    if ttft is not None and ttft > c.slo_ttft_ms and s.queued_tokens > 0 and out <= s.workers:
+        out, reason = _slo_step(s.workers, ttft, c.slo_ttft_ms, c), Reason.TTFT_SLO
     fits_in = _ceil(rate_in / (cap * c.scale_in_utilization) + drain / (raw * c.scale_in_utilization))
     return _Want(out, reason, fits_in, _under_margin(s.ttft_p90_ms, c.slo_ttft_ms, c), rate_out,
                  raw * c.target_utilization)
@@ -216,9 +216,9 @@ def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
     if s.waiting > 0 and s.kv_usage >= c.target_kv_usage:
         by_kv = max(by_kv, s.workers + 1)            # requests wait and KV is full: at least one more
     out, reason = (by_kv, Reason.KV_ROOM) if by_kv > by_seqs else (by_seqs, Reason.LOAD)
-    slo_miss = s.itl_p90_ms is not None and s.itl_p90_ms > c.slo_itl_ms
-    if slo_miss and out <= s.workers:
-        out, reason = _slo_step(s.workers, s.itl_p90_ms, c.slo_itl_ms, c), Reason.ITL_SLO
+    itl = s.itl_p90_ms
+    if itl is not None and itl > c.slo_itl_ms and out <= s.workers:
+        out, reason = _slo_step(s.workers, itl, c.slo_itl_ms, c), Reason.ITL_SLO
     ratio = c.scale_in_utilization / c.target_utilization
     fits_in = max(_ceil(seqs_in / (spw * c.scale_in_utilization)),
                   _ceil(kv_workers / (c.target_kv_usage * ratio)))
@@ -248,10 +248,11 @@ def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c
         step = max(1, math.ceil(cur * c.max_step_up))
         return done(min(want.out, cur + step, bounds.max_workers), want.out_reason, st)
     if want.may_shrink and want.fits_in < cur:
-        st = st if st.below_since is not None else replace(st, below_since=now)
+        since = st.below_since if st.below_since is not None else now
+        st = replace(st, below_since=since)
         if cur <= bounds.min_workers:
             return done(cur, Reason.AT_MIN, st)
-        if now - st.below_since < c.scale_in_hold_s:
+        if now - since < c.scale_in_hold_s:
             return done(cur, Reason.STEADY, st)
         if now - st.last_change_t < c.cooldown_in_s:
             return done(cur, Reason.COOLDOWN, st)

@@ -81,7 +81,8 @@ class _Window:
     __slots__ = ("span", "items")
 
     def __init__(self, span: float) -> None:
-        self.span, self.items = span, deque()
+        self.span = span
+        self.items: deque[tuple[float, float]] = deque()
 
     def add(self, t: float, v: float) -> None:
         self.items.append((t, v))
@@ -121,11 +122,12 @@ class SimAutoscaler:
         self.prompt_tokens.add(t, uncached_prefill_tokens)
 
     def on_first_token(self, rec: "RequestRecord") -> None:
+        assert rec.first_token_s is not None
         self.ttft_ms.add(rec.first_token_s, rec.ttft * 1000.0)
 
     def on_done(self, rec: "RequestRecord") -> None:
         itl = rec.mean_itl
-        if itl is not None:
+        if itl is not None and rec.finish_s is not None:
             self.itl_ms.add(rec.finish_s, itl * 1000.0)
 
     # ---- every interval -------------------------------------------------------
