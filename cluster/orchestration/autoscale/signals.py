@@ -96,9 +96,11 @@ class PoolBounds:
 class AutoscaleConfig:
     """The operator's targets and the controller's tuning.
 
-    Scale out when the predicted load needs more workers at ``target_utilization``;
-    scale in only when it fits in fewer at ``scale_in_utilization`` (< target: the
-    hysteresis band) for ``scale_in_hold_s`` in a row. After a scale-out, no
+    Scale out when the predicted load needs more workers at ``target_utilization``,
+    or when the pool's SLO p90 misses its target (by the miss, at most a step);
+    scale in only when the load fits in fewer at ``scale_in_utilization`` (< target:
+    the hysteresis band) and the SLO p90 is under ``slo_scale_in_margin`` of its
+    target, for ``scale_in_hold_s`` in a row. After a scale-out, no
     further scale-out for ``cooldown_out_s`` (new workers are still starting);
     after any change, no scale-in for ``cooldown_in_s``. One decision moves a pool
     by at most ``max(1, ceil(workers * max_step_up))`` up or
@@ -110,28 +112,34 @@ class AutoscaleConfig:
     decode: PoolBounds
     max_total_workers: int | None = None   # both pools together (a fleet cap); None: none
     target_utilization: float = 0.8
-    scale_in_utilization: float = 0.55
+    scale_in_utilization: float = 0.45
     queue_drain_fraction: float = 0.5      # drain the prefill queue within this part of the TTFT target
-    target_kv_usage: float = 0.85
+    slo_scale_in_margin: float = 0.7      # scale in only while the pool's SLO p90 is under this part of target
+    capacity_recovery_per_s: float = 0.001  # learned capacity scale recovers toward 1 this fast (x per s)
+    min_capacity_scale: float = 0.05
+    target_kv_usage: float = 0.75
     ewma_alpha: float = 0.3                # weight of the newest observation
     trend_alpha: float = 0.3
     predict_ahead_s: float = 30.0          # forecast horizon (about a worker's start-up time)
     scale_in_hold_s: float = 60.0
     cooldown_out_s: float = 30.0
-    cooldown_in_s: float = 60.0
+    cooldown_in_s: float = 30.0
     max_step_up: float = 0.5
-    max_step_down: float = 0.1
+    max_step_down: float = 0.2
 
     def __post_init__(self) -> None:
         if self.slo_ttft_ms <= 0 or self.slo_itl_ms <= 0:
             raise ValueError("give positive SLOs, e.g. --slo-ttft-ms 2000 --slo-itl-ms 100")
         if not 0 < self.scale_in_utilization < self.target_utilization <= 1:
             raise ValueError("need 0 < scale_in_utilization < target_utilization <= 1 (the hysteresis band)")
-        if not 0 < self.queue_drain_fraction <= 1 or not 0 < self.target_kv_usage <= 1:
-            raise ValueError("queue_drain_fraction and target_kv_usage must be in (0, 1]")
+        if not 0 < self.queue_drain_fraction <= 1 or not 0 < self.target_kv_usage <= 1 \
+                or not 0 < self.slo_scale_in_margin <= 1:
+            raise ValueError("queue_drain_fraction, target_kv_usage and slo_scale_in_margin must be in (0, 1]")
         if not 0 < self.ewma_alpha <= 1 or not 0 <= self.trend_alpha <= 1:
             raise ValueError("ewma_alpha must be in (0, 1] and trend_alpha in [0, 1]")
-        for name in ("predict_ahead_s", "scale_in_hold_s", "cooldown_out_s", "cooldown_in_s",
+        if not 0 < self.min_capacity_scale <= 1:
+            raise ValueError("min_capacity_scale must be in (0, 1]")
+        for name in ("capacity_recovery_per_s", "predict_ahead_s", "scale_in_hold_s", "cooldown_out_s", "cooldown_in_s",
                      "max_step_up", "max_step_down"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
