@@ -24,14 +24,13 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from cluster.orchestration.autoscale import AutoscaleConfig, PoolBounds  # noqa: E402
-from cluster.tools.sim.autoscale import SimAutoscale  # noqa: E402
-from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig  # noqa: E402
-from cluster.tools.sim.cost_model import load_cost_model  # noqa: E402
-from cluster.tools.sim.metrics import Slo  # noqa: E402
-from cluster.tools.sim.workload import PromptBuilder, compress_time, load_mooncake, overlay  # noqa: E402
+from cluster.orchestration.autoscale import AutoscaleConfig, PoolBounds
+from cluster.tools.sim.autoscale import SimAutoscale
+from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
+from cluster.tools.sim.cost_model import load_cost_model
+from cluster.tools.sim.metrics import Slo
+from cluster.tools.sim.workload import PromptBuilder, compress_time, load_mooncake, overlay
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 

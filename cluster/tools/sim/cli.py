@@ -79,6 +79,12 @@ def register(subparsers) -> None:
     c.add_argument("--report-lag", type=float, default=0.002, help="report delivery lag to the router (s)")
     c.add_argument("--no-collapse", action="store_true", help="one event per decode step (slow; for checks)")
     c.add_argument("--seed", type=int, default=0)
+    _autoscale_flags(p)
+    _output_flags(p)
+    p.set_defaults(func=run)
+
+
+def _autoscale_flags(p) -> None:
     a = p.add_argument_group("autoscaling (cluster/orchestration/autoscale on the virtual clock)")
     a.add_argument("--autoscale", action="store_true",
                    help="size both pools by the controller; --prefill-nodes / --decode-nodes are the starting sizes")
@@ -93,6 +99,9 @@ def register(subparsers) -> None:
     a.add_argument("--autoscale-window", type=float, default=30.0, help="signal window: rates, percentiles (s)")
     a.add_argument("--startup-delay", type=float, default=30.0,
                    help="a new worker takes requests this many simulated seconds after it is started")
+
+
+def _output_flags(p) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--slo-ttft", type=float, default=2.0)
     o.add_argument("--slo-itl", type=float, default=0.1)
@@ -104,7 +113,6 @@ def register(subparsers) -> None:
                    help="every SIM_S simulated seconds print a progress line (JSON) to stderr; 0 = none")
     o.add_argument("--output", help="write all runs as JSON here")
     o.add_argument("--plot-dir", help="write PNG plots of the sweep here")
-    p.set_defaults(func=run)
 
 
 def parse_sweeps(specs: list[str]) -> dict[str, list]:
