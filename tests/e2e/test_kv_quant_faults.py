@@ -14,7 +14,7 @@ import ray
 
 from cluster.cli.client import GenerationClient
 from cluster.config import ServeConfig
-from cluster_harness import Cluster
+from cluster_harness import Cluster, free_port
 from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.ray
@@ -25,7 +25,7 @@ MAX_TOKENS = 40
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, tmp_path_factory):
     cfg = ServeConfig(model=str(tiny_llama_dir), kv_cache_dtype="int8", num_kv_blocks=128, max_model_len=256,
-                      grpc_port=0, http_port=0, metrics_port=0, block_size=BS, prefill_workers=2,
+                      grpc_port=free_port(), http_port=0, metrics_port=0, block_size=BS, prefill_workers=2,
                       decode_workers=2, max_migrations=1, cpus_per_worker=0.5, local_prefill_threshold=0,
                       local_prefill_hit_ratio=1.0, ray_temp_dir=str(tmp_path_factory.mktemp("ray")))
     c = Cluster(cfg)
