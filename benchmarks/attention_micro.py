@@ -8,15 +8,12 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.attention import AttentionShape, get_attention_backend  # noqa: E402
-from engine.batch import AttentionMetadata  # noqa: E402
+from engine.attention import AttentionShape, get_attention_backend
+from engine.batch import AttentionMetadata
 
 B, CTX, H, KVH, D, BS, LAYERS = 16, 512, 9, 3, 64, 16, 30
 

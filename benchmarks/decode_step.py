@@ -11,20 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.config import CacheConfig  # noqa: E402
-from engine.loader import load_model_source  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler_output import ScheduledSeq, SchedulerOutput  # noqa: E402
+from engine.config import CacheConfig
+from engine.loader import load_model_source
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 
 
 class Case:

@@ -31,13 +31,11 @@ import json
 import math
 import os
 import platform
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -46,6 +44,14 @@ from cluster.tools.bench.report import latency_stats  # noqa: E402
 from cluster.tools.bench.runner import RunnerConfig, run_load  # noqa: E402
 from cluster.config import ServeConfig  # noqa: E402
 from cluster.server_stack import start_stack  # noqa: E402
+
+
+def free_port() -> int:
+    """A free TCP port for the stack's gRPC endpoint (grpc_port 0 turns gRPC off)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def machine() -> dict:
@@ -127,8 +133,8 @@ def ratio(a: dict, b: dict, key: str, p: str) -> float | None:
 
 
 async def main_async(args) -> dict:
-    base = dict(model=args.model, grpc_port=0, metrics_port=0, http_port=0, torch_threads=1, cpus_per_worker=1.0,
-                num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len, dtype=args.dtype,
+    base = dict(model=args.model, grpc_port=free_port(), metrics_port=0, http_port=0, torch_threads=1,
+                cpus_per_worker=1.0, num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len, dtype=args.dtype,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 ray_temp_dir=tempfile.mkdtemp(prefix="pdserve-bench-ray-"), log_level="WARNING")
     modes = {"disaggregated": ServeConfig(**base, prefill_workers=1, decode_workers=1),

@@ -19,17 +19,13 @@ import argparse
 import json
 import platform
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.loader.load import load_model_source, resolve_model_path  # noqa: E402
+from engine import LLM, SamplingParams
+from engine.loader.load import load_model_source, resolve_model_path
 
 
 def workload(n: int, vocab: int, min_in: int, max_in: int, min_out: int, max_out: int, seed: int):
@@ -72,7 +68,7 @@ def run_pdserve(model, dtype, prompts, outs, max_model_len) -> dict:
 
 
 def run_hf(model_path, dtype, prompts, outs, batch) -> dict:
-    from tiny_models import hf_llama_from_state
+    from cluster.tools.tiny_models import hf_llama_from_state
     import transformers
 
     if Path(model_path).is_dir():

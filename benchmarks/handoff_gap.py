@@ -24,12 +24,8 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -37,7 +33,7 @@ from cluster.tools.bench import arrivals, datasets as ds  # noqa: E402
 from cluster.tools.bench.runner import RunnerConfig, run_load  # noqa: E402
 from cluster.config import ServeConfig  # noqa: E402
 from cluster.server_stack import start_stack  # noqa: E402
-from disagg_vs_colocated import machine  # noqa: E402
+from disagg_vs_colocated import free_port, machine  # noqa: E402
 
 STAGES = ("join", "room", "pull", "first_step", "total")
 
@@ -72,7 +68,8 @@ def stage_means(before: dict, after: dict) -> dict[str, dict]:
 async def run_mode(args, reserve: bool) -> dict:
     import ray
 
-    cfg = ServeConfig(model=args.model, grpc_port=0, metrics_port=0, http_port=0, torch_threads=1,
+    cfg = ServeConfig(model=args.model, grpc_port=free_port(), metrics_port=0, http_port=0,
+                      torch_threads=1,
                       reserve_decode_blocks=reserve, prefill_workers=1, decode_workers=1, max_num_seqs=args.max_num_seqs,
                       num_kv_blocks=args.kv_blocks, max_model_len=args.input_len + args.output_len + 64,
                       local_prefill_threshold=0, local_prefill_hit_ratio=1.0, log_level="WARNING",

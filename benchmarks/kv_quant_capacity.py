@@ -21,10 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from engine.loader import load_model_source
 
-from engine.loader import load_model_source  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SETTINGS = (("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8"), ("float32", "fp8_e4m3"))
 
@@ -40,7 +39,7 @@ def _tiering():
 def _tiny_hd64() -> str:
     """A random tiny Llama with SmolLM2's head_dim (64): the same bytes-per-block ratios, fast."""
     import tempfile
-    from tiny_models import make_tiny_model
+    from cluster.tools.tiny_models import make_tiny_model
     return str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny-hd64", "llama", hidden_size=256, num_heads=4,
                                num_kv_heads=2, intermediate_size=512))
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -31,16 +30,13 @@ from typing import Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import load_model_source  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler_output import ScheduledSeq, SchedulerOutput  # noqa: E402
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model_source
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 
 PROMPTS = (
     "The capital of France is",
@@ -159,7 +155,7 @@ def evaluate(model_path: str, prompts: list[list[int]], text: list[int], *, max_
 
 def tiny_model_path(name: str, tmp: Path, weight_scale: float = 20.0) -> str:
     """tiny-llama / tiny-qwen2 as the tests build them (``weight_scale`` 20 is the fixtures')."""
-    from tiny_models import make_tiny_model
+    from cluster.tools.tiny_models import make_tiny_model
     if name == "tiny-llama":
         return str(make_tiny_model(tmp / "llama", "llama", weight_scale=weight_scale))
     return str(make_tiny_model(tmp / "qwen2", "qwen2", tie_word_embeddings=True, weight_scale=weight_scale))

@@ -31,10 +31,8 @@ import multiprocessing as mp
 import os
 import random
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 KV_BLOCK = 30 * 2 * 3 * 16 * 64 * 4          # 737280
 MIB = 1 << 20

@@ -20,10 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kv_transfer import KV_BLOCK, fragmented_table
 
-from benchmarks.kv_transfer import KV_BLOCK, fragmented_table  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 NUM_BLOCKS, COUNT = 320, 4096 // 16
 SECRET = "kv-transfer-testbed-benchmark-secret"

@@ -22,15 +22,10 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from cluster.tools.testbed.sys_cmd import need_root  # noqa: E402
+from cluster.tools.testbed.sys_cmd import need_root
 
 BLOCK = 16
 STAGES = ("join", "room", "pull", "first_step", "total")
@@ -60,7 +55,7 @@ def stage_sums(serve) -> dict[str, tuple[float, float]]:
 
 def run_mode(model: Path, args, pipelined: bool) -> dict:
     from cluster.tools.testbed import TestBed
-    from testbed_cluster import MultiHostServe
+    from cluster.tools.testbed.multi_host import MultiHostServe
 
     with TestBed.up(3) as bed:   # a fresh bed per mode: Ray and the link start alike
         bed.host("h2").limit(args.gbit)

@@ -22,18 +22,14 @@ import json
 import os
 import platform
 import random
-import sys
 import time
 import tracemalloc
 from collections import Counter, deque
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cluster.router import (PolicyConfig, PrefixIndex, Router, RouterConfig, RoutingRequest,  # noqa: E402
+from cluster.router import (PolicyConfig, PrefixIndex, Router, RouterConfig, RoutingRequest,
                             WorkerLoad)
-from engine.block_hash import block_hashes  # noqa: E402
-from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier  # noqa: E402
+from engine.block_hash import block_hashes
+from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
 
 
 def rss_bytes() -> int:

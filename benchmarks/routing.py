@@ -34,13 +34,9 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -49,7 +45,7 @@ from cluster.tools.bench.report import summarize  # noqa: E402
 from cluster.tools.bench.runner import RunnerConfig, run_load  # noqa: E402
 from cluster.config import ServeConfig  # noqa: E402
 from cluster.server_stack import start_stack  # noqa: E402
-from disagg_vs_colocated import machine  # noqa: E402
+from disagg_vs_colocated import free_port, machine  # noqa: E402
 
 
 def prefill_counters(stack) -> tuple[float, float]:
@@ -115,7 +111,8 @@ async def main_async(args) -> dict:
     import ray
 
     spec = ds.SharedPrefixSpec(args.groups, args.per_group, args.system_len, args.question_len, args.output_len)
-    base = dict(model=args.model, grpc_port=0, metrics_port=0, http_port=0, torch_threads=1, cpus_per_worker=1.0,
+    base = dict(model=args.model, grpc_port=free_port(), metrics_port=0, http_port=0, torch_threads=1,
+                cpus_per_worker=1.0,
                 prefill_workers=2, decode_workers=1, num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len,
                 local_prefill_threshold=0, local_prefill_hit_ratio=1.0, log_level="WARNING",
                 ray_temp_dir=tempfile.mkdtemp(prefix="pdserve-bench-ray-"))

@@ -75,7 +75,6 @@ def free_port() -> int:
 def hf_model_dir(args) -> Path:
     if args.model:
         return Path(args.model)
-    sys.path.insert(0, str(ROOT))
     from engine.loader.default_model import default_model_path
     out = Path(args.cache_dir) / "smollm2-135m-instruct-fp32"
     if not (out / "model.safetensors").is_file():

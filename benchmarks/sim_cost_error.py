@@ -17,7 +17,7 @@ Prints one JSON line (``--table`` also prints a markdown table to stderr):
     .venv/bin/python benchmarks/sim_cost_error.py [--model tiny|PATH] [--repeats 5] [--rounds 4] [--table]
     .venv/bin/python benchmarks/sim_cost_error.py --model PATH --decode-sweep 1,2,3,4,5,6,8
 
-``tiny`` (default) is the random tiny Llama of tests/tiny_models.py; any
+``tiny`` (default) is the random tiny Llama of cluster/tools/tiny_models.py; any
 other value is a model path (HF directory or .gguf; "" = SmolLM2).
 """
 from __future__ import annotations
@@ -28,15 +28,11 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from cluster.tools.sim.cost_model import FIT_MODES, TableCostModel  # noqa: E402
-from cluster.tools.sim.measure import (ESTIMATORS, Cell, Grid, StepTimer, build_profile, make_engine,  # noqa: E402
+from cluster.tools.sim.cost_model import FIT_MODES, TableCostModel
+from cluster.tools.sim.measure import (ESTIMATORS, Cell, Grid, StepTimer, build_profile, make_engine,
                                  measure_rounds, time_cells)
-from cluster.tools.sim.step_fit import shape_sched  # noqa: E402
+from cluster.tools.sim.step_fit import shape_sched
 
 TINY_GRID = Grid(prefill_new=(8, 16, 32, 64, 128, 256, 512), prefill_cached=(0, 128, 512, 1024),
                  decode_batch=Grid.decode_batch, decode_context=(64, 256, 1024, 1920))
@@ -64,8 +60,7 @@ def errors(profile: TableCostModel, measured: dict) -> dict[str, list[dict]]:
 
 
 def tiny_model_dir() -> str:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_models import make_tiny_model
+    from cluster.tools.tiny_models import make_tiny_model
     return str(make_tiny_model(tempfile.mkdtemp(prefix="pdserve-tiny-"), "llama"))
 
 

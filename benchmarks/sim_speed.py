@@ -25,14 +25,13 @@ import time
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from cluster.router import PolicyConfig
+from cluster.tools.sim import cluster_sim
+from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
+from cluster.tools.sim.cost_model import load_cost_model
+from cluster.tools.sim.workload import PromptBuilder, compress_time, load_mooncake, overlay
 
-from cluster.router import PolicyConfig  # noqa: E402
-from cluster.tools.sim import cluster_sim  # noqa: E402
-from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig  # noqa: E402
-from cluster.tools.sim.cost_model import load_cost_model  # noqa: E402
-from cluster.tools.sim.workload import PromptBuilder, compress_time, load_mooncake, overlay  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 

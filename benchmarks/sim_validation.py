@@ -1,7 +1,7 @@
 """The simulator against real pdserve on the same scaled-down Mooncake trace.
 
 For each setup (1P+1D, 2P+2D) this starts a real local pdserve cluster (Ray
-actors, gRPC, the real router) on a small random Llama (tests/tiny_models.py,
+actors, gRPC, the real router) on a small random Llama (cluster/tools/tiny_models.py,
 sized so engine steps, not Python overheads, dominate), and:
 
 1. measures the real capacity: the first ``--requests`` trace requests sent at
@@ -39,6 +39,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -47,18 +48,16 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+from cluster.router import PolicyConfig
+from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
+from cluster.tools.sim.cost_model import CostModel, ScaledCost, TableCostModel, TransferCost, load_cost_model
+from cluster.tools.sim.insitu import Interference, fit_frontend, fit_interference, occupancy, step_kind
+from cluster.tools.sim.step_fit import shape_sched
+from cluster.tools.sim.measure import Grid, make_engine, measure_engine
+from cluster.tools.sim.workload import PromptBuilder, TraceRequest, load_mooncake
+from engine.step_trace import StepRecord
 
-from cluster.router import PolicyConfig  # noqa: E402
-from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig  # noqa: E402
-from cluster.tools.sim.cost_model import CostModel, ScaledCost, TableCostModel, TransferCost, load_cost_model  # noqa: E402
-from cluster.tools.sim.insitu import Interference, fit_frontend, fit_interference, occupancy, step_kind  # noqa: E402
-from cluster.tools.sim.step_fit import shape_sched  # noqa: E402
-from cluster.tools.sim.measure import Grid, make_engine, measure_engine  # noqa: E402
-from cluster.tools.sim.workload import PromptBuilder, TraceRequest, load_mooncake  # noqa: E402
-from engine.step_trace import StepRecord  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 SETUPS = {"1p1d": (1, 1), "2p2d": (2, 2)}
@@ -106,7 +105,7 @@ def salted(reqs: list[TraceRequest], salt: str, offsets: list[float]) -> list[Tr
 # ---------------------------------------------------------------- model and profile
 def model_dir(path: Path) -> str:
     if not (path / "config.json").exists():
-        from tiny_models import make_tiny_model
+        from cluster.tools.tiny_models import make_tiny_model
         make_tiny_model(path, "llama", **MODEL)
     return str(path)
 
@@ -232,13 +231,15 @@ class CpuSampler:
                 return
 
 
-
 class RealCluster:
     def __init__(self, model: str, p: int, d: int, cfg: Cfg, ray_dir: str) -> None:
         from cluster.config import ServeConfig
+        with socket.socket() as sock:   # a free port for gRPC (grpc_port 0 would turn it off)
+            sock.bind(("127.0.0.1", 0))
+            grpc_port = sock.getsockname()[1]
         self.serve = ServeConfig(model=model, block_size=cfg.block_size, num_kv_blocks=cfg.num_blocks,
                                  max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                 max_num_batched_tokens=cfg.max_num_batched_tokens, grpc_port=0, metrics_port=0,
+                                 max_num_batched_tokens=cfg.max_num_batched_tokens, grpc_port=grpc_port, metrics_port=0,
                                  http_port=0, prefill_workers=p, decode_workers=d,
                                  cpus_per_worker=min(1.0, (os.cpu_count() or 2) / (p + d)), torch_threads=1,
                                  router_policy="prefix_aware", router_temperature=0.0,

@@ -28,20 +28,17 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import load_model_source  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model_source
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
 
 
 def _model(name: str) -> str:
     if name != "tiny":
         return name
-    from tiny_models import make_tiny_model
+    from cluster.tools.tiny_models import make_tiny_model
     return str(make_tiny_model(Path(tempfile.mkdtemp()) / "tiny", "llama"))
 
 

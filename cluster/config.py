@@ -62,9 +62,9 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     # endpoints
     host: str = "127.0.0.1"
-    grpc_port: int = 50051
+    grpc_port: int = 50051                # 0 = off (then http_port must be on)
     metrics_port: int = 9400
-    http_port: int = 8000                 # 0 = off
+    http_port: int = 8000                 # 0 = off (then grpc_port must be on)
     # pools
     prefill_workers: int = 1
     decode_workers: int = 1
@@ -113,6 +113,13 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         parse_log_levels(self.log_level)
+        self._check_model()
+        self._check_routing()
+        self._check_pools()
+        self._check_limits()
+        self._check_kv_cache()
+
+    def _check_model(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not _DEVICE_RE.match(self.device) or self.device.startswith(("cpu:", "mps:")):
@@ -123,6 +130,8 @@ class ServeConfig:
         for name in self.served_model_name:
             if not isinstance(name, str) or not name.strip() or name != name.strip():
                 raise ValueError(f"served_model_name {name!r}: give non-empty names without surrounding spaces")
+
+    def _check_routing(self) -> None:
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, "
                              f"got {self.router_policy!r}")
@@ -132,6 +141,8 @@ class ServeConfig:
         if self.prefill_failure_policy not in PREFILL_FAILURE_POLICIES:
             raise ValueError(f"prefill_failure_policy must be one of {', '.join(PREFILL_FAILURE_POLICIES)}, "
                              f"got {self.prefill_failure_policy!r}")
+
+    def _check_pools(self) -> None:
         for name in ("prefill_workers", "decode_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -145,6 +156,8 @@ class ServeConfig:
         if not 0 <= self.worker_niceness <= 19:
             raise ValueError(f"worker_niceness must be 0-19 (0 = the frontend's priority, 15 = Ray's default), "
                              f"got {self.worker_niceness}")
+
+    def _check_limits(self) -> None:
         if self.step_trace_size < 0:
             raise ValueError(f"step_trace_size must be >= 0 records (0 = off), got {self.step_trace_size}")
         if self.max_worker_queue < 0:
@@ -153,6 +166,8 @@ class ServeConfig:
             raise ValueError(f"stream_write_timeout must be >= 0 seconds (0 = no bound), got {self.stream_write_timeout}")
         if self.lease_ttl <= 0 or self.transfer_timeout <= 0:
             raise ValueError("lease_ttl and transfer_timeout must be positive seconds")
+
+    def _check_kv_cache(self) -> None:
         parse_size(self.kv_cache_memory)
         parse_size(self.host_kv_memory)
         if parse_size(self.disk_kv_bytes) and not self.disk_kv_dir:

@@ -1,12 +1,25 @@
-"""Everything `pdserve serve` runs in its process: backend, gRPC, HTTP (OpenAI), metrics."""
+"""Everything `pdserve serve` runs in its process: backend, request runner, gRPC and/or HTTP
+(OpenAI), metrics.
+
+The stack owns the one `RequestRunner` (admission, deadline, metrics, in-flight tracking)
+and hands it to each frontend it starts; either frontend runs without the other
+(`grpc_port: 0` / `http_port: 0` turn one off; not both).
+"""
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from cluster.orchestration.backend import GenerationBackend
 from cluster.config import ServeConfig
+from cluster.frontends.runner import RequestRunner
 from cluster.observability.metrics import Metrics
+from cluster.orchestration.backend import GenerationBackend
+
+if TYPE_CHECKING:
+    from cluster.frontends.grpc.server import GrpcServer
+    from cluster.frontends.http import HttpServer
+    from cluster.observability.metrics_server import MetricsServer
 
 
 @dataclass
@@ -14,30 +27,46 @@ class ServerStack:
     config: ServeConfig
     metrics: Metrics
     backend: GenerationBackend
-    grpc: object
-    metrics_server: object
-    http: object = None            # cluster.frontends.http.HttpServer, None when http_port == 0
+    runner: RequestRunner               # the one runner both frontends serve through
+    grpc: "GrpcServer | None"           # None when grpc_port == 0
+    http: "HttpServer | None"           # None when http_port == 0
+    metrics_server: "MetricsServer"
 
     def banner(self) -> str:
         info = self.backend.model_info()
         pools = ", ".join(f"{n} {k}" for k, n in sorted(info.pools.items()))
-        t = self.grpc.target
-        return (f"pdserve: serving {info.model_name} ({pools}; max_model_len {info.max_model_len})\n"
-                f"  gRPC     {t}   (pdserve.v1.Generation, grpc.health.v1, reflection)\n"
-                + (f"  HTTP     {self.http.url}   (OpenAI-compatible: /v1/completions, /v1/chat/completions)\n"
-                   if self.http is not None else "")
-                + f"  metrics  {self.metrics_server.url}\n"
-                f"  try:     pdserve generate --target {t} --chat \"What is the capital of France?\"\n"
-                f"           grpcurl -plaintext {t} list"
-                + (f"\n           curl -s {self.http.url}/v1/models" if self.http is not None else ""))
+        lines = [f"pdserve: serving {info.model_name} ({pools}; max_model_len {info.max_model_len})"]
+        if self.grpc is not None:
+            lines.append(f"  gRPC     {self.grpc.target}   (pdserve.v1.Generation, grpc.health.v1, reflection)")
+        if self.http is not None:
+            lines.append(f"  HTTP     {self.http.url}   (OpenAI-compatible: /v1/completions, /v1/chat/completions)")
+        lines.append(f"  metrics  {self.metrics_server.url}")
+        tries = []
+        if self.grpc is not None:
+            t = self.grpc.target
+            tries += [f"pdserve generate --target {t} --chat \"What is the capital of France?\"",
+                      f"grpcurl -plaintext {t} list"]
+        if self.http is not None:
+            tries.append(f"curl -s {self.http.url}/v1/models")
+        lines += [("  try:     " if i == 0 else "           ") + t for i, t in enumerate(tries)]
+        return "\n".join(lines)
 
     async def drain_and_stop(self, timeout: float) -> None:
+        """Readiness off on every frontend at once, the calls in flight given `timeout` seconds
+        (the frontends wait on the one runner), then the listeners, metrics and the backend stop."""
         if self.http is not None:
             self.http.set_serving(False)     # GET /ready -> 503 at once, like gRPC health
-        await asyncio.gather(self.grpc.stop(grace=timeout),
-                             *([self.http.stop(grace=timeout)] if self.http is not None else []))
+        stops = [f.stop(grace=timeout) for f in (self.grpc, self.http) if f is not None]
+        await asyncio.gather(*stops)
         self.metrics_server.stop()
         await self.backend.stop()
+
+
+def check_frontends(cfg: ServeConfig) -> None:
+    """At least one frontend: gRPC (grpc_port) or HTTP (http_port); 0 turns one off."""
+    if cfg.grpc_port == 0 and cfg.http_port == 0:
+        raise ValueError("grpc_port and http_port are both 0, which turns both frontends off; set one "
+                         "(--grpc-port 50051 for gRPC, --http-port 8000 for the OpenAI-compatible HTTP API)")
 
 
 def make_backend(cfg: ServeConfig, metrics: Metrics) -> GenerationBackend:
@@ -52,10 +81,10 @@ def make_backend(cfg: ServeConfig, metrics: Metrics) -> GenerationBackend:
 
 async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None) -> ServerStack:
     from cluster.frontends.auth import ApiKeys, TlsConfig
-    from cluster.frontends.grpc.server import serve_grpc
     from cluster.observability.metrics_server import start_metrics_server
     from cluster.preflight import preflight
 
+    check_frontends(cfg)
     cfg = preflight(cfg)     # certificates, keys, device, model: checked before Ray and the weights
     metrics = Metrics()
     backend = backend or make_backend(cfg, metrics)
@@ -65,13 +94,13 @@ async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None
     keys = ApiKeys.from_file(cfg.api_keys_file) if cfg.api_keys_file else ApiKeys.from_env()
     tls = (TlsConfig(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file or None)
            if cfg.tls_cert_file else None)
-    if cfg.tls_cert_file and not cfg.tls_key_file:
-        raise ValueError("tls_cert_file is set but tls_key_file is not: give both")
-    grpc_server = await serve_grpc(backend, cfg, metrics, api_keys=keys, tls=tls)
-    http = None
+    runner = RequestRunner.from_config(backend, cfg, metrics)
+    grpc_server = http = None
+    if cfg.grpc_port != 0:
+        from cluster.frontends.grpc.server import serve_grpc
+        grpc_server = await serve_grpc(runner, cfg, api_keys=keys, tls=tls)
     if cfg.http_port != 0:
         from cluster.frontends.http import serve_http
-        http = await serve_http(grpc_server.runner, cfg, metrics, api_keys=keys,   # shares admission
-                                model_names=cfg.served_model_name, tls=tls)
+        http = await serve_http(runner, cfg, api_keys=keys, model_names=cfg.served_model_name, tls=tls)
     msrv = start_metrics_server(metrics, cfg.host, cfg.metrics_port)
-    return ServerStack(cfg, metrics, backend, grpc_server, msrv, http)
+    return ServerStack(cfg, metrics, backend, runner, grpc_server, http, msrv)

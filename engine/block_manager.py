@@ -166,6 +166,7 @@ class KVCacheManager:
                                         for i in range(first, end))
                     if untouched:
                         return self._block_ids(rid, table)
+        prefix: list[KVBlock | TierEntry] | list[KVBlock]     # hits may sit in a lower tier
         if computed_blocks is not None:
             assert not self._tables.get(rid), f"request {rid} already owns blocks"
             start, prefix = computed_blocks.num_computed_tokens, list(computed_blocks.blocks)
@@ -180,7 +181,7 @@ class KVCacheManager:
             taken_from_free = sum(1 for b in prefix if isinstance(b, KVBlock) and b.ref_cnt == 0)
         else:   # a table this manager owns holds device blocks only (hits were paged in at admission)
             lower, taken_from_free = [], 0
-        to_copy = [i for i in written if isinstance(prefix[i], KVBlock) and prefix[i].ref_cnt + extra_ref > 1]
+        to_copy = [i for i in written if isinstance(blk := prefix[i], KVBlock) and blk.ref_cnt + extra_ref > 1]
         num_new = max(0, num_required - len(prefix)) + len(to_copy) + len(lower)
         if num_new > self.pool.num_free_blocks - taken_from_free:
             return None

@@ -24,7 +24,7 @@ from typing import Iterable, Iterator, Sequence
 from engine.kv_events import KVEvent, KVEventLog, KVSnapshot, Tier
 from engine.prefix_cache import NullPrefixCache, PrefixCache
 from engine.tiers.hierarchy import LowerTiers
-from engine.tiers.types import MoveLog, TierEntry, TierSizes
+from engine.tiers.types import MoveLog, TierEntry, TierSizes, cached
 
 __all__ = ["BlockPool", "FreeBlockQueue", "IntegrityError", "KVBlock", "NullPrefixCache", "PrefixCache"]
 
@@ -101,9 +101,10 @@ class FreeBlockQueue:
         """The first ``n`` blocks, unlinked in one walk (an allocation of many blocks)."""
         if n > self._len:
             raise IndexError(f"asked for {n} blocks from a free queue of {self._len}")
-        out = []
+        out: list[KVBlock] = []
         block = self._head
         for _ in range(n):
+            assert block is not None, "the free queue is shorter than its length"
             out.append(block)
             nxt = block.next_free
             block.prev_free = block.next_free = None
@@ -209,8 +210,8 @@ class BlockPool:
 
     def _store_run(self, run: list[tuple[KVBlock, TierEntry]]) -> None:
         if run:
-            self.cache.store([b for b, _ in run], [e.block_hash for _, e in run],
-                             [e.token_ids for _, e in run], run[0][1].parent_hash)
+            self.cache.store([b for b, _ in run], [cached(e.block_hash) for _, e in run],
+                             [cached(e.token_ids) for _, e in run], run[0][1].parent_hash)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference (a cache hit or a fork)."""

@@ -101,10 +101,11 @@ class EngineLoop:
         if deltas:
             self._on_deltas(deltas)
         did_work = self.engine.last_step_tokens > 0
-        if trace is not None and did_work:
+        shape = self.engine.last_step_shape      # set whenever the step scheduled tokens
+        if trace is not None and did_work and shape is not None:
             p2 = time.perf_counter()
             gap = p0 - self._last_end if self._last_end else 0.0
-            trace.append(StepRecord(t_unix, p1 - p0, c1 - c0, p2 - p1, gap, self.engine.last_step_shape))
+            trace.append(StepRecord(t_unix, p1 - p0, c1 - c0, p2 - p1, gap, shape))
             self._last_end = p2
         return did_work
 

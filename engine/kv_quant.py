@@ -114,7 +114,7 @@ class KVCodec:
         """uint8 codes -> unscaled values in ``dtype``."""
         if self.spec.name == "int8":
             return codes.view(torch.int8).to(dtype)
-        if self.native_fp8:
+        if self._lut is None:    # fp8 with a native cast
             return codes.view(torch.float8_e4m3fn).to(dtype)
         return self._lut.to(dtype)[codes.long()]
 

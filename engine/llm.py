@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence, Union
+from typing import Sequence, Union, cast
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
@@ -49,9 +49,9 @@ class LLM:
                  cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate for every prompt in one continuous batch; outputs in prompt order.
         All prompts are validated before any runs: one bad prompt raises ValueError."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        prompts = _prompt_list(prompts)
+        params_list = ([params or SamplingParams()] * len(prompts) if params is None or isinstance(params, SamplingParams)
+                       else list(params))
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams: "
                              "give one, or one per prompt")
@@ -83,6 +83,13 @@ class LLM:
             conversations = [conversations]
         prompts = [self.tokenizer.encode_chat(msgs) for msgs in conversations]
         return self.generate(prompts, params, cache_salt)
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string or token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [cast(Prompt, prompts)]
+    return list(cast(Sequence[Prompt], prompts))
 
 
 def _apply(out: RequestOutput, delta: StepDelta) -> None:

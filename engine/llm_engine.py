@@ -32,7 +32,9 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger("pdserve.engine")
 
 MAX_BUFFERED_EVENTS = 1 << 16
-_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+# a prefill-only request finishes after its first token with no finish reason (None): "length"
+_FINISH_STATUS: dict[str | None, RequestStatus] = {"stop": RequestStatus.FINISHED_STOPPED,
+                                                   "length": RequestStatus.FINISHED_LENGTH}
 
 
 class QueueFull(RuntimeError):
@@ -162,8 +164,12 @@ class LLMEngine:
             return False
         if first_token is not None:
             self._set_first_token(seq, first_token)
+        first = seq.pending_first_token
+        if first is None:
+            raise ValueError(f"request {request_id!r}: its KV pull failed but no first token was given; "
+                             "pass first_token to add_remote_request or remote_kv_failed")
         self.scheduler.remote_kv_failed(request_id)
-        seq.request.output_token_ids.append(seq.pending_first_token)
+        seq.request.output_token_ids.append(first)
         return True
 
     def abort_request(self, request_id: str) -> bool:

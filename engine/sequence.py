@@ -4,6 +4,7 @@ one user request: n sequences sampled from one prompt (n > 1 forks
 copy-on-write after the prompt's first token)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -47,9 +48,9 @@ def make_sequence(group_id: str, index: int, prompt_ids: list[int], params, cach
     samples differ yet each reproduces."""
     if params.seed is not None and index:
         params = replace(params, seed=params.seed + index)
-    kwargs = {} if arrival_time is None else {"arrival_time": arrival_time}
     req = Request(child_request_id(group_id, index), list(prompt_ids), params, cache_salt=cache_salt,
-                  sample_index=index, hold_kv_on_finish=hold_kv, **kwargs)
+                  sample_index=index, hold_kv_on_finish=hold_kv,
+                  arrival_time=time.monotonic() if arrival_time is None else arrival_time)
     sampling = SamplingState.create(params, req.prompt_token_ids, req.output_token_ids, device=device)
     detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids)
     stop = StopChecker(params, tokenizer.eos_token_ids, num_prompt_tokens=req.num_prompt_tokens,

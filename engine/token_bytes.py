@@ -45,7 +45,8 @@ class TokenBytes(Sequence[int]):
             return len(other) == len(self) and self._view.tolist() == list(other)
         return NotImplemented
 
-    __hash__ = None          # like the list it stands for
+    # unhashable like the list it stands for (typeshed types object.__hash__ as a method)
+    __hash__ = None  # type: ignore[assignment]
 
     def __add__(self, other: Sequence[int]) -> list[int]:
         return self._view.tolist() + list(other)

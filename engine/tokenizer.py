@@ -128,8 +128,9 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"encode takes a str, got {type(text).__name__}; pass token ids directly instead")
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
-            ids.insert(0, self.bos_token_id)
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -68,7 +68,7 @@ def check_bind_host(host: str) -> None:
 
 def _resolve(host: str, port: int) -> tuple[int, tuple]:
     family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    check_bind_host(sockaddr[0])   # a name that resolves to a wildcard is refused too
+    check_bind_host(str(sockaddr[0]))   # a name that resolves to a wildcard is refused too
     return family, sockaddr
 
 
@@ -120,7 +120,7 @@ class MetadataServer:
         self._server.owner, self._server.io_timeout_s = self, io_timeout_s
         self.host = host
         self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+        self._thread: threading.Thread | None = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
                                         daemon=True, name=f"kv-side-channel-{agent_name}")
         self._thread.start()
 

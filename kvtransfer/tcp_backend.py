@@ -177,9 +177,10 @@ class TcpEngine(TransferEngine):
         return out
 
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
+        listener = self._listener
+        while listener is not None and not self._closed.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return
             _tune(conn, self.config)

@@ -60,7 +60,7 @@ def ucxx_defaults(host: str) -> dict[str, str]:
 
 def _array(addr: int, nbytes: int):
     from ucxx._lib.arr import Array
-    return Array(np.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=np.uint8))
+    return Array(np.frombuffer(memoryview((ctypes.c_char * nbytes).from_address(addr)), dtype=np.uint8))
 
 
 def _wait_all(requests, deadline: Optional[float], interval: float) -> bool:

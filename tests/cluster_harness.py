@@ -7,7 +7,7 @@ import urllib.request
 
 from cluster.config import ServeConfig
 from cluster.server_stack import ServerStack, start_stack
-from grpc_harness import LoopThread
+from grpc_harness import LoopThread, free_port  # noqa: F401 (re-exported for the e2e tests)
 
 
 class Cluster:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import threading
 import time
 import warnings
@@ -15,11 +16,20 @@ from dataclasses import dataclass, field
 
 from cluster.config import ServeConfig
 from cluster.frontends.grpc.server import GrpcServer, serve_grpc
+from cluster.frontends.runner import RequestRunner
 from cluster.orchestration.local import LocalEngineBackend
 from cluster.observability.metrics import Metrics
 from cluster.observability.metrics_server import MetricsServer, start_metrics_server
 from cluster.observability.task_trace import describe_task
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free now, for a server config: in `pdserve serve` (start_stack) port 0 turns a
+    frontend off, so a test stack that wants gRPC (or HTTP) on any port picks one here."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class LoopThread:
@@ -54,8 +64,9 @@ class Frontend:
         return self.server.target
 
     def serve_another(self, **kwargs) -> GrpcServer:
-        """A second endpoint on the same backend (e.g. with API keys or TLS)."""
-        srv = self.loop.run(serve_grpc(self.backend, ServeConfig(grpc_port=0), Metrics(), **kwargs))
+        """A second endpoint on the same backend (e.g. with API keys or TLS), with its own runner."""
+        cfg = ServeConfig(grpc_port=0)
+        srv = self.loop.run(serve_grpc(RequestRunner.from_config(self.backend, cfg, Metrics()), cfg, **kwargs))
         self.extra.append(srv)
         return srv
 
@@ -128,7 +139,8 @@ def start_frontend(model_dir, *, max_model_len: int = 1024, num_blocks: int = 25
     async def up():
         backend = LocalEngineBackend(engine_cfg)
         await backend.start()
-        server = await serve_grpc(backend, config or ServeConfig(grpc_port=0), metrics)
+        cfg = config or ServeConfig(grpc_port=0)     # serve_grpc itself: port 0 = any free port
+        server = await serve_grpc(RequestRunner.from_config(backend, cfg, metrics), cfg)
         return backend, server
 
     backend, server = loop.run(up())
@@ -159,7 +171,7 @@ def http_frontend(model_dir, **frontend_kwargs):
 
     f = start_frontend(model_dir, **frontend_kwargs)
     try:
-        f.http = f.loop.run(serve_http(f.server.runner, ServeConfig(http_port=0), f.metrics))
+        f.http = f.loop.run(serve_http(f.server.runner, ServeConfig(http_port=0)))
         yield f
         f.loop.run(f.http.stop(5))
     finally:

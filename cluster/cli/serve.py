@@ -1,8 +1,9 @@
-"""`pdserve serve`: the disaggregated cluster behind a gRPC endpoint.
+"""`pdserve serve`: the disaggregated cluster behind gRPC and OpenAI-compatible HTTP endpoints.
 
 With no arguments: a local Ray cluster, the bundled SmolLM2-135M-Instruct,
-1 prefill and 1 decode worker on the CPU, gRPC on 127.0.0.1:50051 and
-Prometheus metrics on 127.0.0.1:9400. Every option is also a key of the
+1 prefill and 1 decode worker on the CPU, gRPC on 127.0.0.1:50051, HTTP on
+127.0.0.1:8000 and Prometheus metrics on 127.0.0.1:9400. --grpc-port 0 or
+--http-port 0 turns that endpoint off (not both). Every option is also a key of the
 YAML file given to --config and an env var PDSERVE_<KEY>; flags win over
 env, env over the file.
 """
@@ -34,9 +35,9 @@ HELP = {
     "max_num_seqs": "sequences a worker runs at once",
     "max_num_batched_tokens": "token budget of one engine step (chunked prefill above it)",
     "host": "address the endpoints (and KV side channels) bind to",
-    "grpc_port": "gRPC port (0 = any free port)",
+    "grpc_port": "gRPC port (0 = off: HTTP only; --http-port must then be set)",
     "metrics_port": "Prometheus metrics port (0 = any free port)",
-    "http_port": "OpenAI-compatible HTTP port (0 = off)",
+    "http_port": "OpenAI-compatible HTTP port (0 = off: gRPC only; --grpc-port must then be set)",
     "prefill_workers": "prefill actors",
     "decode_workers": "decode actors (colocated workers with --colocated)",
     "colocated": "workers run both phases; no KV handoff (for comparison)",
@@ -88,7 +89,7 @@ HELP = {
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="run the cluster and its gRPC endpoint", description=__doc__,
+    p = subparsers.add_parser("serve", help="run the cluster and its gRPC / HTTP endpoints", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file of the keys below (flags override it)")
     defaults = ServeConfig()

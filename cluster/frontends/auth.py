@@ -1,34 +1,45 @@
-"""Optional API keys for the gRPC endpoint, and TLS / mutual TLS credentials.
+"""API keys and TLS files for every frontend (transport-neutral: no gRPC, no HTTP here).
 
 Keys come from a file (one `key tenant` per line, `#` comments) or the env
 variable PDSERVE_API_KEYS (`key:tenant` pairs separated by commas or
 whitespace; a key without a tenant is its own tenant, under a hashed name).
-Clients send metadata `authorization: Bearer <key>`. Every RPC except the
-grpc.health.v1 service needs a valid key when keys are configured; the
-tenant of the key then scopes the prefix-cache salt.
+Clients send `authorization: Bearer <key>` (gRPC metadata or an HTTP header);
+the tenant of the key then scopes the prefix-cache salt. The transports apply
+the check: cluster/frontends/grpc/auth.py (an interceptor) and the HTTP app's
+route dependency.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
-
-import grpc
+from typing import Iterable, Mapping
 
 ENV_VAR = "PDSERVE_API_KEYS"
-EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
+def bearer_key(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The key of an `authorization: Bearer <key>` pair (header or metadata), or None."""
+    for k, v in metadata or ():
+        if k.lower() == "authorization":
+            value = v.decode() if isinstance(v, bytes) else v
+            scheme, _, key = value.strip().partition(" ")
+            if scheme.lower() == "bearer" and key.strip():
+                return key.strip()
+    return None
+
+
 @dataclass(frozen=True)
 class ApiKeys:
-    """sha256(key) -> tenant. Lookups compare digests, not the keys themselves."""
+    """sha256(key) -> tenant. A lookup compares the digest with every known one in constant
+    time (hmac.compare_digest), so neither the keys nor their number leak through timing."""
     tenants: Mapping[bytes, str]
 
     @classmethod
@@ -66,61 +77,30 @@ class ApiKeys:
 
     def tenant(self, metadata) -> str | None:
         """The tenant of the request's `authorization: Bearer <key>`, or None."""
-        for k, v in metadata or ():
-            if k.lower() == "authorization":
-                value = v.decode() if isinstance(v, bytes) else v
-                scheme, _, key = value.strip().partition(" ")
-                if scheme.lower() == "bearer" and key.strip():
-                    return self.tenants.get(_digest(key.strip()))
-        return None
-
-
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    msg = "missing or invalid API key; send metadata `authorization: Bearer <key>`"
-
-    async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
-
-    streaming = unary   # a coroutine serves streaming responses too (nothing is written)
-
-    kw = dict(request_deserializer=handler.request_deserializer,
-              response_serializer=handler.response_serializer)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary, **kw)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
-    return grpc.unary_unary_rpc_method_handler(unary, **kw)
-
-
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects every non-health RPC without a valid key with UNAUTHENTICATED."""
-
-    def __init__(self, keys: ApiKeys, on_reject=None) -> None:
-        self.keys = keys
-        self._on_reject = on_reject or (lambda method: None)
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method or ""
-        if handler is None or method.startswith(EXEMPT_PREFIXES):
-            return handler
-        if self.keys.tenant(handler_call_details.invocation_metadata) is not None:
-            return handler
-        self._on_reject(method)
-        return _deny(handler)
+        key = bearer_key(metadata)
+        if key is None:
+            return None
+        digest = _digest(key)
+        found = None
+        for known, tenant in self.tenants.items():   # no early exit: the same work for every key
+            if hmac.compare_digest(known, digest):
+                found = tenant
+        return found
 
 
 @dataclass(frozen=True)
 class TlsConfig:
-    """Server certificate and key (PEM files); a client CA turns on mutual TLS."""
+    """Server certificate and key (PEM files); a client CA turns on mutual TLS. Each transport
+    builds its own credentials from these files (grpc/auth.py, http/server.py)."""
     cert_file: str
     key_file: str
     client_ca_file: str | None = None
 
-    def server_credentials(self) -> grpc.ServerCredentials:
-        cert, key = Path(self.cert_file).read_bytes(), Path(self.key_file).read_bytes()
+    @property
+    def mutual(self) -> bool:
+        return bool(self.client_ca_file)
+
+    def read(self) -> tuple[bytes, bytes, bytes | None]:
+        """(certificate chain, private key, client CA or None), as PEM bytes."""
         ca = Path(self.client_ca_file).read_bytes() if self.client_ca_file else None
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                           require_client_auth=ca is not None)
+        return Path(self.cert_file).read_bytes(), Path(self.key_file).read_bytes(), ca

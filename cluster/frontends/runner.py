@@ -1,19 +1,29 @@
 """Run one validated request against a backend: transport-neutral streaming.
 
-`RequestRunner.run` validates a `GenerateInput`, admits it, iterates the
-backend in a pump task (the deadline is enforced there; the task isolates the
-backend iterator from the transport's cancellation points) and yields
-`Chunk`s in arrival order; with n > 1 the backend tags deltas with `index`. It records the frontend metrics: TTFT (once
-per request), inter-token latency (each gap of a sequence), end-to-end
-latency, token counters, queue depth and `requests{outcome}`. Leaving early
-(client gone, deadline, error) closes the backend iterators, which aborts the
-requests and frees their blocks, and calls `backend.abort` to be sure. That
-cleanup also runs when the transport drops a consumer without cancelling it
-and the garbage collector closes the stream, on whatever thread. And a
-consumer that takes nothing for `consumer_timeout` seconds while output waits
-for it (stuck in a write, or dropped by its transport and never collected) is
-given up on: the pump aborts the request, frees its admission slot and leaves
-the consumer a CANCELLED error to find if it ever reads again.
+One `RequestRunner` per serving process, built by the server stack and given
+to each frontend (gRPC, HTTP); it owns what they share:
+- validation and admission (`run` validates a `GenerateInput` and admits it);
+- the deadline: the job's deadline is the client's (the frontends only turn the
+  client's timeout into a time.monotonic() instant) or `request_timeout` after
+  arrival, whichever comes first, and it is enforced here, on every wait for
+  the backend's next delta;
+- the frontend metrics: TTFT (once per request), inter-token latency (each gap
+  of a sequence), end-to-end latency, token counters, queue depth and
+  `requests{outcome}`;
+- in-flight tracking for graceful drain: each frontend wraps a call in
+  `track()`, and `wait_idle` waits until none is left.
+
+The backend iterator runs in a pump task (cluster/frontends/pump.py; the task
+isolates it from the transport's cancellation points) and `run` yields `Chunk`s
+in arrival order; with n > 1 the backend tags deltas with `index`. Leaving
+early (client gone, deadline, error) closes the backend iterators, which
+aborts the requests and frees their blocks, and calls `backend.abort` to be
+sure. That cleanup also runs when the transport drops a consumer without
+cancelling it and the garbage collector closes the stream, on whatever thread.
+And a consumer that takes nothing for `consumer_timeout` seconds while output
+waits for it (stuck in a write, or dropped by its transport and never
+collected) is given up on: the pump aborts the request, frees its admission
+slot and leaves the consumer a CANCELLED error to find if it ever reads again.
 Errors surface as `ValidationError` or `BackendError` (code = grpc status name).
 """
 from __future__ import annotations
@@ -21,21 +31,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import weakref
-from dataclasses import dataclass
-from typing import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
 from cluster.frontends.admission import AdmissionController
-from cluster.orchestration.backend import BackendError, GenerateJob, GenerationBackend
+from cluster.frontends.pump import Delta, End, Failed, Message, Pump
+from cluster.frontends.validation import GenerateInput, Limits, ValidationError, validate_request
 from cluster.observability.metrics import Metrics
 from cluster.observability.task_trace import describe_task
-from cluster.frontends.validation import GenerateInput, Limits, ValidationError, validate_request
+from cluster.orchestration.backend import BackendError, GenerateJob, GenerationBackend
 from engine.outputs import StepDelta, TokenLogprob
 
-_END = object()
+if TYPE_CHECKING:
+    from cluster.config import ServeConfig
+
 log = logging.getLogger(__name__)
-QUEUE_DEPTH = 64    # deltas buffered per request before the backend is made to wait
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,29 @@ class _Seq:
     sent: int = 0
 
 
+@dataclass
+class _Progress:
+    """The sequences of one request as its deltas arrive."""
+    seqs: list[_Seq]
+    first_token_seen: bool = False
+
+    @property
+    def left(self) -> int:
+        return sum(not s.finished for s in self.seqs)
+
+
+@dataclass
+class _Counted:
+    """`pdserve_requests{outcome}`, once per request: by its stream, or by a pump that gave up."""
+    metrics: Metrics
+    done: bool = field(default=False)
+
+    def __call__(self, outcome: str) -> None:
+        if not self.done:
+            self.done = True
+            self.metrics.requests.labels(outcome=outcome).inc()
+
+
 def outcome_of(exc: BaseException | None) -> str:
     """Label of `pdserve_requests{outcome}`: finished or the lower-case status name."""
     if exc is None:
@@ -78,10 +114,6 @@ def outcome_of(exc: BaseException | None) -> str:
     return "internal"
 
 
-class _ConsumerStalled(Exception):
-    """The pump's queue stayed full for consumer_timeout: nobody reads the stream."""
-
-
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
@@ -91,11 +123,15 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 class RequestRunner:
     def __init__(self, backend: GenerationBackend, metrics: Metrics, limits: Limits,
-                 admission: AdmissionController, consumer_timeout: float = 0.0) -> None:
+                 admission: AdmissionController, consumer_timeout: float = 0.0,
+                 request_timeout: float = 0.0) -> None:
         if consumer_timeout < 0:
             raise ValueError(f"consumer_timeout must be >= 0 seconds (0 = no bound), got {consumer_timeout}")
+        if request_timeout < 0:
+            raise ValueError(f"request_timeout must be >= 0 seconds (0 = no deadline), got {request_timeout}")
         self.backend = backend
         self.consumer_timeout = consumer_timeout   # seconds output may wait on a consumer; 0 = no bound
+        self.request_timeout = request_timeout     # the server's deadline after arrival; 0 = none
         self.metrics = metrics
         self.limits = limits
         self.admission = admission
@@ -103,6 +139,64 @@ class RequestRunner:
         # held here, not only by the consumer's frame: a consumer the transport drops without
         # cancelling it is garbage-collected, and its pump must still be there to be cancelled
         self._pumps: set[asyncio.Task] = set()
+        self._in_flight = 0
+        self._idle_waiters: set[asyncio.Event] = set()
+
+    @classmethod
+    def from_config(cls, backend: GenerationBackend, config: "ServeConfig", metrics: Metrics,
+                    limits: Limits | None = None) -> "RequestRunner":
+        """The runner a serving process shares among its frontends. `backend` must be started."""
+        admission = AdmissionController(config.max_queued_requests, config.max_queued_tokens,
+                                        on_change=metrics.frontend_queue.set)
+        return cls(backend, metrics, limits or Limits.from_model(backend.model_info()), admission,
+                   consumer_timeout=config.stream_write_timeout, request_timeout=config.request_timeout)
+
+    # ------------------------------------------------------------------ in flight (graceful drain)
+    @property
+    def in_flight(self) -> int:
+        """Frontend calls inside `track()` now."""
+        return self._in_flight
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Count one frontend call (a gRPC Generate, an HTTP generation response) as in flight
+        from its start to its last write; draining waits for zero."""
+        self._in_flight += 1
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                for idle in self._idle_waiters:
+                    idle.set()
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Until no tracked call is in flight; False if `timeout` seconds passed first."""
+        idle = asyncio.Event()
+        self._idle_waiters.add(idle)
+        try:
+            async with asyncio.timeout(timeout):
+                while self._in_flight:
+                    idle.clear()
+                    await idle.wait()
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._idle_waiters.discard(idle)
+
+    async def wait_cleanups(self, timeout: float | None = None) -> None:
+        """Wait for the aborts of requests that ended early (e.g. before shutting down)."""
+        if self._cleanups:
+            await asyncio.wait(set(self._cleanups), timeout=timeout)
+
+    # ------------------------------------------------------------------ one request
+    def deadline(self, client_deadline: float | None, arrival_time: float) -> float | None:
+        """The job's deadline: the client's (a time.monotonic() instant, None = none) or
+        `request_timeout` after arrival, whichever comes first."""
+        t = self.request_timeout
+        server = arrival_time + t if t > 0 and math.isfinite(t) else None
+        return min((d for d in (client_deadline, server) if d is not None), default=None)
 
     def validate(self, inp: GenerateInput, *, cache_salt: str | None, deadline: float | None,
                  arrival_time: float) -> GenerateJob:
@@ -111,19 +205,15 @@ class RequestRunner:
 
     async def run(self, inp: GenerateInput, *, cache_salt: str | None = None,
                   deadline: float | None = None) -> AsyncIterator[Chunk]:
-        """Validate, admit and stream. `deadline` is a time.monotonic() instant."""
+        """Validate, admit and stream. `deadline`: the client's, a time.monotonic() instant
+        (None = none); the server's `request_timeout` bounds it too."""
         arrival = time.monotonic()
+        count = _Counted(self.metrics)
         error: BaseException | None = None
-        done = counted = False
-
-        def count(outcome: str) -> None:   # once per request: here, or by a pump that gave up
-            nonlocal counted
-            if not counted:
-                counted = True
-                self.metrics.requests.labels(outcome=outcome).inc()
-
+        done = False
         try:
-            job = self.validate(inp, cache_salt=cache_salt, deadline=deadline, arrival_time=arrival)
+            job = self.validate(inp, cache_salt=cache_salt, deadline=self.deadline(deadline, arrival),
+                                arrival_time=arrival)
             ticket = self.admission.admit(job)
             self.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
             async with contextlib.aclosing(self._stream(job, lambda: self.admission.release(ticket), count)) as s:
@@ -138,75 +228,71 @@ class RequestRunner:
             if done:
                 self.metrics.e2e.observe(time.monotonic() - arrival)
 
-    async def wait_cleanups(self, timeout: float | None = None) -> None:
-        """Wait for the aborts of requests that ended early (e.g. before shutting down)."""
-        if self._cleanups:
-            await asyncio.wait(set(self._cleanups), timeout=timeout)
-
-    async def _stream(self, job: GenerateJob, release, count) -> AsyncIterator[Chunk]:
-        seqs = [_Seq() for _ in range(job.sampling.n)]
-        queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_DEPTH)
+    async def _stream(self, job: GenerateJob, release: Callable[[], None],
+                      count: _Counted) -> AsyncIterator[Chunk]:
         loop = asyncio.get_running_loop()
+        pump = Pump(self.consumer_timeout)
         task = asyncio.current_task()   # weakly: a consumer its transport dropped must stay collectable
         consumer = weakref.ref(task) if task is not None else None
-        pump = asyncio.create_task(self._pump(job, queue, release, count, consumer))
-        self._pumps.add(pump)
-        pump.add_done_callback(self._pumps.discard)
-        first_token_seen = False
+        pumping = asyncio.create_task(self._pump(job, pump, release, count, consumer))
+        self._pumps.add(pumping)
+        pumping.add_done_callback(self._pumps.discard)
+        progress = _Progress([_Seq() for _ in range(job.sampling.n)])
         try:
-            left = len(seqs)
-            while left:
-                item = await self._next(queue, job)
-                if item is _END:
-                    raise BackendError("UNAVAILABLE", "the backend ended the stream before finishing "
-                                       f"{left} of {len(seqs)} sequences; retry the request")
-                if isinstance(item, BaseException):
-                    raise item
-                if not 0 <= item.index < len(seqs) or seqs[item.index].finished:
-                    raise BackendError("INTERNAL", f"the backend sent a delta for sequence {item.index}, "
-                                       f"which is not running (n={len(seqs)})")
-                seq = seqs[item.index]
-                chunk = self._chunk(job, item.index, seq, item)
-                if chunk.token_ids and not first_token_seen:
-                    first_token_seen = True
-                    self.metrics.ttft.observe(chunk.time_to_first_token_s)
-                    if item.queue_seconds is not None:
-                        self.metrics.queue_time.observe(item.queue_seconds)
-                if item.finish_reason:
-                    seq.finished = True
-                    left -= 1
+            while (chunk := await self._receive(job, pump, progress)) is not None:
                 yield chunk
         finally:
             # Aborting can wait on a busy engine: do it in the background so the client hears
             # at once; the admission ticket is held until the blocks are really freed.
-            finished = all(s.finished for s in seqs)
+            finished = not progress.left
             if _running_loop() is loop:
-                task = self._start_cleanup(pump, job, finished, release)
+                cleanup = self._start_cleanup(pumping, job, finished, release)
                 if finished:   # shielded: a second cancellation of the caller must not cancel the cleanup
-                    await asyncio.shield(task)
+                    await asyncio.shield(cleanup)
             else:   # closed by the garbage collector on another thread (a dropped consumer)
-                loop.call_soon_threadsafe(self._start_cleanup, pump, job, finished, release)
+                loop.call_soon_threadsafe(self._start_cleanup, pumping, job, finished, release)
 
-    def _start_cleanup(self, pump: asyncio.Task, job: GenerateJob, finished: bool, release) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(self._cleanup(pump, job, finished, release))
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
-        # a cleanup cancelled before it ran must still give the admission slot back
-        task.add_done_callback(lambda t: release() if t.cancelled() else None)
-        return task
+    async def _receive(self, job: GenerateJob, pump: Pump, progress: _Progress) -> Chunk | None:
+        """The next chunk; None once every sequence has finished."""
+        left = progress.left
+        if not left:
+            return None
+        match await self._next(pump, job):
+            case Delta(delta):
+                return self._on_delta(job, progress, delta)
+            case Failed(error):
+                raise error
+            case End():
+                raise BackendError("UNAVAILABLE", "the backend ended the stream before finishing "
+                                   f"{left} of {len(progress.seqs)} sequences; retry the request")
+        raise AssertionError("unreachable")   # pragma: no cover - Message is closed
 
     @staticmethod
-    async def _next(queue: asyncio.Queue, job: GenerateJob):
+    async def _next(pump: Pump, job: GenerateJob) -> Message:
+        """The next message, within the job's deadline (the one place it is enforced)."""
         left = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
         try:
-            async with asyncio.timeout(left):
-                item = await queue.get()
-            queue.task_done()   # the pump waits for the consumer to take everything (queue.join)
-            return item
+            return await pump.get(left)
         except TimeoutError:
             raise BackendError("DEADLINE_EXCEEDED", "the request ran past its deadline "
                                f"({job.deadline - job.arrival_time:.3g} s after arrival); allow more time "
                                "(client deadline / server request_timeout) or ask for fewer tokens") from None
+
+    def _on_delta(self, job: GenerateJob, progress: _Progress, d: StepDelta) -> Chunk:
+        seqs = progress.seqs
+        if not 0 <= d.index < len(seqs) or seqs[d.index].finished:
+            raise BackendError("INTERNAL", f"the backend sent a delta for sequence {d.index}, "
+                               f"which is not running (n={len(seqs)})")
+        seq = seqs[d.index]
+        chunk = self._chunk(job, d.index, seq, d)
+        if chunk.token_ids and not progress.first_token_seen:
+            progress.first_token_seen = True
+            self.metrics.ttft.observe(chunk.time_to_first_token_s)
+            if d.queue_seconds is not None:
+                self.metrics.queue_time.observe(d.queue_seconds)
+        if d.finish_reason:
+            seq.finished = True
+        return chunk
 
     def _chunk(self, job: GenerateJob, index: int, seq: _Seq, d: StepDelta) -> Chunk:
         now = time.monotonic()
@@ -226,79 +312,39 @@ class RequestRunner:
                      completion_tokens=seq.tokens, cached_tokens=seq.cached, time_to_first_token_s=ttft,
                      elapsed_s=now - job.arrival_time, first=seq.sent == 1)
 
-    async def _pump(self, job: GenerateJob, queue: asyncio.Queue, release, count,
+    # ------------------------------------------------------------------ the pump and the cleanup
+    async def _pump(self, job: GenerateJob, pump: Pump, release: Callable[[], None], count: _Counted,
                     consumer: weakref.ref | None = None) -> None:
-        """Drain the backend iterator into the queue, in its own task: the transport's
-        cancellation never lands inside the backend's iterator."""
-        agen = None
-        stalled = False
-        error: Exception | None = None
-        try:
-            agen = self.backend.generate(job)
-            async for delta in agen:
-                await self._put(queue, delta)
-            await self._put(queue, _END)
-            await self._taken(queue)
-        except asyncio.CancelledError:
-            raise
-        except _ConsumerStalled:
-            stalled = True
-        except Exception as e:   # surfaced to the consumer, which maps it to a status
-            error = e
-        finally:
-            aclose = getattr(agen, "aclose", None)   # closing the iterator aborts the request
-            if aclose is not None:
-                await aclose()
-        if error is not None:
-            try:
-                await self._put(queue, error)
-                await self._taken(queue)
-            except _ConsumerStalled:
-                stalled = True
-        if stalled:
-            await self._give_up(job, queue, release, consumer)
-            count("cancelled")
-
-    async def _put(self, queue: asyncio.Queue, item) -> None:
-        if not queue.full():   # the common case: no timer per delta
-            queue.put_nowait(item)
+        """Drain the backend into `pump`, in its own task: the transport's cancellation never
+        lands inside the backend's iterator. A consumer that took nothing for consumer_timeout
+        is given up on: abort (the iterator is closed already), free the slot, and leave the
+        consumer an error instead of its backlog."""
+        if await pump.drain(lambda: self.backend.generate(job)):
             return
-        try:
-            async with asyncio.timeout(self.consumer_timeout or None):
-                await queue.put(item)
-        except TimeoutError:
-            raise _ConsumerStalled from None
-
-    async def _taken(self, queue: asyncio.Queue) -> None:
-        """Until the consumer has taken what is queued (its stream closing cancels this wait):
-        a consumer dropped by its transport, whose stream is never closed, must not keep the
-        slot of a request that finished in the backend either."""
-        if self.consumer_timeout <= 0:
-            return
-        try:
-            async with asyncio.timeout(self.consumer_timeout):
-                await queue.join()
-        except TimeoutError:
-            raise _ConsumerStalled from None
-
-    async def _give_up(self, job: GenerateJob, queue: asyncio.Queue, release,
-                       consumer: weakref.ref | None) -> None:
-        """The consumer took nothing for consumer_timeout: abort (the iterator is closed
-        already), free the slot, and leave the consumer an error instead of its backlog."""
         log.warning("request %s: its stream was not read for %g s; aborting it (the consumer waits in %s)",
                     job.request_id, self.consumer_timeout, describe_task(consumer and consumer()))
         await self._abort(job)
-        while not queue.empty():
-            queue.get_nowait()
-        queue.put_nowait(BackendError("CANCELLED", f"nothing was read from the stream for "
-                                      f"{self.consumer_timeout:g} s (stream_write_timeout); the request was aborted"))
+        pump.replace_with(Failed(BackendError("CANCELLED", f"nothing was read from the stream for "
+                                              f"{self.consumer_timeout:g} s (stream_write_timeout); "
+                                              "the request was aborted")))
         release()
+        count("cancelled")
 
-    async def _cleanup(self, pump: asyncio.Task, job: GenerateJob, finished: bool, release) -> None:
+    def _start_cleanup(self, pumping: asyncio.Task, job: GenerateJob, finished: bool,
+                       release: Callable[[], None]) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(self._cleanup(pumping, job, finished, release))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        # a cleanup cancelled before it ran must still give the admission slot back
+        task.add_done_callback(lambda t: release() if t.cancelled() else None)
+        return task
+
+    async def _cleanup(self, pumping: asyncio.Task, job: GenerateJob, finished: bool,
+                       release: Callable[[], None]) -> None:
         try:
-            if not pump.done():
-                pump.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
+            if not pumping.done():
+                pumping.cancel()
+            await asyncio.gather(pumping, return_exceptions=True)
             if not finished:
                 await self._abort(job)
         finally:

@@ -20,8 +20,9 @@ from cluster.config import ServeConfig
 from cluster.observability.metrics import Metrics, TierStats, WorkerStats
 from cluster.orchestration.backend import BackendError
 from cluster.orchestration.launcher import WorkerRef, launch_workers
+from cluster.orchestration.router_config import router_config
 from cluster.router.policy import NoWorkerAvailable, RoutingDecision, RoutingRequest
-from cluster.router.router import Router, RouterConfig
+from cluster.router.router import Router
 from engine.outputs import StepDelta
 
 log = logging.getLogger("pdserve.cluster")
@@ -32,7 +33,7 @@ class WorkerPool:
     def __init__(self, config: ServeConfig, metrics: Metrics, *, report_interval: float = 0.1) -> None:
         self.config = config
         self.metrics = metrics
-        self.router = Router(RouterConfig.from_serve_config(config), rng=random.Random(0), clock=time.monotonic)
+        self.router = Router(router_config(config), rng=random.Random(0), clock=time.monotonic)
         self.workers: dict[str, WorkerRef] = {}
         self.draining: set[str] = set()
         self.deliver: Callable[[str, StepDelta], None] = lambda worker_id, delta: None

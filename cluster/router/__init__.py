@@ -13,11 +13,11 @@ from cluster.router.index import ApplyResult, MatchInfo, PrefixIndex
 from cluster.router.policy import (POLICIES, ClusterView, CostInputs, DecisionKind, NoWorkerAvailable,
                                    PolicyConfig, RoutingDecision, RoutingPolicy, RoutingRequest,
                                    WorkerLoad, WorkerView, make_policy)
-from cluster.router.router import Router, RouterConfig, load_from_stats
+from cluster.router.router import LoadReport, Router, RouterConfig, load_from_stats
 
 __all__ = [
     "ApplyResult", "ClusterView", "CostInputs", "CostWeights", "DecisionKind", "InFlightMatch",
-    "InFlightPrefixes", "MatchInfo",
+    "InFlightPrefixes", "LoadReport", "MatchInfo",
     "NoWorkerAvailable", "POLICIES", "PolicyConfig", "PrefixIndex", "Router", "RouterConfig",
     "RoutingDecision", "RoutingPolicy", "RoutingRequest", "WorkerLoad", "WorkerView",
     "load_from_stats", "make_policy",

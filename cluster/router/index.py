@@ -29,9 +29,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence, TypeVar, overload
 
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
+
+_T = TypeVar("_T")
 
 _RESYNC_ORDER = (Tier.DISK, Tier.HOST, Tier.DEVICE)   # last write wins: the fastest tier
 
@@ -88,7 +90,14 @@ class Matches(Mapping[str, MatchInfo]):
             self.groups.append((1 << bit, info))
         self._dict = None
 
-    def get(self, worker_id: str, default: MatchInfo | None = None) -> MatchInfo | None:  # type: ignore[override]
+    @overload
+    def get(self, worker_id: str, /) -> MatchInfo | None: ...
+    @overload
+    def get(self, worker_id: str, default: MatchInfo, /) -> MatchInfo: ...
+    @overload
+    def get(self, worker_id: str, default: _T, /) -> MatchInfo | _T: ...
+
+    def get(self, worker_id: str, default: object = None, /) -> object:
         info = self.extra.get(worker_id)
         if info is not None:
             return info

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Mapping, MutableMapping, Sequence
+from typing import Callable, ClassVar, Iterable, Mapping, MutableMapping, Sequence
 
 import numpy as np
 
@@ -23,9 +23,6 @@ from cluster.router import cost as C
 from cluster.router.cost_vector import RoleCosts
 from cluster.router.inflight import InFlightMatch
 from cluster.router.index import Matches, MatchInfo, PrefixIndex
-
-if TYPE_CHECKING:
-    from cluster.config import ServeConfig
 
 POOLS = ("prefill", "decode", "colocated")
 NO_MATCH = MatchInfo(0)
@@ -134,13 +131,6 @@ class PolicyConfig:
             raise ValueError("local_prefill_threshold must be >= 0 tokens and "
                              "local_prefill_hit_ratio in [0, 1]")
 
-    @classmethod
-    def from_serve_config(cls, cfg: "ServeConfig", weights: C.CostWeights | None = None) -> "PolicyConfig":
-        return cls(temperature=cfg.router_temperature,
-                   local_prefill_threshold=cfg.local_prefill_threshold,
-                   local_prefill_hit_ratio=cfg.local_prefill_hit_ratio,
-                   colocated=cfg.colocated, weights=weights or C.CostWeights())
-
 
 Pick = tuple[WorkerView, float]            # chosen worker and its cost
 
@@ -151,7 +141,7 @@ def _getter(matches: Mapping[str, MatchInfo]) -> Callable[[str], MatchInfo | Non
     return (matches.as_dict() if isinstance(matches, Matches) else matches).get
 
 
-def with_in_flight(matches: MutableMapping[str, MatchInfo], in_flight: InFlightMatch) -> None:
+def with_in_flight(matches: Matches | MutableMapping[str, MatchInfo], in_flight: InFlightMatch) -> None:
     """Extend the in-flight node's indexed match to the blocks sent to it (in place)."""
     m = matches.get(in_flight.worker_id, NO_MATCH)
     extra = in_flight.blocks - m.blocks

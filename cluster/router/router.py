@@ -17,10 +17,8 @@ from __future__ import annotations
 import bisect
 import random
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
-from cluster.config import ServeConfig
-from cluster.observability.metrics import WorkerStats
 from cluster.router.inflight import InFlightPrefixes, NoInFlightPrefixes
 from cluster.router.index import ApplyResult, PrefixIndex
 from cluster.router.policy import (POOLS, ClusterView, PolicyConfig, RoutingDecision,
@@ -41,13 +39,26 @@ class RouterConfig:
             raise ValueError(f"pending_ttl_s ({self.pending_ttl_s}) and in_flight_ttl_s "
                              f"({self.in_flight_ttl_s}) must be positive seconds")
 
-    @classmethod
-    def from_serve_config(cls, cfg: ServeConfig) -> "RouterConfig":
-        return cls(policy=cfg.router_policy, policy_config=PolicyConfig.from_serve_config(cfg),
-                   track_in_flight=cfg.router_track_in_flight)
 
 
-def load_from_stats(stats: WorkerStats, queued_prefill_tokens: int = 0) -> WorkerLoad:
+class LoadReport(Protocol):
+    """What ``Router.observe_stats`` reads from a worker's periodic stats report
+    (the frontend's ``WorkerStats`` has these fields; the router does not import it)."""
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def pool(self) -> str: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def kv_blocks_used(self) -> int: ...
+    @property
+    def kv_blocks_total(self) -> int: ...
+
+
+def load_from_stats(stats: LoadReport, queued_prefill_tokens: int = 0) -> WorkerLoad:
     return WorkerLoad(queued_prefill_tokens=queued_prefill_tokens, running=stats.running,
                       waiting=stats.waiting, kv_usage=stats.kv_blocks_used / max(1, stats.kv_blocks_total))
 
@@ -116,7 +127,7 @@ class Router:
         slot.clear_pending()
         self._refresh(slot)
 
-    def observe_stats(self, stats: WorkerStats, queued_prefill_tokens: int = 0) -> None:
+    def observe_stats(self, stats: LoadReport, queued_prefill_tokens: int = 0) -> None:
         """Register (if new) and update a worker from its periodic stats report."""
         self.add_worker(stats.worker_id, stats.pool)
         self.update_load(stats.worker_id, load_from_stats(stats, queued_prefill_tokens))

@@ -18,6 +18,7 @@ import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -47,7 +48,10 @@ class AttentionShape:
         return self.head_dim ** -0.5
 
 
-class AttentionBackend(ABC):
+PlanT = TypeVar("PlanT")      # a backend's per-step plan
+
+
+class AttentionBackend(ABC, Generic[PlanT]):
     name: str = "abstract"
 
     def __init__(self, shape: AttentionShape, kv_spec: KVCacheSpec | None = None) -> None:
@@ -55,11 +59,11 @@ class AttentionBackend(ABC):
         self.kv_spec = kv_spec or KVCacheSpec()
 
     @abstractmethod
-    def plan(self, attn: AttentionMetadata, kv_pool: torch.Tensor) -> object:
+    def plan(self, attn: AttentionMetadata, kv_pool: torch.Tensor) -> PlanT:
         """Per-step state shared by all layers (index tensors, masks, pool views)."""
 
     @abstractmethod
-    def forward(self, plan: object, layer: int, q: torch.Tensor, k: torch.Tensor,
+    def forward(self, plan: PlanT, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, KVH, D]`` (post-RoPE) -> output ``[T, H*D]``."""
 
@@ -74,7 +78,7 @@ def available_backends() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
-def get_attention_backend(name: str, shape: AttentionShape, kv_spec: KVCacheSpec | None = None) -> AttentionBackend:
+def get_attention_backend(name: str, shape: AttentionShape, kv_spec: KVCacheSpec | None = None) -> AttentionBackend[Any]:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of "
                          f"{', '.join(_BACKENDS)}")

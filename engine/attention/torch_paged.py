@@ -41,16 +41,21 @@ class _DecodePlan:
 
 
 @dataclass
-class _PrefillPlan:
+class _PaddedPrefill:
+    """Prefill-like sequences as one padded batch with a causal-with-prefix mask."""
     num_seqs: int
-    num_tokens: int
     max_query_len: int
-    fresh_single: bool                      # one prompt, no cached prefix: causal on new K/V
-    read_rows: torch.Tensor | None = None   # int64 [L, 2, P, KVH, MB]
-    q_index: torch.Tensor | None = None     # int64 [P*maxQ] token of each padded query slot
-    out_index: torch.Tensor | None = None   # int64 [Tp] padded slot of each token
-    mask: torch.Tensor | None = None        # bool [P, 1, maxQ, MB*BS]
-    kv_len: int = 0
+    read_rows: torch.Tensor      # int64 [L, 2, P, KVH, MB]
+    q_index: torch.Tensor        # int64 [P*maxQ] token of each padded query slot
+    out_index: torch.Tensor      # int64 [Tp] padded slot of each token
+    mask: torch.Tensor           # bool [P, 1, maxQ, MB*BS]
+    kv_len: int                  # MB * BS
+
+
+@dataclass
+class _PrefillPlan:
+    num_tokens: int
+    padded: _PaddedPrefill | None    # None: one prompt, no cached prefix: causal on new K/V
 
 
 @dataclass
@@ -62,7 +67,7 @@ class TorchPagedPlan:
     decode: _DecodePlan | None
 
 
-class TorchPagedAttention(AttentionBackend):
+class TorchPagedAttention(AttentionBackend[TorchPagedPlan]):
     name = "torch_paged"
     _codec: KVCodec | None = None
 
@@ -108,7 +113,7 @@ class TorchPagedAttention(AttentionBackend):
         ctxs = attn.context_lens[:n].tolist()
         max_q = max(qlens)
         if n == 1 and ctxs[0] == qlens[0]:
-            return _PrefillPlan(1, qlens[0], max_q, fresh_single=True)
+            return _PrefillPlan(qlens[0], padded=None)
         dev = attn.query_lens.device
         bs = self.shape.block_size
         mb = -(-max(ctxs) // bs)
@@ -124,11 +129,10 @@ class TorchPagedAttention(AttentionBackend):
         last_key = prefix[:, None] + torch.arange(max_q, device=dev)[None, :]       # [P, maxQ]
         keys = torch.arange(mb * bs, device=dev)
         mask = (keys[None, None, :] <= last_key[:, :, None]).unsqueeze(1)
-        return _PrefillPlan(
-            n, start, max_q, fresh_single=False,
-            read_rows=self._tile_rows(attn.block_tables[:n, :mb]),
+        return _PrefillPlan(start, _PaddedPrefill(
+            n, max_q, read_rows=self._tile_rows(attn.block_tables[:n, :mb]),
             q_index=torch.tensor(q_idx, device=dev), out_index=torch.tensor(out_idx, device=dev),
-            mask=mask, kv_len=mb * bs)
+            mask=mask, kv_len=mb * bs))
 
     def plan(self, attn: AttentionMetadata, kv_pool: torch.Tensor) -> TorchPagedPlan:
         s = self.shape
@@ -149,8 +153,8 @@ class TorchPagedAttention(AttentionBackend):
         kv = kv.view(2, num_seqs, self.shape.num_kv_heads, kv_len, self.shape.head_dim)
         return kv[0], kv[1]
 
-    def _decode(self, plan: TorchPagedPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
-        s, d = self.shape, plan.decode
+    def _decode(self, plan: TorchPagedPlan, d: _DecodePlan, layer: int, q: torch.Tensor) -> torch.Tensor:
+        s = self.shape
         kv, scale = plan.pool.gather_unscaled(d.read_rows[layer].reshape(-1))
         kv = kv.view(2, d.num_seqs, s.num_kv_heads, d.kv_len, s.head_dim)
         k, v = kv[0], kv[1]
@@ -167,16 +171,16 @@ class TorchPagedAttention(AttentionBackend):
             probs = probs.mul_(scale[1])
         return torch.matmul(probs, v).reshape(d.num_seqs, s.num_heads * s.head_dim)
 
-    def _prefill(self, plan: TorchPagedPlan, layer: int, q: torch.Tensor, k: torch.Tensor,
+    def _prefill(self, plan: TorchPagedPlan, pre: _PrefillPlan, layer: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
-        s, p = self.shape, plan.prefill
+        s, p = self.shape, pre.padded
         hd = s.num_heads * s.head_dim
-        if p.fresh_single:
+        if p is None:
             k, v = plan.pool.roundtrip(k), plan.pool.roundtrip(v)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                 v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=s.scale, enable_gqa=True)
-            return out[0].transpose(0, 1).reshape(p.num_tokens, hd)
+            return out[0].transpose(0, 1).reshape(pre.num_tokens, hd)
         kc, vc = self._gather(plan, p.read_rows[layer], p.num_seqs, p.kv_len)
         qp = q.index_select(0, p.q_index).view(p.num_seqs, p.max_query_len, s.num_heads, s.head_dim)
         out = F.scaled_dot_product_attention(qp.transpose(1, 2), kc, vc, attn_mask=p.mask,
@@ -188,10 +192,13 @@ class TorchPagedAttention(AttentionBackend):
         tiles = plan.write_tiles[layer]
         plan.pool.write(tiles[0], plan.write_slots, k)
         plan.pool.write(tiles[1], plan.write_slots, v)
-        if plan.decode is None:
-            return self._prefill(plan, layer, q, k, v)
-        if plan.prefill is None:
-            return self._decode(plan, layer, q)
-        n = plan.prefill.num_tokens
-        return torch.cat([self._prefill(plan, layer, q[:n], k[:n], v[:n]),
-                          self._decode(plan, layer, q[n:])])
+        pre, dec = plan.prefill, plan.decode
+        if pre is None or dec is None:
+            if pre is not None:
+                return self._prefill(plan, pre, layer, q, k, v)
+            if dec is not None:
+                return self._decode(plan, dec, layer, q)
+            raise ValueError("an empty step: plan() needs at least one scheduled token")
+        n = pre.num_tokens
+        return torch.cat([self._prefill(plan, pre, layer, q[:n], k[:n], v[:n]),
+                          self._decode(plan, dec, layer, q[n:])])

@@ -6,6 +6,8 @@ each one matmul. Weights load from a state dict in Hugging Face naming.
 """
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.data.copy_(sd["lm_head.weight"])
         try:
             for i, layer in enumerate(self.layers):
-                layer.load_hf(sd, f"model.layers.{i}.")
+                cast(DecoderLayer, layer).load_hf(sd, f"model.layers.{i}.")
         except KeyError as e:
             raise ValueError(f"checkpoint lacks tensor {e.args[0]}; does config.json match the weights?") \
                 from None

@@ -55,7 +55,7 @@ class DiskStore:
         self._check(slots)
         raw = data.contiguous().view(torch.uint8).reshape(len(slots), self.bytes_per_block).numpy()
         for first, slot, n in _runs(slots):
-            view = memoryview(raw[first:first + n]).cast("B")
+            view = raw[first:first + n].data.cast("B")
             offset = slot * self.bytes_per_block
             while view:
                 written = os.pwrite(self._fd, view, offset)
@@ -67,7 +67,7 @@ class DiskStore:
         out = torch.empty((len(slots), *self.block_shape), dtype=self.dtype)
         raw = out.view(torch.uint8).reshape(len(slots), self.bytes_per_block).numpy()
         for first, slot, n in _runs(slots):
-            view = memoryview(raw[first:first + n]).cast("B")
+            view = raw[first:first + n].data.cast("B")
             offset = slot * self.bytes_per_block
             while view:
                 got = os.preadv(self._fd, [view], offset)

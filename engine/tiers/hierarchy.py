@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from engine.kv_events import KVEventKind, KVEventLog, Tier
 from engine.tiers.slot_tier import SlotTier
-from engine.tiers.types import MoveLog, TierCounters, TierEntry, TierSizes
+from engine.tiers.types import MoveLog, TierCounters, TierEntry, TierSizes, cached
 
 if TYPE_CHECKING:
     from engine.block_pool import KVBlock
@@ -60,7 +60,7 @@ class LowerTiers:
         if self.device_only:
             if blocks:
                 self._counts["dropped"] += len(blocks)
-                self.log.emit(KVEventKind.REMOVED, tuple(b.block_hash for b in blocks), tier=Tier.DEVICE)
+                self.log.emit(KVEventKind.REMOVED, tuple(cached(b.block_hash) for b in blocks), tier=Tier.DEVICE)
             return
         entries = [TierEntry(Tier.DEVICE, b.block_id, b.block_hash, b.parent_hash, b.token_ids)
                    for b in blocks]
@@ -73,7 +73,7 @@ class LowerTiers:
             return
         if depth == len(self.levels):
             self._counts["dropped"] += len(entries)
-            self.log.emit(KVEventKind.REMOVED, tuple(e.block_hash for e in entries), tier=entries[0].tier)
+            self.log.emit(KVEventKind.REMOVED, tuple(cached(e.block_hash) for e in entries), tier=entries[0].tier)
             return
         level = self.levels[depth]
         fit = min(len(entries), level.room)
@@ -89,7 +89,7 @@ class LowerTiers:
             self.moves.add(entry.tier, entry.slot, level.tier, slot)
             level.insert(TierEntry(level.tier, slot, entry.block_hash, entry.parent_hash, entry.token_ids))
         self._counts["page_outs"] += len(keep)
-        self.log.stored_chains([e.block_hash for e in keep], [e.parent_hash for e in keep], level.tier)
+        self.log.stored_chains([cached(e.block_hash) for e in keep], [e.parent_hash for e in keep], level.tier)
 
     def discard(self, hashes: Sequence[int]) -> None:
         """The device now caches these hashes: drop lower copies (no event: the

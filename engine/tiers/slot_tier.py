@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engine.kv_events import Tier
-from engine.tiers.types import TierEntry
+from engine.tiers.types import TierEntry, cached
 
 
 class SlotTier:
@@ -91,11 +91,12 @@ class SlotTier:
     def claim(self, entry: TierEntry) -> None:
         """Take a cached block out of the LRU for a page-in; the slot stays
         reserved until :meth:`release` or :meth:`restore`."""
-        if entry.is_private:
+        key = entry.block_hash
+        if key is None:     # private
             assert entry.slot in self._pinned, f"swap slot {entry.slot} is not pinned"
             return
-        assert self._lru.get(entry.block_hash) is entry, f"{self.tier.value}: claiming a stale entry"
-        del self._lru[entry.block_hash]
+        assert self._lru.get(key) is entry, f"{self.tier.value}: claiming a stale entry"
+        del self._lru[key]
         self._claimed.add(entry.slot)
 
     def release(self, entry: TierEntry) -> None:
@@ -106,7 +107,7 @@ class SlotTier:
     def restore(self, entry: TierEntry) -> None:
         """Keep a claimed cached block here after copying it up (most recent)."""
         self._claimed.remove(entry.slot)
-        self._lru[entry.block_hash] = entry
+        self._lru[cached(entry.block_hash)] = entry
 
     def pin(self, slot: int) -> None:
         self._pinned.add(slot)

@@ -2,8 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from engine.kv_events import Tier
+
+T = TypeVar("T")
+
+
+def cached(value: T | None) -> T:
+    """A cached block's hash or tokens: always set (None only on a private block,
+    which never reaches the caller; an AssertionError if one does)."""
+    if value is None:
+        raise AssertionError("a private block where only cached blocks belong")
+    return value
 
 
 @dataclass(frozen=True)

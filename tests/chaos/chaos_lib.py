@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from chaos_load import Outcome
 from cluster.config import ServeConfig
-from cluster_harness import Cluster
+from cluster_harness import Cluster, free_port
 
 
 def chaos_config(model_dir, ray_dir: str, **overrides) -> ServeConfig:
@@ -18,7 +18,7 @@ def chaos_config(model_dir, ray_dir: str, **overrides) -> ServeConfig:
     few sequences per worker (so requests queue: drains have something to move);
     a short lease (so only renewal keeps it alive while the decode node queues)."""
     base = dict(model=str(model_dir), num_kv_blocks=64, max_model_len=256, block_size=16, max_num_seqs=8,
-                grpc_port=0, metrics_port=0, http_port=0, prefill_workers=2, decode_workers=2,
+                grpc_port=free_port(), metrics_port=0, http_port=0, prefill_workers=2, decode_workers=2,
                 transfer_backend="tcp", lease_ttl=2.0, transfer_timeout=5.0, max_migrations=2,
                 max_queued_requests=512, request_timeout=300.0, ray_temp_dir=ray_dir,
                 local_prefill_threshold=0, local_prefill_hit_ratio=1.0)
@@ -62,7 +62,7 @@ class ChaosCluster(Cluster):
 
     @property
     def admission(self):
-        return self.stack.grpc.runner.admission
+        return self.stack.runner.admission
 
     def counters(self) -> dict[str, int]:
         return dataclasses.asdict(self.backend.journal.counters)
@@ -104,7 +104,7 @@ class ChaosCluster(Cluster):
                 raise AssertionError(f"not idle after {timeout}s: workers {busy}, frontend in flight {front} "
                                      f"(admitted {sorted(self.admission._in_flight)}, backend "
                                      f"{sorted(self.backend.in_flight)}, cleanups pending "
-                                     f"{len(self.stack.grpc.runner._cleanups)}), leaked blocks {leaked}")
+                                     f"{len(self.stack.runner._cleanups)}), leaked blocks {leaked}")
             time.sleep(0.1)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from cluster.cli import main
 from cluster.config import ServeConfig
-from cluster_harness import Cluster
+from cluster_harness import Cluster, free_port
 
 pytestmark = pytest.mark.ray
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -15,7 +15,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, tmp_path_factory):
-    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, grpc_port=0,
+    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, grpc_port=free_port(),
                       metrics_port=0, http_port=0, prefill_workers=1, decode_workers=1,
                       ray_temp_dir=str(tmp_path_factory.mktemp("ray")))
     c = Cluster(cfg)

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.cli.client import GenerationClient
 from cluster.config import ServeConfig
-from cluster_harness import Cluster
+from cluster_harness import Cluster, free_port
 from tiny_models import hf_greedy, load_hf_model
 
 pytestmark = pytest.mark.ray
@@ -21,8 +21,9 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, tmp_path_factory):
-    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, grpc_port=0, http_port=0,
-                      metrics_port=0, block_size=BS, prefill_workers=1, decode_workers=1,
+    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512,
+                      grpc_port=free_port(), http_port=0, metrics_port=0,
+                      block_size=BS, prefill_workers=1, decode_workers=1,
                       ray_temp_dir=str(tmp_path_factory.mktemp("ray")), worker_niceness=0,
                       # always hand off, so the tests see transfers
                       local_prefill_threshold=0, local_prefill_hit_ratio=1.0)

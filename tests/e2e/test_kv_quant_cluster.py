@@ -11,7 +11,7 @@ import pytest
 
 from cluster.cli.client import GenerationClient
 from cluster.config import ServeConfig
-from cluster_harness import Cluster
+from cluster_harness import Cluster, free_port
 from engine import LLM, SamplingParams
 from engine.block_hash import block_hashes
 
@@ -23,7 +23,7 @@ INT8_BLOCK = BS * 2 * 3 * 2 * (16 + 2)       # tiny Llama: 3 layers, 2 KV heads,
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, tmp_path_factory):
     cfg = ServeConfig(model=str(tiny_llama_dir), kv_cache_dtype="int8", num_kv_blocks=24, max_model_len=256,
-                      host_kv_memory="2MiB", grpc_port=0, http_port=0, metrics_port=0, block_size=BS,
+                      host_kv_memory="2MiB", grpc_port=free_port(), http_port=0, metrics_port=0, block_size=BS,
                       prefill_workers=1, decode_workers=1, ray_temp_dir=str(tmp_path_factory.mktemp("ray")),
                       worker_niceness=0, local_prefill_threshold=0, local_prefill_hit_ratio=1.0)
     c = Cluster(cfg)

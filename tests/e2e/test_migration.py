@@ -10,7 +10,7 @@ import ray
 
 from cluster.cli.client import GenerationClient
 from cluster.config import ServeConfig
-from cluster_harness import Cluster
+from cluster_harness import Cluster, free_port
 from tiny_models import hf_greedy, load_hf_model
 
 pytestmark = pytest.mark.ray
@@ -18,8 +18,9 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, tmp_path_factory):
-    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, grpc_port=0, http_port=0,
-                      metrics_port=0, prefill_workers=1, decode_workers=2, max_migrations=1,
+    cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512,
+                      grpc_port=free_port(), http_port=0, metrics_port=0,
+                      prefill_workers=1, decode_workers=2, max_migrations=1,
                       ray_temp_dir=str(tmp_path_factory.mktemp("ray")))
     c = Cluster(cfg)
     yield c

@@ -19,7 +19,7 @@ import ray
 from cluster.cli import main
 from cluster.cli.client import GenerationClient
 from cluster.config import ServeConfig
-from cluster_harness import Cluster
+from cluster_harness import Cluster, free_port
 from engine.tokenizer import Tokenizer
 from tiny_models import hf_greedy, load_hf_model, make_tiny_model
 
@@ -50,12 +50,12 @@ def tok(model_dir):
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     # every prompt is prefilled on the prefill node and handed off (no local prefill)
-    cfg = ServeConfig(model=str(model_dir), num_kv_blocks=256, grpc_port=0, metrics_port=0, http_port=0,
+    cfg = ServeConfig(model=str(model_dir), num_kv_blocks=256, grpc_port=free_port(), metrics_port=0, http_port=0,
                       prefill_workers=1, decode_workers=2, max_migrations=1, local_prefill_threshold=0,
                       local_prefill_hit_ratio=1.0, ray_temp_dir=str(tmp_path_factory.mktemp("ray")))
     c = Cluster(cfg)
     from cluster.frontends.http import serve_http
-    c.http = c.loop.run(serve_http(c.stack.grpc.runner, ServeConfig(http_port=0), c.stack.metrics,
+    c.http = c.loop.run(serve_http(c.stack.runner, ServeConfig(http_port=0),
                                    model_names=c.stack.config.served_model_name))
     yield c
     c.loop.run(c.http.stop(2))

@@ -216,12 +216,12 @@ def test_client_deadline_exceeded_frees_blocks(fe, aborts):
 def test_server_request_timeout_is_deadline_exceeded(fe):
     baseline = fe.kv_used()
     before = fe.sample("pdserve_requests_total", outcome="deadline_exceeded")
-    fe.server.servicer.request_timeout = 0.5
+    fe.server.runner.request_timeout = 0.5
     try:
         with fe.stalled_engine():
             err = run(_error(fe.target, prompt="The quick brown fox", max_tokens=50))
     finally:
-        fe.server.servicer.request_timeout = 600.0
+        fe.server.runner.request_timeout = 600.0
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "deadline" in err.details()
     fe.wait_idle(baseline)
     assert fe.sample("pdserve_requests_total", outcome="deadline_exceeded") == before + 1
@@ -283,10 +283,10 @@ def test_stop_keeps_answering_while_in_flight_calls_finish(fe, hf):
                 it = c.generate(prompt_token_ids=ids, max_tokens=12, temperature=0.0, ignore_eos=True).__aiter__()
                 first = asyncio.ensure_future(it.__anext__())   # in flight, waiting for its first token
                 for _ in range(600):
-                    if srv.servicer.active:
+                    if srv.runner.in_flight:
                         break
                     await asyncio.sleep(0.01)
-                assert srv.servicer.active == 1
+                assert srv.runner.in_flight == 1
                 stopping = asyncio.wrap_future(fe.loop.submit(srv.stop(grace=60)))
                 await asyncio.sleep(0.1)
                 health = await c.health()

@@ -17,7 +17,7 @@ from cluster.config import ServeConfig
 from cluster.frontends.auth import ApiKeys
 from cluster.frontends.http import serve_http
 from cluster.frontends.runner import RequestRunner
-from grpc_harness import http_frontend
+from grpc_harness import free_port, http_frontend
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -90,7 +90,7 @@ def test_404_unknown_model_and_route(fe):
 
 def test_401_without_a_valid_key(fe):
     keys = ApiKeys.parse([("sekret", "acme")])
-    srv = fe.loop.run(serve_http(fe.server.runner, ServeConfig(http_port=0), fe.metrics, api_keys=keys))
+    srv = fe.loop.run(serve_http(fe.server.runner, ServeConfig(http_port=0), api_keys=keys))
     try:
         body = {"prompt": "x", "max_tokens": 2}
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekret"}):
@@ -108,7 +108,7 @@ def test_401_without_a_valid_key(fe):
 
 def test_429_when_admission_is_full_with_retry_after(fe):
     runner = RequestRunner(fe.backend, fe.metrics, fe.server.runner.limits, AdmissionController(1, 2000))
-    srv = fe.loop.run(serve_http(runner, ServeConfig(http_port=0), fe.metrics))
+    srv = fe.loop.run(serve_http(runner, ServeConfig(http_port=0)))
     try:
         status, _, out = call(srv.url, "/v1/completions", {"prompt": "x", "max_tokens": 1000, "n": 2})
         assert status == 400 and out["error"]["code"] == "request_too_large"   # never fits: retrying can't help
@@ -126,12 +126,12 @@ def test_429_when_admission_is_full_with_retry_after(fe):
 
 
 def test_503_while_draining_and_in_flight_requests_finish(fe):
-    srv = fe.loop.run(serve_http(fe.server.runner, ServeConfig(http_port=0), fe.metrics))
+    srv = fe.loop.run(serve_http(fe.server.runner, ServeConfig(http_port=0)))
     with ThreadPoolExecutor(1) as pool:
         with fe.stalled_engine():
             first = pool.submit(call, srv.url, "/v1/completions", {"prompt": "x", "max_tokens": 4, "stream": True,
                                                                    "ignore_eos": True})
-            wait_for(lambda: srv.state.in_flight == 1, "the first request to be in flight")
+            wait_for(lambda: srv.state.runner.in_flight == 1, "the first request to be in flight")
             stopped = fe.loop.submit(srv.stop(120))
             wait_for(lambda: not srv.serving, "the drain to start")
             status, _, out = call(srv.url, "/ready")
@@ -154,12 +154,12 @@ def test_serve_stack_runs_http_on_the_grpc_runner_and_drains_it(tiny_llama_dir):
     with socket.socket() as s:        # a free port: http_port 0 means "off" for the stack
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = ServeConfig(model=str(tiny_llama_dir), ray=False, grpc_port=0, metrics_port=0, http_port=port,
+    cfg = ServeConfig(model=str(tiny_llama_dir), ray=False, grpc_port=free_port(), metrics_port=0, http_port=port,
                       num_kv_blocks=64, max_model_len=256)
     loop = LoopThread()
     stack = loop.run(start_stack(cfg))
     try:
-        assert stack.http.state.runner is stack.grpc.runner     # one router, validator, admission, metrics
+        assert stack.http.state.runner is stack.grpc.runner is stack.runner   # one router, validator, admission, metrics
         assert f"http://127.0.0.1:{port}" in stack.banner()
         status, _, out = call(stack.http.url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert status == 200 and out["usage"]["completion_tokens"] == 2

@@ -236,7 +236,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(fe, model):
         assert fe.backend.engine.stats().kv_blocks_used > baseline   # safe: the engine thread is held
         resp.close()
         conn.close()
-        assert fe.loop.run(fe.http.state.wait_idle(60))   # the server saw the disconnect and stopped
+        assert fe.loop.run(fe.http.state.runner.wait_idle(60))   # the server saw the disconnect and stopped
     fe.wait_idle(baseline)                 # aborted in the engine, blocks and admission freed
     assert fe.sample("pdserve_requests_total", outcome="cancelled") == cancelled + 1
 
@@ -280,7 +280,7 @@ def test_client_that_reads_nothing_is_dropped_after_stream_write_timeout(fe, mod
             while fe.sample("pdserve_requests_total", outcome="cancelled") < cancelled + 1:   # reading nothing
                 assert time.monotonic() < end, "no response was dropped: the server still waits on the client"
                 time.sleep(0.05)
-            assert fe.loop.run(state.wait_idle(60)), "the response is still waiting on the client"
+            assert fe.loop.run(state.runner.wait_idle(60)), "the response is still waiting on the client"
             fe.wait_idle(baseline)                        # aborted, blocks and admission freed
             sock.settimeout(60)
             received = b""

@@ -37,8 +37,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     loop = LoopThread()
-    cfg = ServeConfig(ray=False, grpc_port=0, http_port=free_port(), metrics_port=0, max_model_len=1024, num_kv_blocks=128,
-                      served_model_name=("smol", "smol-alias"))
+    cfg = ServeConfig(ray=False, grpc_port=free_port(), http_port=free_port(), metrics_port=0, max_model_len=1024,
+                      num_kv_blocks=128, served_model_name=("smol", "smol-alias"))
     stack = loop.run(start_stack(cfg), timeout=300)
     yield stack
     loop.run(stack.drain_and_stop(1.0))

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kvtransfer", "cluster", "prefill_worker", "decode_worker")
 PB = ROOT / "cluster" / "pb" / "pdserve" / "v1"
 TEST_ONLY = {"pytest", "hypothesis", "transformers", "openai", "guidellm", "grpcio-tools", "jsonschema",
-             "kubernetes-validate", "dockerfile", "pytest-timeout"}
+             "kubernetes-validate", "dockerfile", "pytest-timeout", "mypy"}
+TOOLS = ROOT / "cluster" / "tools"      # offline tools (bench, sim, planner, testbed, tiny models): not serving code
 PRIVATE_APIS = {"nixl": "nixl._bindings", "ucxx-cu12": "ucxx._lib"}
 
 
@@ -42,12 +43,24 @@ def floor(req: Requirement) -> Version:
     return max(floors)
 
 
-def imports(paths) -> dict[str, set[str]]:
-    """Top-level third-party module -> files importing it (function-level imports included)."""
+def _module_level(tree: ast.Module):
+    """The nodes that run when the module is imported (not inside a function)."""
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield node
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def imports(paths, module_level_only: bool = False) -> dict[str, set[str]]:
+    """Top-level third-party module -> files importing it (function-level imports included
+    unless ``module_level_only``)."""
     first = set(PACKAGES) | {p.stem for p in (ROOT / "tests").rglob("*.py")}
     out: dict[str, set[str]] = {}
     for f in paths:
-        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+        tree = ast.parse(f.read_text(), str(f))
+        for node in (_module_level(tree) if module_level_only else ast.walk(tree)):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -69,6 +82,10 @@ def distributions(module: str) -> set[str]:
 
 def runtime_files():
     return [f for p in PACKAGES for f in (ROOT / p).rglob("*.py")]
+
+
+def serving_files():
+    return [f for f in runtime_files() if not f.is_relative_to(TOOLS)]
 
 
 def test_requires_python_covers_what_the_code_uses():
@@ -106,11 +123,26 @@ def test_grpcio_floor_matches_the_generated_codes_check():
 
 def test_every_package_the_serving_code_imports_is_declared():
     declared = set(requirements()) | set(requirements("nixl")) | set(requirements("ucx"))
-    missing = {m: sorted(f)[:2] for m, f in imports(runtime_files()).items()
+    missing = {m: sorted(f)[:2] for m, f in imports(serving_files()).items()
                if m != "google" and not distributions(m) & declared}
     assert not missing, f"imported by the serving code but not declared in pyproject.toml: {missing}"
     assert "protobuf" in declared      # `google.protobuf`
     assert not TEST_ONLY & set(requirements()), "test tools belong in the test extra, not the core"
+
+
+def test_the_tools_use_test_extra_packages_only_inside_functions():
+    """cluster/tools may use a package of the test extra (transformers, for the tiny models that
+    tests and benchmarks share) inside the function that needs it, so a `make serve` install
+    still imports every tools module; everything else they import is declared like the serving code's."""
+    declared = set(requirements()) | set(requirements("nixl")) | set(requirements("ucx"))
+    files = sorted(TOOLS.rglob("*.py"))
+    at_import = {m: sorted(f)[:2] for m, f in imports(files, module_level_only=True).items()
+                 if m != "google" and not distributions(m) & declared}
+    assert not at_import, f"imported by cluster/tools at module level but not declared in the core: {at_import}"
+    declared |= set(requirements("test"))
+    missing = {m: sorted(f)[:2] for m, f in imports(files).items()
+               if m != "google" and not distributions(m) & declared}
+    assert not missing, f"imported by cluster/tools but not declared in pyproject.toml: {missing}"
 
 
 def test_every_package_the_tests_import_comes_with_the_test_extra():

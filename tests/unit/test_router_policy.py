@@ -6,6 +6,7 @@ import pytest
 
 from cluster.config import ROUTER_POLICIES, ServeConfig
 from cluster.observability.metrics import WorkerStats
+from cluster.orchestration.router_config import router_config
 from cluster.router import (POLICIES, ClusterView, DecisionKind, MatchInfo, NoWorkerAvailable,
                             PolicyConfig, PrefixIndex, Router, RouterConfig, RoutingRequest,
                             WorkerLoad, WorkerView, make_policy)
@@ -270,7 +271,7 @@ def test_router_input_errors():
 def test_router_config_from_serve_config():
     cfg = ServeConfig(router_policy="round_robin", router_temperature=0.5, local_prefill_threshold=8,
                       local_prefill_hit_ratio=0.5)
-    rc = RouterConfig.from_serve_config(cfg)
+    rc = router_config(cfg)
     assert rc.policy == "round_robin"
     assert (rc.policy_config.temperature, rc.policy_config.local_prefill_threshold,
             rc.policy_config.local_prefill_hit_ratio) == (0.5, 8, 0.5)

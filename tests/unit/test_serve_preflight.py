@@ -16,6 +16,7 @@ from cluster.cli import main
 from cluster.config import ServeConfig
 from cluster.preflight import preflight
 from engine.loader.load import resolve_model_path, served_name
+from grpc_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,9 +32,9 @@ def short_model(tmp_path_factory):
 def serve_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """`pdserve serve ...` in a fresh process, as a user runs it."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_AUTO_CONNECT": "0", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--grpc-port", "0", "--http-port", "0",
-                           "--metrics-port", "0", *args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--grpc-port", str(free_port()),
+                           "--http-port", "0", "--metrics-port", "0", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=ROOT)
 
 
 def assert_refused(proc: subprocess.CompletedProcess, ray_dir: Path, *needles: str) -> None:
@@ -59,7 +60,7 @@ def test_no_ray_server_starts_on_a_short_context_model(short_model):
     from cluster.server_stack import start_stack
 
     async def go():
-        stack = await start_stack(ServeConfig(model=str(short_model), ray=False, grpc_port=0, http_port=0,
+        stack = await start_stack(ServeConfig(model=str(short_model), ray=False, grpc_port=free_port(), http_port=0,
                                               metrics_port=0, num_kv_blocks=64))
         try:
             return stack.backend.model_info()
@@ -74,6 +75,12 @@ def test_too_large_max_model_len_is_refused_before_ray(short_model, tmp_path):
     ray_dir = tmp_path / "ray"
     proc = serve_cli("--model", str(short_model), "--max-model-len", "1024", "--ray-temp-dir", str(ray_dir))
     assert_refused(proc, ray_dir, "max_model_len 1024 exceeds the model's context of 512")
+
+
+def test_both_frontends_off_is_refused_in_one_line_before_ray(short_model, tmp_path):
+    ray_dir = tmp_path / "ray"
+    proc = serve_cli("--model", str(short_model), "--grpc-port", "0", "--ray-temp-dir", str(ray_dir))
+    assert_refused(proc, ray_dir, "grpc_port and http_port are both 0", "set one")
 
 
 # ------------------------------------------------------------------ names

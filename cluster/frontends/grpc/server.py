@@ -1,6 +1,7 @@
 """The gRPC frontend: pdserve.v1.Generation + grpc.health.v1 + reflection.
 
-    server = await serve_grpc(backend, config, metrics)      # backend started
+    runner = RequestRunner.from_config(backend, config, metrics)   # backend started; shared with HTTP
+    server = await serve_grpc(runner, config)                       # config.host:config.grpc_port
     print(server.port); ...; await server.set_serving(False); await server.stop(grace=30)
 
 Status codes: bad input -> INVALID_ARGUMENT (message names the field), full
@@ -25,15 +26,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster.frontends.admission import AdmissionController
-from cluster.orchestration.backend import BackendError, GenerationBackend
 from cluster.config import ServeConfig
-from cluster.frontends.auth import ApiKeys, AuthInterceptor, TlsConfig
+from cluster.frontends.auth import ApiKeys, TlsConfig
+from cluster.frontends.grpc.auth import AuthInterceptor, server_credentials
 from cluster.frontends.grpc.convert import BadRequest, deserialize_generate, to_input, to_response
-from cluster.observability.metrics import Metrics
-from cluster.pb import generation_pb2 as pb
 from cluster.frontends.runner import RequestRunner, outcome_of
-from cluster.frontends.validation import Limits, ValidationError
+from cluster.frontends.validation import ValidationError
+from cluster.orchestration.backend import BackendError
+from cluster.pb import generation_pb2 as pb
 from cluster.version import version
 
 log = logging.getLogger(__name__)
@@ -50,24 +50,11 @@ class ClientGone(Exception):
 
 
 class GenerationServicer:
-    def __init__(self, runner: RequestRunner, keys: ApiKeys | None, request_timeout: float,
-                 write_timeout: float = 30.0) -> None:
-        self.runner = runner
+    def __init__(self, runner: RequestRunner, keys: ApiKeys | None, write_timeout: float = 30.0) -> None:
+        self.runner = runner                 # in-flight tracking, deadline, admission: shared with HTTP
         self.keys = keys
-        self.request_timeout = request_timeout
         self.write_timeout = write_timeout   # seconds one response write may take; 0 = no bound
         self.serving = True
-        self.active = 0                      # Generate calls in progress
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    async def wait_idle(self, timeout: float | None) -> bool:
-        """Wait until no Generate call is in progress; False on timeout."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
 
     def _cache_salt(self, request: pb.GenerateRequest, context) -> str | None:
         if self.keys is None:
@@ -77,11 +64,11 @@ class GenerationServicer:
             raise BackendError("UNAUTHENTICATED", "missing or invalid API key")
         return f"{tenant}/{request.cache_salt}" if request.cache_salt else tenant
 
-    def _deadline(self, context) -> float | None:
+    @staticmethod
+    def _client_deadline(context) -> float | None:
+        """The client's timeout as a time.monotonic() instant (the runner applies and enforces it)."""
         remaining = context.time_remaining()
-        limit = self.request_timeout if self.request_timeout > 0 else math.inf
-        budget = min(limit, math.inf if remaining is None else remaining)
-        return None if math.isinf(budget) else time.monotonic() + budget
+        return None if remaining is None or math.isinf(remaining) else time.monotonic() + remaining
 
     async def _write(self, context, response) -> None:
         """context.write, bounded. grpc.aio cancels a handler on a client's close only if
@@ -101,14 +88,8 @@ class GenerationServicer:
         self.runner.metrics.requests.labels(outcome=outcome_of(exc)).inc()
 
     async def Generate(self, request, context) -> None:
-        self.active += 1
-        self._idle.clear()
-        try:
+        with self.runner.track():
             await self._generate(request, context)
-        finally:
-            self.active -= 1
-            if self.active == 0:
-                self._idle.set()
 
     async def _generate(self, request, context) -> None:
         # context.write, not `yield`: a cancelled call then cancels this coroutine, so the
@@ -124,7 +105,7 @@ class GenerationServicer:
         try:
             inp = to_input(request)
             salt = self._cache_salt(request, context)
-            stream = self.runner.run(inp, cache_salt=salt, deadline=self._deadline(context))
+            stream = self.runner.run(inp, cache_salt=salt, deadline=self._client_deadline(context))
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
                     await self._write(context, to_response(chunk))
@@ -200,7 +181,7 @@ class GrpcServer:
         left. A load balancer polling health thus sees NOT_SERVING, not a dead socket."""
         t0 = time.monotonic()
         await self.set_serving(False)
-        await self.servicer.wait_idle(grace)
+        await self.runner.wait_idle(grace)
         left = None if grace is None else max(0.0, grace - (time.monotonic() - t0))
         await self.server.stop(left)
         await self.runner.wait_cleanups(timeout=left)
@@ -209,30 +190,31 @@ class GrpcServer:
         await self.server.wait_for_termination()
 
 
-async def serve_grpc(backend: GenerationBackend, config: ServeConfig, metrics: Metrics, *,
-                     api_keys: ApiKeys | None = None, tls: TlsConfig | None = None,
-                     limits: Limits | None = None) -> GrpcServer:
-    """Start the gRPC endpoint on config.host:config.grpc_port (0 = any free port).
-    `backend` must be started. Keys and TLS are off unless given."""
-    limits = limits or Limits.from_model(backend.model_info())
-    admission = AdmissionController(config.max_queued_requests, config.max_queued_tokens,
-                                    on_change=metrics.frontend_queue.set)
-    runner = RequestRunner(backend, metrics, limits, admission, consumer_timeout=config.stream_write_timeout)
-    servicer = GenerationServicer(runner, api_keys, config.request_timeout, config.stream_write_timeout)
-    reject = (lambda method: metrics.requests.labels(outcome="unauthenticated").inc())
-    interceptors = [AuthInterceptor(api_keys, on_reject=reject)] if api_keys else []
-    server = grpc.aio.server(interceptors=interceptors)
+async def serve_grpc(runner: RequestRunner, config: ServeConfig, *, api_keys: ApiKeys | None = None,
+                     tls: TlsConfig | None = None) -> GrpcServer:
+    """Start the gRPC endpoint on config.host:config.grpc_port (0 = any free port) over `runner`
+    (the process's one runner: the HTTP endpoint may share it). Keys and TLS are off unless given."""
+    servicer = GenerationServicer(runner, api_keys, config.stream_write_timeout)
+    server = grpc.aio.server(interceptors=_interceptors(runner, api_keys))
     server.add_generic_rpc_handlers((_generic_handler(servicer),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.grpc_port}"
-    port = (server.add_secure_port(address, tls.server_credentials()) if tls
+    port = (server.add_secure_port(address, server_credentials(tls)) if tls
             else server.add_insecure_port(address))
     if port == 0:
-        raise RuntimeError(f"cannot bind the gRPC endpoint to {address}; pick a free --grpc-port")
+        raise RuntimeError(f"cannot bind the gRPC endpoint to {address}; pick a free --grpc-port "
+                           "(0 turns gRPC off in `pdserve serve`)")
     await server.start()
     out = GrpcServer(server, port, config.host, health_servicer, servicer, runner)
     await out.set_serving(True)
     log.info("gRPC endpoint on %s (tls=%s, api keys=%s)", out.target, tls is not None, api_keys is not None)
     return out
+
+
+def _interceptors(runner: RequestRunner, api_keys: ApiKeys | None) -> list[grpc.aio.ServerInterceptor]:
+    if api_keys is None:
+        return []
+    reject = (lambda method: runner.metrics.requests.labels(outcome="unauthenticated").inc())
+    return [AuthInterceptor(api_keys, on_reject=reject)]

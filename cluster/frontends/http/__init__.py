@@ -1,7 +1,8 @@
-"""OpenAI-compatible HTTP endpoint beside the gRPC one (same runner, validation, metrics).
+"""OpenAI-compatible HTTP endpoint; with or without the gRPC one, over the process's one
+request runner (validation, admission, deadline, metrics, in-flight tracking).
 
     from cluster.frontends.http import serve_http
-    http = await serve_http(grpc_server.runner, config, metrics, api_keys=keys)
+    http = await serve_http(runner, config, api_keys=keys)
 
 See docs/http.md for the routes, fields and error statuses.
 """

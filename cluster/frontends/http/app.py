@@ -26,7 +26,6 @@ from cluster.frontends.http.errors import OpenAIError
 from cluster.frontends.http.openai_schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from cluster.frontends.http.state import EndpointState
 from cluster.frontends.http.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from cluster.observability.metrics import Metrics
 from cluster.frontends.runner import RequestRunner
 from cluster.version import version
 
@@ -35,74 +34,96 @@ _OUTCOME = {400: "invalid_argument", 401: "unauthenticated", 404: "not_found", 5
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|[A-Z].*|.*\[.*)$")
 
 
-def create_app(runner: RequestRunner, metrics: Metrics, *, model_name: str | None = None,
-               model_names: tuple[str, ...] = (), api_keys: ApiKeys | None = None, request_timeout: float = 0.0,
-               write_timeout: float = 0.0) -> FastAPI:
-    """An app over `runner` (share the gRPC endpoint's: one router, validator, admission).
-    `model_names`: every name a request may give (aliases); the first is the one listed."""
+def create_app(runner: RequestRunner, *, model_name: str | None = None, model_names: tuple[str, ...] = (),
+               api_keys: ApiKeys | None = None, write_timeout: float = 0.0) -> FastAPI:
+    """An app over `runner` (the process's one runner, shared with the gRPC endpoint when it runs:
+    one router, validator, admission, deadline, metrics). `model_names`: every name a request may
+    give (aliases); the first is the one listed."""
     names = tuple(model_names) or (model_name or runner.backend.model_info().model_name,)
-    state = EndpointState(runner, metrics, names[0], aliases=names[1:],
-                          api_keys=api_keys, request_timeout=request_timeout, write_timeout=write_timeout)
+    state = EndpointState(runner, names[0], aliases=names[1:], api_keys=api_keys, write_timeout=write_timeout)
     app = FastAPI(title="pdserve OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.pdserve = state
     _add_error_handlers(app, state)
+    gate = _Gate(state)
+    _add_generation_routes(app, state, gate)
+    _add_tokenizer_routes(app, state, gate)
+    _add_model_routes(app, state, gate)
+    _add_probe_routes(app, state)
+    return app
 
-    def tenant(request: Request) -> str | None:
-        if state.api_keys is None:
+
+class _Gate:
+    """What every /v1 request passes: the API key (a route dependency), draining, the model name."""
+
+    def __init__(self, state: EndpointState) -> None:
+        self.state = state
+
+    def tenant(self, request: Request) -> str | None:
+        keys = self.state.api_keys
+        if keys is None:
             return None
-        found = state.api_keys.tenant(request.headers.items())
+        found = keys.tenant(request.headers.items())
         if found is None:
             raise OpenAIError(401, "missing or invalid API key; send the header `Authorization: Bearer <key>`",
                               code="invalid_api_key")
         return found
 
-    def salt(found: str | None, user: str | None) -> str | None:
-        if state.api_keys is None:
+    def salt(self, found: str | None, user: str | None) -> str | None:
+        if self.state.api_keys is None:
             return user or None
         return f"{found}/{user}" if user else found
 
-    def admit(model: str | None) -> None:
-        if not state.serving:
+    def admit(self, model: str | None) -> None:
+        if not self.state.serving:
             raise OpenAIError(503, "the server is draining; send the request to another replica",
                               code="unavailable")
-        if model is not None and not state.serves(model):
+        if model is not None and not self.state.serves(model):
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
-                              f"{state.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+                              f"{self.state.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
 
+
+def _add_generation_routes(app: FastAPI, state: EndpointState, gate: _Gate) -> None:
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, found: str | None = Depends(tenant)) -> Response:
-        admit(req.model)
-        return create_completion(req, state, salt(found, req.user))
+    async def completions(req: CompletionRequest, found: str | None = Depends(gate.tenant)) -> Response:
+        gate.admit(req.model)
+        return create_completion(req, state, gate.salt(found, req.user))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, found: str | None = Depends(tenant)) -> Response:
-        admit(req.model)
-        return create_chat_completion(req, state, salt(found, req.user))
+    async def chat_completions(req: ChatCompletionRequest, found: str | None = Depends(gate.tenant)) -> Response:
+        gate.admit(req.model)
+        return create_chat_completion(req, state, gate.salt(found, req.user))
 
-    @app.post("/tokenize")
-    async def tokenize_route(req: TokenizeRequest, found: str | None = Depends(tenant)) -> dict[str, Any]:
-        admit(req.model)
+
+def _add_tokenizer_routes(app: FastAPI, state: EndpointState, gate: _Gate) -> None:
+    @app.post("/tokenize", dependencies=[Depends(gate.tenant)])
+    async def tokenize_route(req: TokenizeRequest) -> dict[str, Any]:
+        gate.admit(req.model)
         return tokenize(req, state)
 
-    @app.post("/detokenize")
-    async def detokenize_route(req: DetokenizeRequest, found: str | None = Depends(tenant)) -> dict[str, Any]:
-        admit(req.model)
+    @app.post("/detokenize", dependencies=[Depends(gate.tenant)])
+    async def detokenize_route(req: DetokenizeRequest) -> dict[str, Any]:
+        gate.admit(req.model)
         return detokenize(req, state)
 
+
+def _add_model_routes(app: FastAPI, state: EndpointState, gate: _Gate) -> None:
     def card() -> ModelCard:
         return ModelCard(id=state.model_name, created=state.created,
                          max_model_len=state.runner.limits.max_model_len)
 
-    @app.get("/v1/models", dependencies=[Depends(tenant)])
+    @app.get("/v1/models", dependencies=[Depends(gate.tenant)])
     async def models() -> dict[str, Any]:
         return ModelList(data=[card()]).model_dump()
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(tenant)])
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(gate.tenant)])
     async def model(model_id: str) -> dict[str, Any]:
         if not state.serves(model_id):
             raise OpenAIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
         return card().model_dump()
 
+
+def _add_probe_routes(app: FastAPI, state: EndpointState) -> None:
+    """Unauthenticated: version, liveness, readiness (503 while draining), Prometheus."""
     @app.get("/version")
     async def server_version() -> dict[str, str]:
         return {"version": version()}
@@ -120,8 +141,6 @@ def create_app(runner: RequestRunner, metrics: Metrics, *, model_name: str | Non
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 def _add_error_handlers(app: FastAPI, state: EndpointState) -> None:

@@ -52,7 +52,7 @@ def create_chat_completion(req: ChatCompletionRequest, state: EndpointState,
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.runner.run(GenerateInput(request_id=rid, messages=messages, sampling=sampling,
                                             add_special_tokens=req.add_special_tokens),
-                              cache_salt=cache_salt, deadline=state.deadline())
+                              cache_salt=cache_salt)
     shape = _Shape(rid, int(time.time()), state.model_name, req.n or 1,
                    TokenText(state.runner.backend.tokenizer(), req.return_tokens_as_token_ids)
                    if req.logprobs else None)
@@ -62,7 +62,7 @@ def create_chat_completion(req: ChatCompletionRequest, state: EndpointState,
             else shape.collect(merged([stream])))
     names = renames(req, logprobs_field="top_logprobs")
     return GenerationResponse(body, streaming=req.stream, to_error=lambda e: to_openai_error(e, names),
-                              tracker=state.track(), write_timeout=state.write_timeout)
+                              tracker=state.runner.track(), write_timeout=state.write_timeout)
 
 
 class _Shape:

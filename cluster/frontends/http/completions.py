@@ -54,10 +54,9 @@ def create_completion(req: CompletionRequest, state: EndpointState, cache_salt: 
     prompts = prompt_inputs(req)
     sampling = sampling_input(req, logprobs=req.logprobs, default_max_tokens=DEFAULT_MAX_TOKENS)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    deadline = state.deadline()
     streams = [state.runner.run(GenerateInput(request_id=f"{rid}-{i}", sampling=sampling,
                                               add_special_tokens=req.add_special_tokens, **kw),
-                                cache_salt=cache_salt, deadline=deadline) for i, kw in enumerate(prompts)]
+                                cache_salt=cache_salt) for i, kw in enumerate(prompts)]
     shape = _Shape(rid, int(time.time()), state.model_name, req.n or 1, len(prompts),
                    TokenText(state.runner.backend.tokenizer(), req.return_tokens_as_token_ids)
                    if req.logprobs is not None else None)
@@ -67,7 +66,7 @@ def create_completion(req: CompletionRequest, state: EndpointState, cache_salt: 
             else shape.collect(merged(streams)))
     names = renames(req)
     return GenerationResponse(body, streaming=req.stream, to_error=lambda e: to_openai_error(e, names),
-                              tracker=state.track(), write_timeout=state.write_timeout)
+                              tracker=state.runner.track(), write_timeout=state.write_timeout)
 
 
 class _Shape:

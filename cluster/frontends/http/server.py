@@ -1,6 +1,6 @@
 """The HTTP endpoint: uvicorn serving `create_app` on the caller's event loop.
 
-    http = await serve_http(runner, config, metrics, api_keys=keys)   # config.host:config.http_port
+    http = await serve_http(runner, config, api_keys=keys)   # config.host:config.http_port
     http.port; http.url; ...; http.set_serving(False); await http.stop(grace=30)
 
 Port 0 binds any free port (tests); the bound port is returned. uvicorn does
@@ -26,7 +26,6 @@ from cluster.config import ServeConfig
 from cluster.frontends.auth import ApiKeys, TlsConfig
 from cluster.frontends.http.app import create_app
 from cluster.frontends.http.state import EndpointState
-from cluster.observability.metrics import Metrics
 from cluster.frontends.runner import RequestRunner
 
 log = logging.getLogger(__name__)
@@ -65,13 +64,14 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise RuntimeError(f"cannot bind the HTTP endpoint to {host}:{port} ({e}); pick a free --http-port "
-                           "(0 turns HTTP off)") from e
+                           "(0 turns HTTP off in `pdserve serve`)") from e
     sock.setblocking(False)
     return sock
 
 
 def uvicorn_tls(tls: TlsConfig | None) -> dict:
-    """uvicorn.Config's TLS settings from the gRPC port's: one context, its files read (and checked) here."""
+    """uvicorn.Config's TLS settings from the server's TlsConfig (the gRPC port's files): one context,
+    its files read (and checked) here."""
     if tls is None:
         return {}
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -113,24 +113,24 @@ class HttpServer:
         """Drain: refuse new requests (the listener stays up, so /ready answers 503), give the
         in-flight ones `grace` seconds, then close the connections and cancel what is left."""
         self.set_serving(False)
-        if not await self.state.wait_idle(grace):
-            log.warning("HTTP drain: %d responses still running after %s s; cancelling them",
-                        self.state.in_flight, grace)
+        runner = self.state.runner
+        if not await runner.wait_idle(grace):
+            log.warning("HTTP drain: %d calls still running after %s s; cancelling them", runner.in_flight, grace)
         self._server.config.timeout_graceful_shutdown = 1
         self._server.should_exit = True
         await asyncio.gather(self._task, return_exceptions=True)
-        await self.state.runner.wait_cleanups(timeout=grace)
+        await runner.wait_cleanups(timeout=grace)
 
 
-async def serve_http(runner: RequestRunner, config: ServeConfig, metrics: Metrics, *,
-                     api_keys: ApiKeys | None = None, model_name: str | None = None,
-                     model_names: tuple[str, ...] = (), tls: TlsConfig | None = None) -> HttpServer:
+async def serve_http(runner: RequestRunner, config: ServeConfig, *, api_keys: ApiKeys | None = None,
+                     model_name: str | None = None, model_names: tuple[str, ...] = (),
+                     tls: TlsConfig | None = None) -> HttpServer:
     """Start the OpenAI-compatible endpoint on config.host:config.http_port (0 = any free port)
-    over `runner` (pass the gRPC endpoint's runner to share admission and metrics); HTTPS with `tls`.
+    over `runner` (the process's one runner: admission, deadline, metrics and in-flight tracking
+    shared with the gRPC endpoint when it runs); HTTPS with `tls`.
     `model_names`: the served names (aliases, the first listed); default: `model_name`, else the backend's."""
-    app = create_app(runner, metrics, model_names=model_names or ((model_name,) if model_name else ()),
-                     api_keys=api_keys,
-                     request_timeout=config.request_timeout, write_timeout=config.stream_write_timeout)
+    app = create_app(runner, model_names=model_names or ((model_name,) if model_name else ()),
+                     api_keys=api_keys, write_timeout=config.stream_write_timeout)
     sock = bind(config.host, config.http_port)
     cfg = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, http=nodelay_protocol(),
                          timeout_keep_alive=30, ws="none", **uvicorn_tls(tls))
@@ -145,5 +145,5 @@ async def serve_http(runner: RequestRunner, config: ServeConfig, metrics: Metric
         await asyncio.sleep(0.01)
     out = HttpServer(config.host, port, app.state.pdserve, server, task, tls=tls is not None)
     log.info("OpenAI-compatible HTTP endpoint on %s (api keys=%s, tls=%s)", out.url, api_keys is not None,
-             "mutual" if tls and tls.client_ca_file else tls is not None)
+             "mutual" if tls and tls.mutual else tls is not None)
     return out

@@ -51,6 +51,14 @@ def _rate(text: str) -> float:
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="load-test a running pdserve endpoint", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    _server_args(p)
+    _load_args(p)
+    _output_args(p)
+    _dataset_args(p)
+    p.set_defaults(func=run)
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--backend", choices=("grpc", "openai", "openai-chat"), default="grpc",
       help="grpc: pdserve's gRPC API at --target; openai / openai-chat: an OpenAI-compatible server at "
@@ -62,6 +70,10 @@ def register(subparsers) -> None:
     a("--model", help="with --backend openai[-chat]: the model to ask for (default: the first of /v1/models)")
     a("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="sent as `authorization: Bearer` "
       "(default: env PDSERVE_API_KEY)")
+
+
+def _load_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
     a("--dataset", choices=("random", "shared-prefix", "sharegpt", "trace"), default="random")
     a("--num-requests", type=int, default=100, help="requests to send (default 100)")
     a("--duration", type=float, default=0.0, help="stop sending after this many seconds (0 = no limit)")
@@ -78,6 +90,10 @@ def register(subparsers) -> None:
     a("--warmup-requests", type=int, default=0, help="unmeasured requests sent first (default 0)")
     a("--temperature", type=float, default=0.0, help="sampling temperature (default 0 = greedy)")
     a("--sweep", default="", help="comma list of request rates (e.g. 1,2,4,inf): one run per rate")
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
     a("--output", help="write the results JSON here")
     a("--save-result", action="store_true", help="also write the run as `vllm bench serve --save-result` "
       "does (its keys and units) into --result-dir")
@@ -90,6 +106,9 @@ def register(subparsers) -> None:
     a("--slo-ttft-ms", type=float, help="goodput SLO on time to first token")
     a("--slo-tpot-ms", type=float, help="goodput SLO on time per output token")
     a("--slo-e2e-ms", type=float, help="goodput SLO on end-to-end latency")
+
+
+def _dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("random dataset")
     g.add_argument("--random-input-len", type=int, default=128)
     g.add_argument("--random-output-len", type=int, default=32)
@@ -115,7 +134,6 @@ def register(subparsers) -> None:
                    help="tokens per hash id; below 512 scales all lengths by block-len/512")
     g.add_argument("--trace-max-len", type=int, default=0, help="cap input tokens (0: the server's limit)")
     g.add_argument("--trace-max-output-len", type=int, default=0, help="cap output tokens (0 = none)")
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

@@ -19,7 +19,7 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Awaitable, Callable, Protocol, Sequence
 
 import grpc
 
@@ -141,16 +141,8 @@ async def run_load(target: str | Sender, requests: Sequence[BenchRequest], offse
                 last_end[0] = max(last_end[0], loop.time())
                 bar.update(1)
 
-    tasks, not_sent = [], 0
     try:
-        for i, (req, off) in enumerate(zip(requests, offsets)):
-            if cfg.duration_s and off >= cfg.duration_s:
-                not_sent = len(requests) - i
-                break
-            delay = start + off - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, req, off)))
+        tasks, not_sent = await _start_on_schedule(requests, offsets, cfg, one, loop, start)
         pending = await _drain(set(tasks), cfg, loop, start)
         for t in pending:
             t.cancel()
@@ -161,6 +153,22 @@ async def run_load(target: str | Sender, requests: Sequence[BenchRequest], offse
     results.sort(key=lambda r: r.index)
     not_sent += len(tasks) - len(results)
     return RunResult(results, max(0.0, last_end[0] - start), not_sent)
+
+
+async def _start_on_schedule(requests: Sequence[BenchRequest], offsets: Sequence[float], cfg: RunnerConfig,
+                             one: Callable[[int, BenchRequest, float], Awaitable[None]], loop,
+                             start: float) -> tuple[list[asyncio.Task], int]:
+    """Start ``one(i, request, offset)`` at each offset from ``start`` until the run's
+    duration ends. Returns the started tasks and how many requests were never started."""
+    tasks: list[asyncio.Task] = []
+    for i, (req, off) in enumerate(zip(requests, offsets)):
+        if cfg.duration_s and off >= cfg.duration_s:
+            return tasks, len(requests) - i
+        delay = start + off - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, req, off)))
+    return tasks, 0
 
 
 async def _drain(pending: set, cfg: RunnerConfig, loop, start: float) -> set:

@@ -236,6 +236,25 @@ def fit_interference(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: 
     the real ones spread (kinds with at least MIN_SAMPLES steps). Off by
     default: on the validation host it fixed the low p90 ITL of 2P+2D but
     made 1P+1D's 18-38% too high (docs/simulator.md)."""
+    _check_runs(runs, roles, frontend, frontend_work)
+    rows, width = _step_rows(runs, roles, cost, frontend, frontend_work, by_load)
+    factors: dict[str, dict[str, tuple[float, ...]]] = {}
+    samples: dict[str, dict[str, tuple[int, ...]]] = {}
+    jit: dict[str, dict[str, tuple[float, ...]]] = {}
+    for (role, kind), got in sorted(rows.items()):
+        fit = _fit_kind(got, width, monotone)
+        factors.setdefault(role, {})[kind] = fit.factors
+        samples.setdefault(role, {})[kind] = fit.samples
+        if jitter and len(got) >= MIN_SAMPLES:
+            jit.setdefault(role, {})[kind] = fit.jitter(got)
+    return Interference(factors, samples, frontend, jit)
+
+
+_Row = tuple[np.ndarray, float, float]      # (occupancy fractions, isolated cost, measured wall) of one step
+
+
+def _check_runs(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: Mapping[str, str],
+                frontend: FrontendCost | None, frontend_work: Sequence[tuple[Sequence[float], Sequence[float]]]) -> None:
     if not runs or not any(recs for traces in runs for recs in traces.values()):
         raise ValueError("interference: no step records; run the workers with step_trace_size > 0")
     missing = sorted({n for traces in runs for n in traces} - set(roles))
@@ -243,7 +262,14 @@ def fit_interference(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: 
         raise ValueError(f"interference: no role for nodes {missing}; give every traced node its role")
     if frontend is not None and len(frontend_work) != len(runs):
         raise ValueError("interference: give the frontend's (arrivals, tokens) for every run")
-    rows: dict[tuple[str, str], list[tuple[np.ndarray, float]]] = {}
+
+
+def _step_rows(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: Mapping[str, str], cost: CostModel,
+               frontend: FrontendCost | None, frontend_work: Sequence[tuple[Sequence[float], Sequence[float]]],
+               by_load: bool) -> tuple[dict[tuple[str, str], list[_Row]], int]:
+    """Every step with a positive isolated cost, by (role, step kind); and the
+    widest occupancy vector (parties + 1)."""
+    rows: dict[tuple[str, str], list[_Row]] = {}
     width = 0
     for i, traces in enumerate(runs):
         extra = {"frontend": frontend_spans(frontend, *frontend_work[i])} if frontend is not None else None
@@ -254,36 +280,46 @@ def fit_interference(runs: Sequence[Mapping[str, Sequence[StepRecord]]], roles: 
                 if pred > 0:
                     rows.setdefault((roles[n], step_kind(r.shape)), []).append((frac, pred, r.wall_s + r.emit_s))
                     width = max(width, len(frac))
-    factors: dict[str, dict[str, tuple[float, ...]]] = {}
-    samples: dict[str, dict[str, tuple[int, ...]]] = {}
-    jit: dict[str, dict[str, tuple[float, ...]]] = {}
-    for (role, kind), got in sorted(rows.items()):
-        a = np.zeros((len(got), width))
-        b = np.zeros(len(got))
-        for j, (frac, pred, wall) in enumerate(got):
-            a[j, :len(frac)] = frac * np.sqrt(pred)          # wall ~ pred x sum_k frac_k factor_k, weight 1 / pred
-            b[j] = wall / np.sqrt(pred)
-        # step-equivalents seen at each k (each step spreads 1 over the k it ran at)
-        weight = sum(np.pad(frac, (0, width - len(frac))) for frac, _, _ in got)
-        top = max((k for k in range(width) if weight[k] > 0), default=0)
-        good = [k for k in range(top + 1) if weight[k] >= MIN_SAMPLES] or [int(np.argmax(weight))]
-        near = [min(good, key=lambda g: (abs(g - k), g)) for k in range(top + 1)]
-        merged = np.zeros((len(got), len(good)))
-        for k in range(top + 1):
-            merged[:, good.index(near[k])] += a[:, k]
-        if monotone:
-            # f_j = d_0 + ... + d_j with every d >= 0: a step never runs faster with more parties busy
-            cum = np.cumsum(merged[:, ::-1], axis=1)[:, ::-1]
-            f = np.cumsum(nnls(cum, b))
-        else:
-            f = nnls(merged, b)
-        pos = f[f > 0]
-        f = np.where(f > 0, f, pos.min() if len(pos) else 1.0)
-        factors.setdefault(role, {})[kind] = tuple(float(f[good.index(near[k])]) for k in range(top + 1))
-        samples.setdefault(role, {})[kind] = tuple(int(round(weight[k])) for k in range(top + 1))
-        if jitter and len(got) >= MIN_SAMPLES:
-            model = merged @ f * np.sqrt([pred for _, pred, _ in got])     # isolated cost x mean factor
-            ratio = np.array([wall for _, _, wall in got]) / model
-            q = np.quantile(ratio / ratio.mean(), np.linspace(0, 1, JITTER_POINTS))
-            jit.setdefault(role, {})[kind] = tuple(float(x) for x in np.maximum(q, 1e-3))
-    return Interference(factors, samples, frontend, jit)
+    return rows, width
+
+
+@dataclass(frozen=True)
+class _KindFit:
+    """One (role, step kind)'s fit: its factor and step count for k = 0 .. top."""
+    factors: tuple[float, ...]
+    samples: tuple[int, ...]
+    merged: np.ndarray          # the weighted design matrix, columns merged onto well-sampled k
+    f: np.ndarray               # the fitted factor per merged column
+
+    def jitter(self, got: Sequence[_Row]) -> tuple[float, ...]:
+        """Quantiles of wall time over the model's, normalised to mean 1."""
+        model = self.merged @ self.f * np.sqrt([pred for _, pred, _ in got])     # isolated cost x mean factor
+        ratio = np.array([wall for _, _, wall in got]) / model
+        q = np.quantile(ratio / ratio.mean(), np.linspace(0, 1, JITTER_POINTS))
+        return tuple(float(x) for x in np.maximum(q, 1e-3))
+
+
+def _fit_kind(got: Sequence[_Row], width: int, monotone: bool) -> _KindFit:
+    a = np.zeros((len(got), width))
+    b = np.zeros(len(got))
+    for j, (frac, pred, wall) in enumerate(got):
+        a[j, :len(frac)] = frac * np.sqrt(pred)          # wall ~ pred x sum_k frac_k factor_k, weight 1 / pred
+        b[j] = wall / np.sqrt(pred)
+    # step-equivalents seen at each k (each step spreads 1 over the k it ran at)
+    weight = sum(np.pad(frac, (0, width - len(frac))) for frac, _, _ in got)
+    top = max((k for k in range(width) if weight[k] > 0), default=0)
+    good = [k for k in range(top + 1) if weight[k] >= MIN_SAMPLES] or [int(np.argmax(weight))]
+    near = [min(good, key=lambda g: (abs(g - k), g)) for k in range(top + 1)]
+    merged = np.zeros((len(got), len(good)))
+    for k in range(top + 1):
+        merged[:, good.index(near[k])] += a[:, k]
+    if monotone:
+        # f_j = d_0 + ... + d_j with every d >= 0: a step never runs faster with more parties busy
+        cum = np.cumsum(merged[:, ::-1], axis=1)[:, ::-1]
+        f = np.cumsum(nnls(cum, b))
+    else:
+        f = nnls(merged, b)
+    pos = f[f > 0]
+    f = np.where(f > 0, f, pos.min() if len(pos) else 1.0)
+    return _KindFit(tuple(float(f[good.index(near[k])]) for k in range(top + 1)),
+                    tuple(int(round(weight[k])) for k in range(top + 1)), merged, f)

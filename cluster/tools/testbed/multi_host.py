@@ -1,0 +1,161 @@
+"""pdserve across test hosts (this package's `TestBed`): a Ray head with the frontend on h1,
+Ray worker nodes carrying the pools' resources on the other hosts, as
+docs/deploy.md describes for real machines."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cluster.tools.testbed import TestBed, TestHost
+
+ROOT = Path(__file__).resolve().parents[3]       # the repository: the hosts import this tree
+BIN = Path(sys.executable).parent
+RAY_PORT = 6379
+
+
+def host_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "UCX_"))}
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_AUTO_CONNECT="0",
+               PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def ray_start(host: TestHost, *, head: TestHost | None = None, resources: dict | None = None,
+              num_cpus: int = 2) -> None:
+    argv = [str(BIN / "ray"), "start", "--node-ip-address", host.address, "--num-cpus", str(num_cpus),
+            "--object-store-memory", str(150 * 2**20), "--disable-usage-stats"]
+    if head is None:
+        argv += ["--head", "--port", str(RAY_PORT), "--include-dashboard=false"]
+    else:
+        argv += ["--address", f"{head.address}:{RAY_PORT}"]
+    if resources:
+        argv += ["--resources", json.dumps(resources)]
+    res = host.run(argv, timeout=180, env=host_env())
+    if res.returncode != 0:
+        raise RuntimeError(f"ray start on {host.name} failed: {res.stdout[-2000:]} {res.stderr[-2000:]}")
+
+
+class MultiHostServe:
+    """`pdserve serve --address HEAD:6379` on h1 with prefill actors on the hosts given
+    `pdserve_prefill` and decode actors on those given `pdserve_decode`."""
+
+    def __init__(self, bed: TestBed, model_dir: Path, *, prefill_hosts=("h2",), decode_hosts=("h3",),
+                 prefill_workers: int = 1, decode_workers: int = 1, slots_per_host: int = 1000, **serve) -> None:
+        self.bed, self.head = bed, bed.host("h1")
+        model = bed.shared_dir / ("model" + ("" if model_dir.is_dir() else model_dir.suffix))
+        if not model.exists():   # (a tmp_path model is not visible in the hosts' private /tmp)
+            (shutil.copytree if model_dir.is_dir() else shutil.copy2)(model_dir, model)
+        ray_start(self.head, num_cpus=1)
+        self.roles = {**{n: {"pdserve_prefill": slots_per_host} for n in prefill_hosts},
+                      **{n: {"pdserve_decode": slots_per_host} for n in decode_hosts}}
+        for name, resources in self.roles.items():
+            ray_start(bed.host(name), head=self.head, resources=resources)
+        cfg = dict(model=str(model), address=f"{self.head.address}:{RAY_PORT}", host=self.head.address,
+                   prefill_resource="pdserve_prefill", decode_resource="pdserve_decode",
+                   prefill_workers=prefill_workers, decode_workers=decode_workers, num_kv_blocks=128,
+                   max_model_len=512, max_num_seqs=8, metrics_port=0,
+                   grpc_port=50051, http_port=8000,   # the head host's own network namespace: nothing else binds them
+                   transfer_backend="tcp", local_prefill_threshold=0, local_prefill_hit_ratio=1.0,
+                   log_level="INFO,pdserve.requests=DEBUG")
+        cfg.update(serve)
+        self.log_path = bed.shared_dir / f"serve-{os.getpid()}-{time.monotonic_ns()}.log"
+        conf = bed.shared_dir / "serve.json"
+        conf.write_text(json.dumps(cfg))
+        self.proc = self.head.popen([str(BIN / "pdserve"), "serve", "--config", str(conf)], env=host_env(),
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True)
+        self.grpc_target = self.http_url = self.metrics_url = ""
+        end = time.monotonic() + 300
+        for line in self.proc.stdout:
+            if m := re.search(r"gRPC\s+(\S+:\d+)", line):
+                self.grpc_target = m.group(1)
+            if m := re.search(r"HTTP\s+(http://\S+)", line):
+                self.http_url = m.group(1)
+            if m := re.search(r"metrics\s+(http://\S+)", line):
+                self.metrics_url = m.group(1)
+                break
+            if time.monotonic() > end:
+                break
+        if not self.metrics_url:
+            raise RuntimeError(f"pdserve serve did not come up ({self.proc.poll()}): {self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def workers(self) -> dict[str, dict]:
+        """worker id -> what it said when ready (address, hostname, pid ...), from the log."""
+        return {m.group(1): ast.literal_eval(m.group(2))
+                for m in re.finditer(r"worker (\S+) ready: (\{.*\})", self.log())}
+
+    def restart_host(self, name: str) -> None:
+        """Boot a killed worker host again and rejoin it to Ray with its pool's resource:
+        Ray then restarts the actors it lost there (max_restarts=-1)."""
+        ray_start(self.bed.reboot(name), head=self.head, resources=self.roles[name])
+
+    def worker_on(self, hostname: str) -> str:
+        """The worker id whose latest incarnation runs on `hostname`."""
+        return [w for w, i in self.workers().items() if i["hostname"] == hostname][-1]
+
+    def wait_routable(self, worker_id: str, timeout: float = 180) -> None:
+        """Until the frontend reports the worker again (its load reports reach the router)."""
+        end = time.monotonic() + timeout
+        while self.metric("pdserve_kv_blocks_capacity", worker=worker_id) is None:
+            if time.monotonic() > end:
+                raise AssertionError(f"{worker_id} is not back after {timeout}s: {self.log()[-3000:]}")
+            time.sleep(0.5)
+
+    def wait_idle(self, timeout: float = 90) -> None:
+        """Until no lease is held and no live worker holds a KV block (what leaked, if not)."""
+        end = time.monotonic() + timeout
+        while True:
+            held = {**self.metric_values("pdserve_leases_active"), **self.metric_values("pdserve_kv_blocks_used")}
+            if not any(held.values()):
+                return
+            if time.monotonic() > end:
+                raise AssertionError(f"not idle after {timeout}s: {held}")
+            time.sleep(0.5)
+
+    def metric_values(self, name: str) -> dict[str, float]:
+        """worker -> value of a per-worker gauge."""
+        return {f"{name}{{{s.labels.get('worker')}}}": s.value for s in self._samples() if s.name == name}
+
+    def _samples(self):
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            text = r.read().decode()
+        return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+    def trace(self, rid: str) -> list[str]:
+        """The server's trace lines of request `rid` (route, prefill, join, migration)."""
+        return [line.split(": ", 2)[-1] for line in self.log().splitlines()
+                if "pdserve.requests" in line and f" {rid}:" in line]
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        for s in self._samples():
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+        return None
+
+    def ray_active_nodes(self) -> int:
+        res = self.head.run([str(BIN / "ray"), "status", "--address", f"{self.head.address}:{RAY_PORT}"],
+                            env=host_env(), timeout=60)
+        block = res.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
+        return len(re.findall(r"node_", block))
+
+    def stop(self, timeout: float = 60) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.poll()
