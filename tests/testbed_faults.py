@@ -109,8 +109,10 @@ def decode_host_kill(bed, serve, hf, trial: int, tally: Tally, host: str = "h3")
 
 def prefill_host_kill(bed, serve, hf, trial: int, tally: Tally, host: str = "h2") -> None:
     """The prefill host dies whole as the first KV hand-off goes out (its link slowed to
-    20 Mbit/s, so the pulls are on the wire): the decode side gives up the read, the
-    requests are recomputed there, token-identical; no decode block leaks."""
+    2 Mbit/s, so the pulls are on the wire: a 480-token prompt of the tiny model is 368 KB
+    of KV, about 1.5 s at that rate, and the kill lands 100-200 ms after the first token;
+    at 20 Mbit/s a pull took 130 ms and could finish first): the decode side gives up the
+    read, the requests are recomputed there, token-identical; no decode block leaks."""
     victim = serve.worker_on(host)
     h = bed.host(host)
     prompts = {f"pk{trial}-{i}": prompt_of(2000 * trial + i, 480) for i in range(6)}
@@ -124,7 +126,7 @@ def prefill_host_kill(bed, serve, hf, trial: int, tally: Tally, host: str = "h2"
     async def load():
         return await asyncio.gather(*[stream(serve.grpc_target, rid, p, 16, 120, on_token)
                                       for rid, p in prompts.items()])
-    h.limit(0.02)
+    h.limit(0.002)
     try:
         outs = asyncio.run(load())
     finally:
