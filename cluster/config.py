@@ -77,6 +77,19 @@ class ServeConfig:
     # Helm chart's worker groups advertise them, a local cluster advertises both
     prefill_resource: str = "pdserve_prefill"
     decode_resource: str = "pdserve_decode"
+    # autoscaling (docs/autoscaling.md): each pool sized to the SLOs, within its bounds
+    autoscale: bool = False
+    slo_ttft_ms: float = 2000.0           # time to first token the prefill pool is sized for (p90)
+    slo_itl_ms: float = 200.0             # inter-token latency the decode pool is sized for (p90)
+    min_prefill_workers: int = 1
+    max_prefill_workers: int = 0          # 0 = prefill_workers (no growth)
+    min_decode_workers: int = 1
+    max_decode_workers: int = 0           # 0 = decode_workers (no growth)
+    autoscale_interval: float = 5.0       # seconds between the controller's decisions
+    autoscale_cooldown_s: float = 60.0    # no scale-in for this long after a change, nor before the load
+                                          # stayed low this long; no scale-out for half of it after one
+    autoscale_prefill_tokens_per_s: float = 0.0   # one prefill worker's prompt tokens/s; 0 = measured
+    autoscale_decode_seqs_per_worker: int = 0      # sequences one decode worker holds; 0 = measured
     # routing
     router_policy: str = "prefix_aware"
     router_temperature: float = 0.0       # 0 = pick the minimum cost
@@ -118,6 +131,7 @@ class ServeConfig:
         self._check_pools()
         self._check_limits()
         self._check_kv_cache()
+        _check_autoscale(self)
 
     def _check_model(self) -> None:
         if self.dtype not in DTYPES:
@@ -179,6 +193,16 @@ class ServeConfig:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
                              f"got {self.preemption_mode!r}")
 
+    def pool_bounds(self, pool: str) -> tuple[int, int]:
+        """(min, max) workers of "prefill" or "decode" (colocated workers count as decode);
+        without autoscaling both are the configured size."""
+        size = self.prefill_workers if pool == "prefill" else self.decode_workers
+        if not self.autoscale:
+            return size, size
+        low, high = ((self.min_prefill_workers, self.max_prefill_workers) if pool == "prefill"
+                     else (self.min_decode_workers, self.max_decode_workers))
+        return low, high or size
+
     @property
     def kv_cache_memory_bytes(self) -> int:
         return parse_size(self.kv_cache_memory)
@@ -198,6 +222,23 @@ class ServeConfig:
         values.update(_coerce({k: v for k, v in (overrides or {}).items() if v is not None},
                               lambda k: f"config key {k!r}"))
         return cls(**values)
+
+
+def _check_autoscale(cfg: ServeConfig) -> None:
+    if cfg.slo_ttft_ms <= 0 or cfg.slo_itl_ms <= 0 or cfg.autoscale_interval <= 0:
+        raise ValueError("slo_ttft_ms, slo_itl_ms and autoscale_interval must be positive")
+    if cfg.autoscale_cooldown_s < 0 or cfg.autoscale_prefill_tokens_per_s < 0 or \
+            cfg.autoscale_decode_seqs_per_worker < 0:
+        raise ValueError("autoscale_cooldown_s, autoscale_prefill_tokens_per_s and "
+                         "autoscale_decode_seqs_per_worker must be >= 0 (0 = measured, for the capacities)")
+    if not cfg.autoscale:
+        return
+    for pool in (("decode",) if cfg.colocated else ("prefill", "decode")):
+        low, high = cfg.pool_bounds(pool)
+        size = cfg.prefill_workers if pool == "prefill" else cfg.decode_workers
+        if not 1 <= low <= size <= high:
+            raise ValueError(f"autoscale: need 1 <= min_{pool}_workers ({low}) <= {pool}_workers ({size}) <= "
+                             f"max_{pool}_workers ({high}); {pool}_workers is the size it starts at")
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

@@ -39,6 +39,21 @@ HELP = {
     "metrics_port": "Prometheus metrics port (0 = any free port)",
     "http_port": "OpenAI-compatible HTTP port (0 = off: gRPC only; --grpc-port must then be set)",
     "prefill_workers": "prefill actors",
+    "autoscale": "size the prefill and decode pools to --slo-ttft-ms / --slo-itl-ms while serving, each within "
+                 "its --min/--max-*-workers (docs/autoscaling.md); the *_workers flags are the start sizes",
+    "slo_ttft_ms": "time to first token (p90, ms) the prefill pool is sized for (--autoscale)",
+    "slo_itl_ms": "inter-token latency (p90, ms) the decode pool is sized for (--autoscale)",
+    "min_prefill_workers": "fewest prefill workers autoscaling keeps",
+    "max_prefill_workers": "most prefill workers autoscaling starts (0 = --prefill-workers)",
+    "min_decode_workers": "fewest decode workers autoscaling keeps",
+    "max_decode_workers": "most decode workers autoscaling starts (0 = --decode-workers)",
+    "autoscale_interval": "seconds between autoscaling decisions",
+    "autoscale_cooldown_s": "seconds of low load before a scale-in, and between a change and the next "
+                            "scale-in (half of it between scale-outs)",
+    "autoscale_prefill_tokens_per_s": "prompt tokens/s one prefill worker sustains (`pdserve plan --measure` measures it; "
+                                      "0 = measured from the workers' reports)",
+    "autoscale_decode_seqs_per_worker": "sequences one decode worker holds (0 = measured: its KV blocks over "
+                                        "the blocks a running sequence holds, capped by --max-num-seqs)",
     "decode_workers": "decode actors (colocated workers with --colocated)",
     "colocated": "workers run both phases; no KV handoff (for comparison)",
     "cpus_per_worker": "Ray CPUs each worker actor reserves",

@@ -56,6 +56,13 @@ class Metrics:
         self.transfer_failures = C("pdserve_transfer_failures", "KV transfers that failed", registry=r)
         self.frontend_queue = G("pdserve_frontend_queue_depth", "Requests admitted and not finished",
                                 registry=r)
+        self.pool_workers = G("pdserve_pool_workers", "Workers serving in each pool (ready and routed)",
+                              ["pool"], registry=r)
+        self.pool_target_workers = G("pdserve_pool_target_workers", "Workers the autoscaler wants in each "
+                                     "pool (the configured size without --autoscale)", ["pool"], registry=r)
+        self.autoscale_decisions = C("pdserve_autoscale_decisions", "Autoscaling decisions by pool, "
+                                     "direction (up, down, hold) and reason", ["pool", "direction", "reason"],
+                                     registry=r)
         self.workers = WorkerSeries()
         r.register(self.workers)
         self._vllm: VllmNames | None = None

@@ -10,12 +10,14 @@ It holds the pieces and wires them; the work is theirs:
 """
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator, Mapping
 
 from cluster.config import ServeConfig
 from cluster.observability.metrics import Metrics
+from cluster.orchestration.autoscaler import Autoscaler
 from cluster.orchestration.backend import BackendError, GenerateJob, GenerationBackend, ModelInfoData
-from cluster.orchestration.drain import DrainReport, drain_worker, undrain_worker
+from cluster.orchestration.drain import DrainReport, drain_worker, retire_worker, undrain_worker
 from cluster.orchestration.handoff import Handoff, Hooks, Shared
 from cluster.orchestration.journal import Journal
 from cluster.orchestration.launcher import WorkerRef
@@ -44,12 +46,23 @@ class ClusterBackend(GenerationBackend):
         self.hooks = Hooks()
         self._in_flight: dict[str, Handoff] = {}   # client request id -> its hand-off
         self._by_wid: dict[str, Handoff] = {}      # worker-side id of each current attempt -> hand-off
+        self.autoscaler: Autoscaler | None = None
+        self._autoscaling: asyncio.Task | None = None
 
     # ---------------------------------------------------------------- life
     async def start(self) -> None:
         await self.pool.start()
+        if self.config.autoscale:
+            self.autoscaler = Autoscaler(self, self.config, self.metrics)
+            self._autoscaling = asyncio.get_running_loop().create_task(self.autoscaler.run())
+        else:
+            for pool in ("prefill", "decode"):
+                self.metrics.pool_target_workers.labels(pool=pool).set(len(self.pool.serving(pool)))
 
     async def stop(self) -> None:
+        if self._autoscaling is not None and self.autoscaler is not None:
+            self._autoscaling.cancel()
+            self.autoscaler.stop()
         await self.pool.stop()
 
     # ------------------------------------------------------------ requests
@@ -104,6 +117,15 @@ class ClusterBackend(GenerationBackend):
     async def undrain_worker(self, worker_id: str) -> None:
         """Route to a drained worker again (its next report resyncs the router)."""
         await undrain_worker(self.pool, worker_id)
+
+    async def grow_pool(self, pool: str) -> str:
+        """Add one worker to `pool` ("prefill", "decode" or "colocated"); its id."""
+        return (await self.pool.grow(pool)).worker_id
+
+    async def retire_worker(self, worker_id: str, timeout: float | None = None) -> bool:
+        """Scale-in: drain one worker and stop it for good once it holds nothing; False (and
+        it serves again) if it did not empty within `timeout` (default drain_timeout)."""
+        return await retire_worker(self.pool, self._by_wid, worker_id, timeout or self.config.drain_timeout)
 
     # ---------------------------------------------------------------- info
     def model_info(self) -> ModelInfoData:

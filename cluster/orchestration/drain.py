@@ -58,3 +58,29 @@ async def undrain_worker(pool: WorkerPool, worker_id: str) -> None:
 
 def _using(by_wid: Mapping[str, Handoff], worker_id: str) -> int:
     return sum(1 for h in set(by_wid.values()) if h.uses(worker_id))
+
+
+async def retire_worker(pool: WorkerPool, by_wid: Mapping[str, Handoff], worker_id: str,
+                        timeout: float) -> bool:
+    """Scale-in: drain the worker, wait until nothing of it is in flight and its leases are
+    released, then stop it for good. A worker that does not empty within `timeout` is put
+    back into service instead (False): a scale-in never loses or duplicates a request."""
+    end = time.monotonic() + timeout
+    report = await drain_worker(pool, by_wid, worker_id, timeout)
+    if not (report.idle and await _leases_released(pool.workers[worker_id], end)):
+        log.warning("retiring %s: not empty after %.0f s; it serves again", worker_id, timeout)
+        await undrain_worker(pool, worker_id)
+        return False
+    pool.remove(worker_id)
+    return True
+
+
+async def _leases_released(ref, end: float) -> bool:
+    """A prefill worker's handed-off blocks are all read or released (decode workers hold none)."""
+    if ref.pool != "prefill":
+        return True
+    while (await ref.actor.report.remote()).leases_active:
+        if time.monotonic() >= end:
+            return False
+        await asyncio.sleep(0.05)
+    return True

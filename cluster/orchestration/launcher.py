@@ -81,7 +81,8 @@ def init_ray(cfg: ServeConfig) -> None:
     if cfg.address:
         ray.init(address=cfg.address, **kwargs)
         return
-    workers = cfg.decode_workers + (0 if cfg.colocated else cfg.prefill_workers)
+    # room for the largest pools autoscaling may grow to
+    workers = cfg.pool_bounds("decode")[1] + (0 if cfg.colocated else cfg.pool_bounds("prefill")[1])
     resources = {r: 1000 for r in (cfg.prefill_resource, cfg.decode_resource) if r}
     if cfg.worker_niceness != 15:   # Ray nices worker processes (the engine actors) to 15; docs/deploy.md
         kwargs["_system_config"] = {"worker_niceness": cfg.worker_niceness}
@@ -110,44 +111,65 @@ def _options(cfg: ServeConfig, name: str, resource: str) -> dict[str, Any]:
     return opts
 
 
-async def launch_workers(cfg: ServeConfig) -> list[WorkerRef]:
-    """Create the actors and wait until each has loaded its model."""
-    import ray
+class WorkerLauncher:
+    """Creates worker actors for one deployment: the pools at start-up, and one more of a
+    pool later (scale-out). Every worker gets the same engine and transfer settings, so
+    their KV caches agree (checked as each becomes ready)."""
 
-    from decode_worker.worker import DecodeWorker
-    from prefill_worker.worker import PrefillWorker
+    def __init__(self, cfg: ServeConfig) -> None:
+        init_ray(cfg)
+        self.cfg = cfg
+        self._engine, self._transfer = engine_config(cfg), transfer_settings(cfg)
+        self._tag = os.urandom(3).hex()
+        self._next: dict[str, int] = {}           # pool -> the next worker number
+        self._layout: tuple[str, ReadyInfo] | None = None   # the first ready worker's KV layout
 
-    init_ray(cfg)
-    ecfg, tcfg = engine_config(cfg), transfer_settings(cfg)
-    tag = os.urandom(3).hex()
-    refs: list[WorkerRef] = []
-    if cfg.colocated:
-        for i in range(cfg.decode_workers):
-            wid = f"colocated-{i}"
-            actor = ray.remote(DecodeWorker).options(**_options(cfg, f"pdserve-{tag}-{wid}", cfg.decode_resource)) \
-                .remote(wid, ecfg, tcfg, cfg.torch_threads, "colocated")
-            refs.append(WorkerRef(worker_id=wid, pool="colocated", actor=actor))
-    else:
-        for i in range(cfg.prefill_workers):
-            wid = f"prefill-{i}"
-            actor = ray.remote(PrefillWorker).options(**_options(cfg, f"pdserve-{tag}-{wid}", cfg.prefill_resource)) \
-                .remote(wid, ecfg, tcfg, cfg.torch_threads)
-            refs.append(WorkerRef(worker_id=wid, pool="prefill", actor=actor))
-        for i in range(cfg.decode_workers):
-            wid = f"decode-{i}"
-            actor = ray.remote(DecodeWorker).options(**_options(cfg, f"pdserve-{tag}-{wid}", cfg.decode_resource)) \
-                .remote(wid, ecfg, tcfg, cfg.torch_threads, "decode")
-            refs.append(WorkerRef(worker_id=wid, pool="decode", actor=actor))
-    infos: list[ReadyInfo] = await asyncio.gather(*[r.actor.ready.remote() for r in refs])
-    for r, info in zip(refs, infos):
-        log.info("worker %s ready: %s", r.worker_id, asdict(info))   # a dict: tests/testbed_cluster.py reads it
-    try:
-        check_kv_agreement([(r.worker_id, info) for r, info in zip(refs, infos)])
-    except ValueError:
-        for r in refs:
-            ray.kill(r.actor, no_restart=True)
-        raise
-    return refs
+    def create(self, pool: str) -> WorkerRef:
+        """Start one actor of `pool` ("prefill", "decode" or "colocated"); it loads its model
+        in the background (`wait_ready`)."""
+        import ray
+
+        from decode_worker.worker import DecodeWorker
+        from prefill_worker.worker import PrefillWorker
+
+        n = self._next.get(pool, 0)
+        self._next[pool] = n + 1
+        wid = f"{pool}-{n}"
+        cfg, name = self.cfg, f"pdserve-{self._tag}-{wid}"
+        if pool == "prefill":
+            actor = ray.remote(PrefillWorker).options(**_options(cfg, name, cfg.prefill_resource)) \
+                .remote(wid, self._engine, self._transfer, cfg.torch_threads)
+        else:
+            actor = ray.remote(DecodeWorker).options(**_options(cfg, name, cfg.decode_resource)) \
+                .remote(wid, self._engine, self._transfer, cfg.torch_threads, pool)
+        return WorkerRef(worker_id=wid, pool=pool, actor=actor)
+
+    async def wait_ready(self, refs: list[WorkerRef]) -> None:
+        """Wait until each has loaded its model; refuse (and stop them) if their KV caches
+        disagree with each other or with the workers already serving."""
+        import ray
+
+        infos: list[ReadyInfo] = await asyncio.gather(*[r.actor.ready.remote() for r in refs])
+        for r, info in zip(refs, infos):
+            log.info("worker %s ready: %s", r.worker_id, asdict(info))   # a dict: tests/testbed_cluster.py reads it
+        named = [(r.worker_id, info) for r, info in zip(refs, infos)]
+        try:
+            check_kv_agreement(([self._layout] if self._layout else []) + named)
+        except ValueError:
+            for r in refs:
+                ray.kill(r.actor, no_restart=True)
+            raise
+        self._layout = self._layout or (named[0] if named else None)
+
+
+async def launch_workers(cfg: ServeConfig) -> tuple[WorkerLauncher, list[WorkerRef]]:
+    """Create the start-up pools and wait until each worker has loaded its model."""
+    launcher = WorkerLauncher(cfg)
+    pools = [("colocated", cfg.decode_workers)] if cfg.colocated else \
+        [("prefill", cfg.prefill_workers), ("decode", cfg.decode_workers)]
+    refs = [launcher.create(pool) for pool, count in pools for _ in range(count)]
+    await launcher.wait_ready(refs)
+    return launcher, refs
 
 
 def check_kv_agreement(infos: list[tuple[str, ReadyInfo]]) -> None:

@@ -2,7 +2,9 @@
 
 It owns the worker handles, their health (alive, dead, draining) and their
 membership in the router: a worker is routed to while it is alive and not
-draining. It polls every worker's report (load and KV events -> router index
+draining. A pool grows by one worker (`grow`: routed once it is ready and its
+first report and KV snapshot reached the router) and loses one for good
+(`remove`, after drain.retire_worker emptied it). It polls every worker's report (load and KV events -> router index
 and metrics), consumes each decode worker's output stream (one message per
 engine step) and hands each delta to `deliver`, and turns a failed call into
 the `BackendError` a frontend understands, marking a worker that died so its
@@ -19,7 +21,7 @@ from typing import Any, Awaitable, Callable, Iterable
 from cluster.config import ServeConfig
 from cluster.observability.metrics import Metrics, TierStats, WorkerStats
 from cluster.orchestration.backend import BackendError
-from cluster.orchestration.launcher import WorkerRef, launch_workers
+from cluster.orchestration.launcher import WorkerLauncher, WorkerRef, launch_workers
 from cluster.orchestration.router_config import router_config
 from cluster.router.policy import NoWorkerAvailable, RoutingDecision, RoutingRequest
 from cluster.router.router import Router
@@ -38,28 +40,70 @@ class WorkerPool:
         self.draining: set[str] = set()
         self.deliver: Callable[[str, StepDelta], None] = lambda worker_id, delta: None
         self.on_lost: Callable[[str, BackendError], None] = lambda worker_id, error: None
+        self.stats: dict[str, WorkerStats] = {}   # each worker's latest report
         self._streaming: set[str] = set()    # decode workers whose output stream is up
         self._tasks: list[asyncio.Task] = []
+        self._consumers: dict[str, asyncio.Task] = {}   # decode worker -> its output stream's consumer
+        self._launcher: WorkerLauncher | None = None
         self._background: set[asyncio.Task] = set()
         self._report_interval = report_interval
         self._stopping = False
 
     # ---------------------------------------------------------------- life
     async def start(self) -> None:
-        for ref in await launch_workers(self.config):
-            self.workers[ref.worker_id] = ref
+        self._launcher, refs = await launch_workers(self.config)
+        for ref in refs:
             self.router.add_worker(ref.worker_id, ref.pool)
-        loop = asyncio.get_running_loop()
-        for ref in self.workers.values():
-            if ref.pool != "prefill":
-                self._tasks.append(loop.create_task(self._consume(ref)))
-        self._tasks.append(loop.create_task(self._poll_reports()))
+            self._admit(ref)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._poll_reports()))
+
+    def _admit(self, ref: WorkerRef) -> None:
+        self.workers[ref.worker_id] = ref
+        if ref.pool != "prefill":
+            self._consumers[ref.worker_id] = asyncio.get_running_loop().create_task(self._consume(ref))
+
+    async def grow(self, pool: str) -> WorkerRef:
+        """Start one more worker of `pool`. It is routed to once it is ready and its first
+        report (load, and its KV snapshot for the router's index) arrived; until then it
+        counts as not alive."""
+        assert self._launcher is not None, "start() the pool first"
+        ref = self._launcher.create(pool)
+        ref.alive = False
+        await self._launcher.wait_ready([ref])
+        self._admit(ref)
+        log.info("pool %s grew by %s", pool, ref.worker_id)
+        return ref
+
+    def remove(self, worker_id: str) -> None:
+        """Stop a worker for good and forget it (scale-in, once drain.retire_worker emptied it)."""
+        import ray
+
+        ref = self.workers.pop(worker_id)
+        consumer = self._consumers.pop(worker_id, None)
+        if consumer is not None:
+            consumer.cancel()
+        self.draining.discard(worker_id)
+        self._streaming.discard(worker_id)
+        self.router.remove_worker(worker_id)
+        self.stats.pop(worker_id, None)
+        self.metrics.forget_worker(worker_id, ref.pool)
+        try:
+            ray.kill(ref.actor, no_restart=True)
+        except Exception:
+            pass
+        log.info("pool %s shrank: %s left", ref.pool, worker_id)
+
+    def serving(self, pool: str) -> list[str]:
+        """The ids of the workers of `pool` ("prefill", or "decode" incl. colocated) that are
+        alive and routed."""
+        return sorted(w for w, r in self.workers.items() if r.alive and w not in self.draining
+                      and (r.pool == "prefill") == (pool == "prefill"))
 
     async def stop(self) -> None:
         import ray
 
         self._stopping = True
-        for t in self._tasks:
+        for t in [*self._tasks, *self._consumers.values()]:
             t.cancel()
         await self._shutdown_check()
         for ref in self.workers.values():
@@ -176,7 +220,9 @@ class WorkerPool:
 
     async def _poll_reports(self) -> None:
         while not self._stopping:
-            await asyncio.gather(*[self._poll_one(ref) for ref in self.workers.values()])
+            await asyncio.gather(*[self._poll_one(ref) for ref in list(self.workers.values())])
+            for pool in ("prefill", "decode"):
+                self.metrics.pool_workers.labels(pool=pool).set(len(self.serving(pool)))
             await asyncio.sleep(self._report_interval)
 
     async def _poll_one(self, ref: WorkerRef) -> None:
@@ -190,7 +236,7 @@ class WorkerPool:
         except Exception:
             self.mark_dead(ref)
             return
-        if ref.worker_id in self.draining:   # unrouted: its reports must not revive it
+        if ref.worker_id in self.draining or ref.worker_id not in self.workers:   # unrouted, or removed
             return
         if not ref.alive and ref.pool != "prefill" and ref.worker_id not in self._streaming:
             return   # a decode worker is back only once its output stream is (see _consume); a late
@@ -210,5 +256,6 @@ class WorkerPool:
         stats = WorkerStats(ref.worker_id, ref.pool, s.running, s.waiting, s.kv_blocks_used, s.kv_blocks_total,
                             s.prefix_queried_tokens, s.prefix_hit_tokens, report.lease_expiries,
                             report.leases_active, s.preemptions, TierStats.from_engine(s))
+        self.stats[ref.worker_id] = stats
         self.router.observe_stats(stats, queued_prefill_tokens=s.waiting_tokens)
         self.metrics.observe_worker(stats)

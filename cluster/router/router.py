@@ -140,6 +140,13 @@ class Router:
         if slot is not None:
             self.update_load(worker_id, replace(slot.reported, alive=False))
 
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker that left its pool for good (scale-in)."""
+        self.on_worker_dead(worker_id)
+        if self._slots.pop(worker_id, None) is not None:
+            self._order.remove(worker_id)
+            self._view = None
+
     # ---- KV events ------------------------------------------------------
     def on_events(self, worker_id: str, events: Iterable[KVEvent]) -> ApplyResult:
         """Apply a worker's events; on ``needs_resync`` fetch its snapshot for ``on_snapshot``.

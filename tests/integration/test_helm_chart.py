@@ -49,6 +49,10 @@ SCENARIOS: dict[str, list[str]] = {
     # Gateway API Inference Extension: InferencePool + endpoint picker; Grafana dashboard ConfigMap
     "gateway": ["--set", "inferencePool.enabled=true", "--set", "grafanaDashboard.enabled=true",
                 "--set", "grafanaDashboard.namespace=monitoring", "--set", "networkPolicy.enabled=true"],
+    # SLO autoscaling: pdserve sizes the pools, the Ray autoscaler adds and removes pods
+    "autoscale": ["--set", "autoscaling.enabled=true", "--set", "autoscaling.sloTtftMs=500",
+                  "--set", "workerGroups.decode.maxReplicas=4", "--set", "workerGroups.decode.workersPerPod=2",
+                  "--set", "workerGroups.prefill.minReplicas=1", "--set", "workerGroups.prefill.maxReplicas=3"],
 }
 
 
@@ -275,7 +279,25 @@ def test_rendered_config_is_a_valid_serveconfig(scenario, tmp_path):
     else:
         for pool in POOLS:
             per_pod = values["workerGroups"][pool]["workersPerPod"]
+            if scenario == "autoscale" and pool == "decode":
+                per_pod = 2   # set by the scenario
             assert getattr(loaded, f"{pool}_workers") == groups[pool]["replicas"] * per_pod
+
+
+def test_autoscaling_values_turn_on_both_autoscalers_with_the_groups_bounds():
+    docs = render("autoscale")
+    cfg = ServeConfig(**rendered_config(docs))
+    assert cfg.autoscale and cfg.slo_ttft_ms == 500 and cfg.slo_itl_ms == 200
+    assert cfg.pool_bounds("decode") == (2, 8) and cfg.decode_workers == 2     # replicas x workersPerPod
+    assert cfg.pool_bounds("prefill") == (1, 3) and cfg.prefill_workers == 1
+    spec = one(docs, "RayCluster")["spec"]
+    assert spec["enableInTreeAutoscaling"] is True
+    assert spec["autoscalerOptions"] == {"idleTimeoutSeconds": 60, "upscalingMode": "Default"}
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert (groups["decode"]["minReplicas"], groups["decode"]["maxReplicas"]) == (1, 4)
+    off = render("default")
+    assert one(off, "RayCluster")["spec"]["enableInTreeAutoscaling"] is False
+    assert "autoscale" not in rendered_config(off) and "autoscalerOptions" not in one(off, "RayCluster")["spec"]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -6,6 +6,14 @@ sweep, and write JSON (and PNG plots).
         --sweep policy=prefix_aware,least_loaded,round_robin --sweep pd=1:3,1:1 \\
         --output out.json --plot-dir plots/ --jobs 2
 
+`--autoscale` sizes the pools while it runs with the autoscaling controller
+(cluster/orchestration/autoscale, the module the live head runs), on the virtual
+clock; --prefill-nodes / --decode-nodes are then the starting sizes:
+
+    pdserve simulate --trace ... --prefill-nodes 4 --decode-nodes 4 --autoscale \
+        --slo-ttft-ms 2000 --slo-itl-ms 100 --min-prefill-workers 2 --max-prefill-workers 60 \
+        --min-decode-workers 2 --max-decode-workers 60 --max-total-workers 100
+
 A sweep's runs are independent: `--jobs N` runs N of them at once, each in its
 own process (one core each); the output is the same as with `--jobs 1`, apart
 from the wall-time figures.
@@ -71,6 +79,29 @@ def register(subparsers) -> None:
     c.add_argument("--report-lag", type=float, default=0.002, help="report delivery lag to the router (s)")
     c.add_argument("--no-collapse", action="store_true", help="one event per decode step (slow; for checks)")
     c.add_argument("--seed", type=int, default=0)
+    _autoscale_flags(p)
+    _output_flags(p)
+    p.set_defaults(func=run)
+
+
+def _autoscale_flags(p) -> None:
+    a = p.add_argument_group("autoscaling (cluster/orchestration/autoscale on the virtual clock)")
+    a.add_argument("--autoscale", action="store_true",
+                   help="size both pools by the controller; --prefill-nodes / --decode-nodes are the starting sizes")
+    a.add_argument("--slo-ttft-ms", type=float, help="TTFT target (ms; default --slo-ttft); also the goodput SLO")
+    a.add_argument("--slo-itl-ms", type=float, help="mean ITL target (ms; default --slo-itl); also the goodput SLO")
+    a.add_argument("--min-prefill-workers", type=int, default=1)
+    a.add_argument("--max-prefill-workers", type=int, help="default: --prefill-nodes + --decode-nodes")
+    a.add_argument("--min-decode-workers", type=int, default=1)
+    a.add_argument("--max-decode-workers", type=int, help="default: --prefill-nodes + --decode-nodes")
+    a.add_argument("--max-total-workers", type=int, help="both pools together (default: no cap)")
+    a.add_argument("--autoscale-interval", type=float, default=5.0, help="controller interval (simulated s)")
+    a.add_argument("--autoscale-window", type=float, default=30.0, help="signal window: rates, percentiles (s)")
+    a.add_argument("--startup-delay", type=float, default=30.0,
+                   help="a new worker takes requests this many simulated seconds after it is started")
+
+
+def _output_flags(p) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--slo-ttft", type=float, default=2.0)
     o.add_argument("--slo-itl", type=float, default=0.1)
@@ -82,7 +113,6 @@ def register(subparsers) -> None:
                    help="every SIM_S simulated seconds print a progress line (JSON) to stderr; 0 = none")
     o.add_argument("--output", help="write all runs as JSON here")
     o.add_argument("--plot-dir", help="write PNG plots of the sweep here")
-    p.set_defaults(func=run)
 
 
 def parse_sweeps(specs: list[str]) -> dict[str, list]:
@@ -175,10 +205,33 @@ def run(args) -> int:
     return 0
 
 
+def slo_of(args):
+    from cluster.tools.sim.metrics import Slo
+    ttft = args.slo_ttft_ms / 1000.0 if getattr(args, "slo_ttft_ms", None) else args.slo_ttft
+    itl = args.slo_itl_ms / 1000.0 if getattr(args, "slo_itl_ms", None) else args.slo_itl
+    return Slo(ttft, itl)
+
+
+def autoscale_of(args, prefill_nodes: int, decode_nodes: int):
+    """The `SimAutoscale` the flags ask for (None without --autoscale)."""
+    if not getattr(args, "autoscale", False):
+        return None
+    from cluster.orchestration.autoscale import AutoscaleConfig, PoolBounds
+    from cluster.tools.sim.autoscale import SimAutoscale
+    slo, fleet = slo_of(args), prefill_nodes + decode_nodes
+    config = AutoscaleConfig(
+        slo_ttft_ms=slo.ttft_s * 1000.0, slo_itl_ms=slo.itl_s * 1000.0,
+        prefill=PoolBounds(args.min_prefill_workers, args.max_prefill_workers or fleet),
+        decode=PoolBounds(args.min_decode_workers, args.max_decode_workers or fleet),
+        max_total_workers=args.max_total_workers, predict_ahead_s=args.startup_delay,
+        cooldown_out_s=max(args.startup_delay, args.autoscale_interval))
+    return SimAutoscale(config, interval_s=args.autoscale_interval, window_s=args.autoscale_window,
+                        startup_s=args.startup_delay)
+
+
 def simulate_one(params: dict, args, cost, base_reqs) -> dict:
     """One run of the sweep (module level: `--jobs` pickles it to a worker process)."""
     from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
-    from cluster.tools.sim.metrics import Slo
     from cluster.tools.sim.workload import PromptBuilder, compress_time, overlay
 
     sched_meta = cost.meta.get("scheduler", {})
@@ -191,8 +244,8 @@ def simulate_one(params: dict, args, cost, base_reqs) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens or sched_meta.get("max_num_batched_tokens", 8192),
         max_num_seqs=args.max_num_seqs or sched_meta.get("max_num_seqs", 256),
         report_interval_s=args.report_interval, report_lag_s=args.report_lag,
-        collapse=not args.no_collapse, seed=args.seed, slo=Slo(args.slo_ttft, args.slo_itl),
-        progress_s=args.progress)
+        collapse=not args.no_collapse, seed=args.seed, slo=slo_of(args),
+        progress_s=args.progress, autoscale=autoscale_of(args, params["prefill_nodes"], params["decode_nodes"]))
     builder = PromptBuilder(args.block_size, args.tokens_per_id, seed=args.seed)
     return ClusterSim(config, cost, reqs, builder).run()
 
@@ -209,4 +262,6 @@ def _headline(s: dict) -> dict:
             "itl_p90_s": r3(s["itl_s"]["p90"]), "goodput_rps": r3(s["goodput"]["requests_per_s"]),
             "hit_rate": r3(s["hit_rate_tokens"]), "transfer_gb": r3(s["transfer"]["bytes"] / 1e9),
             "util": {k: r3(v["mean"]) for k, v in s["utilisation"].items()},
+            "worker_hours": r3(s["fleet"]["worker_hours"]["total"]), "good_requests": s["goodput"]["requests"],
+            **({"peak_workers": s["autoscale"]["peak_workers"]} if "autoscale" in s else {}),
             "sim_s_per_wall_s": r3(s["sim"]["sim_s_per_wall_s"]), "wall_s": r3(s["sim"]["wall_s"])}

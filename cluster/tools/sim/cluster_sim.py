@@ -12,6 +12,14 @@ colocated mode when there are no prefill nodes) runs entirely on the decode
 node. Every ``report_interval_s`` each node whose state changed sends its
 load and drained KV events, which reach the router ``report_lag_s`` later
 (the real backend polls the same two things together).
+
+With ``SimConfig.autoscale`` the pools change size while it runs
+(cluster/tools/sim/autoscale.py drives the real controller): `provision` adds a
+node that joins the router after a start-up delay; `shrink` cancels starting
+nodes, then drains ready ones (the router stops routing to them; they leave
+once no live request holds them: a prefill node when its held KV was pulled, a
+decode node when its requests finished). Worker-hours count every node from
+provisioning (or the start) to leaving (or the end).
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.router import DecisionKind, PolicyConfig, Router, RouterConfig, RoutingRequest, WorkerLoad
+from cluster.tools.sim.autoscale import SimAutoscale, SimAutoscaler, worker_hours
 from cluster.tools.sim.cost_model import CostModel
 from cluster.tools.sim.events import EventLoop
 from cluster.tools.sim.insitu import Interference, step_kind
@@ -61,6 +70,9 @@ class SimConfig:
     interference: Interference | None = None
     # every this many simulated seconds, one progress line to stderr (0: none); changes no result
     progress_s: float = 0.0
+    # pools sized by the autoscaling controller while it runs (prefill_nodes / decode_nodes: the
+    # starting sizes); None: fixed pools
+    autoscale: SimAutoscale | None = None
 
     def __post_init__(self) -> None:
         if self.decode_nodes < 1 or self.prefill_nodes < 0:
@@ -68,6 +80,9 @@ class SimConfig:
                              "(0 = colocated: every node prefills and decodes)")
         if self.report_interval_s <= 0 or self.report_lag_s < 0:
             raise ValueError("report_interval_s must be > 0 and report_lag_s >= 0 seconds")
+        if self.autoscale is not None and self.prefill_nodes < 1:
+            raise ValueError("--autoscale sizes a prefill and a decode pool: give --prefill-nodes >= 1 "
+                             "(autoscaling colocated nodes is not supported)")
         if self.progress_s < 0:
             raise ValueError(f"progress_s must be >= 0 simulated seconds (0 = no progress lines), "
                              f"got {self.progress_s}")
@@ -125,19 +140,21 @@ class ClusterSim:
         nb = config.num_blocks or cost.kv_capacity_tokens // config.block_size
         self.num_blocks = nb
         self.nodes: dict[str, SimNode] = {}
-        roles = [("prefill", f"p{i:04d}") for i in range(config.prefill_nodes)]
-        roles += [("colocated" if colocated else "decode", f"d{i:04d}") for i in range(config.decode_nodes)]
-        for role, nid in roles:
-            sched = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs),
-                              CacheConfig(block_size=config.block_size, num_blocks=nb), nb,
-                              config.max_model_len, clock=self.loop.clock)
-            shared = config.interference is not None
-            self.nodes[nid] = SimNode(nid, role, sched, cost, self.loop, self, collapse=config.collapse,
-                                      slowdown=self._slowdown if shared else None,
-                                      on_busy_change=self._host_changed if shared else None,
-                                      jitter=self._jitter if shared and config.interference.jitter else None)
-            self.router.add_worker(nid, role)
-        self.nic_free = {nid: 0.0 for nid in self.nodes}
+        self.nic_free: dict[str, float] = {}
+        self.start_s = self.workload[0].arrival_s if self.workload else 0.0
+        # pool membership over time: node id -> [role, joined, left]; live requests holding each node
+        self.spans: dict[str, list] = {}
+        self.refs: dict[str, int] = {}
+        self.starting: dict[str, dict[str, int]] = {"prefill": {}, "decode": {}}   # role -> id -> generation
+        self.draining: set[str] = set()
+        self.drained_at: dict[str, float] = {}        # node id -> when the router stopped routing to it
+        self.retired: list[SimNode] = []
+        self._ids = {"prefill": 0, "decode": 0, "colocated": 0}
+        self._start_gen = 0
+        roles = ["prefill"] * config.prefill_nodes + ["colocated" if colocated else "decode"] * config.decode_nodes
+        for role in roles:
+            self._add_node(role, self._new_id(role), self.start_s)
+        self.autoscaler = SimAutoscaler(self, config.autoscale) if config.autoscale is not None else None
         self._frontend_until = 0.0       # the frontend's FIFO work ends (with interference.frontend)
         self._frontend_gen = 0
         self.records: list[RequestRecord] = []
@@ -146,6 +163,88 @@ class ClusterSim:
         self._next = 0
         self.wall_s = 0.0
         self.fallbacks = 0
+
+    # ---- pool membership (fixed, or changed by the autoscaler) ----------------
+    def _new_id(self, role: str) -> str:
+        i = self._ids[role]
+        self._ids[role] += 1
+        return f"{'p' if role == 'prefill' else 'd'}{i:04d}"
+
+    def _add_node(self, role: str, nid: str, joined: float) -> SimNode:
+        c = self.config
+        sched = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs),
+                          CacheConfig(block_size=c.block_size, num_blocks=self.num_blocks), self.num_blocks,
+                          c.max_model_len, clock=self.loop.clock)
+        shared = c.interference is not None
+        node = self.nodes[nid] = SimNode(nid, role, sched, self.cost, self.loop, self, collapse=c.collapse,
+                                         slowdown=self._slowdown if shared else None,
+                                         on_busy_change=self._host_changed if shared else None,
+                                         jitter=self._jitter if shared and c.interference.jitter else None)
+        self.nic_free[nid] = 0.0
+        self.refs[nid] = 0
+        self.spans.setdefault(nid, [role, joined, None])
+        self.router.add_worker(nid, role)
+        return node
+
+    def ready_nodes(self, role: str) -> list[SimNode]:
+        """Nodes of ``role`` taking requests (not starting, not draining)."""
+        return [n for nid, n in self.nodes.items() if n.role == role and nid not in self.draining]
+
+    def starting_count(self, role: str) -> int:
+        return len(self.starting[role])
+
+    def has_work(self) -> bool:
+        return bool(self.live) or self._next < len(self.workload)
+
+    def provision(self, role: str, startup_s: float) -> str:
+        """A new node of ``role``: paid for from now, taking requests ``startup_s`` later."""
+        nid = self._new_id(role)
+        self._start_gen += 1
+        self.starting[role][nid] = self._start_gen
+        self.spans[nid] = [role, self.loop.now, None]
+        self.loop.after(startup_s, self._ready, role, nid, self._start_gen)
+        return nid
+
+    def _ready(self, role: str, nid: str, gen: int) -> None:
+        if self.starting[role].get(nid) != gen:
+            return                                    # cancelled while starting
+        del self.starting[role][nid]
+        self._add_node(role, nid, self.spans[nid][1])
+
+    def shrink(self, role: str, count: int) -> None:
+        """Take ``count`` nodes out of ``role``'s pool: starting ones first (newest
+        first), then drain the ready nodes holding the fewest live requests."""
+        starting = self.starting[role]
+        for nid in sorted(starting, key=starting.get, reverse=True)[:count]:
+            del starting[nid]
+            self.spans[nid][2] = self.loop.now
+            count -= 1
+        ready = sorted(self.ready_nodes(role), key=lambda n: (self.refs[n.node_id], n.node_id))
+        if count >= len(ready):
+            raise ValueError(f"cannot drain {count} of {len(ready)} ready {role} nodes: a pool keeps at least one")
+        for node in ready[:count]:
+            self.draining.add(node.node_id)
+            self.drained_at[node.node_id] = self.loop.now
+            self.router.on_worker_dead(node.node_id)
+            self._maybe_leave(node.node_id)
+
+    def _hold(self, nid: str) -> None:
+        self.refs[nid] += 1
+
+    def _unhold(self, nid: str) -> None:
+        self.refs[nid] -= 1
+        self._maybe_leave(nid)
+
+    def _maybe_leave(self, nid: str) -> None:
+        if self.refs[nid] or nid not in self.draining:
+            return
+        self.draining.discard(nid)
+        self.spans[nid][2] = self.loop.now
+        self.retired.append(self.nodes.pop(nid))
+
+    def worker_hours(self, end: float) -> dict:
+        return worker_hours([(r, a, end if b is None else b) for r, a, b in self.spans.values()],
+                            self.start_s, end)
 
     def _frontend_work(self, t: float, arrivals: int, tokens: int) -> None:
         fe = self.config.interference.frontend if self.config.interference is not None else None
@@ -184,6 +283,8 @@ class ClusterSim:
             self.loop.at(self.workload[0].arrival_s, self._tick)
             if self.config.progress_s:
                 self.loop.at(self.workload[0].arrival_s + self.config.progress_s, self._progress, t0)
+            if self.autoscaler is not None:
+                self.autoscaler.start(self.workload[0].arrival_s)
         # The nodes' block pools are millions of long-lived objects, and every live
         # prompt a list of thousands of ints: frozen, and with rarer young collections,
         # the cyclic collector stops re-scanning them (~15% of a loaded 1000-node run's
@@ -215,18 +316,22 @@ class ClusterSim:
     def summary(self) -> dict:
         start = self.workload[0].arrival_s if self.workload else 0.0
         end = max((r.finish_s for r in self.records if r.finish_s is not None), default=start)
+        every = list(self.nodes.values()) + self.retired
         nodes = [NodeUsage(n.node_id, n.role, n.busy_s, n.steps, n.scheduler.kv.prefix_cache_stats.queried_tokens,
-                           n.scheduler.kv.prefix_cache_stats.hit_tokens) for n in self.nodes.values()]
+                           n.scheduler.kv.prefix_cache_stats.hit_tokens) for n in every]
         c = self.config
         extra = {"config": {"prefill_nodes": c.prefill_nodes, "decode_nodes": c.decode_nodes, "policy": c.policy,
                             "block_size": c.block_size, "num_blocks_per_node": self.num_blocks,
                             "cost_model": getattr(self.cost, "name", type(self.cost).__name__),
                             "local_prefill_threshold": c.policy_config.local_prefill_threshold,
                             "report_interval_s": c.report_interval_s, "report_lag_s": c.report_lag_s},
-                 "sim": {"events": self.loop.events_run, "node_runs": sum(n.events for n in self.nodes.values()),
-                         "engine_steps": sum(n.steps for n in self.nodes.values()), "wall_s": self.wall_s,
+                 "fleet": {"worker_hours": self.worker_hours(end)},
+                 "sim": {"events": self.loop.events_run, "node_runs": sum(n.events for n in every),
+                         "engine_steps": sum(n.steps for n in every), "wall_s": self.wall_s,
                          "sim_s_per_wall_s": (end - start) / self.wall_s if self.wall_s else None,
                          "local_recompute_fallbacks": self.fallbacks}}
+        if self.autoscaler is not None:
+            extra["autoscale"] = self.autoscaler.summary()
         return summarize(self.records, self.itl, nodes, end - start, c.slo, extra)
 
     def _arrive(self) -> None:
@@ -242,7 +347,11 @@ class ClusterSim:
                             d.prefill_worker_id or d.decode_worker_id, d.decode_worker_id)
         self.records.append(rec)
         live = self.live[rid] = _Live(rec, tr, prompt)
+        self._hold(d.decode_worker_id)
         if d.kind is DecisionKind.REMOTE_PREFILL:
+            self._hold(d.prefill_worker_id)
+            if self.autoscaler is not None:
+                self.autoscaler.on_routed(self.loop.now, len(tokens) - d.prefill_cached_tokens)
             req = self._request(live, tokens, 1, hold=True)
             self.nodes[d.prefill_worker_id].post(lambda n: n.scheduler.add_request(req))
         else:
@@ -267,6 +376,8 @@ class ClusterSim:
             if rec.first_token_s is None:
                 rec.first_token_s = first
                 rec.cached_tokens = r.num_cached_tokens or 0
+                if self.autoscaler is not None:
+                    self.autoscaler.on_first_token(rec)
             else:
                 first_gaps.append(first - rec.last_token_s)
             rec.tokens_out += k
@@ -283,6 +394,7 @@ class ClusterSim:
             return
         if live.trace.output_length <= 1:            # the first token ended it: nobody reads the KV
             node.scheduler.release_held(request.request_id)
+            self._unhold(node.node_id)
             self._done(live, t, request)
             return
         live.deadline, live.joining = t + self.config.transfer_timeout_s, True
@@ -301,6 +413,9 @@ class ClusterSim:
         live.rec.finish_s = t
         live.rec.preempted += request.num_preemptions
         del self.live[live.rec.request_id]
+        if self.autoscaler is not None:
+            self.autoscaler.on_done(live.rec)
+        self._unhold(live.rec.decode_node)
 
     # ---- prefill -> decode hand-off -----------------------------------------
     def _join(self, dn: SimNode, pn: SimNode, live: _Live) -> bool:
@@ -317,6 +432,7 @@ class ClusterSim:
             self._joined(dn, live)
             self.fallbacks += 1                       # as DecodeWorker: recompute here, keep the first token
             pn.post(lambda n: n.scheduler.release_held(rid))
+            self._unhold(pn.node_id)
             tokens = live.tokens + [dn.output_token]
             dn.scheduler.add_request(self._request(live, tokens, max(1, live.trace.output_length - 1)))
             return True
@@ -341,6 +457,7 @@ class ClusterSim:
 
     def _landed(self, dn: SimNode, pn: SimNode, rid: str) -> None:
         pn.post(lambda n: n.scheduler.release_held(rid))
+        self._unhold(pn.node_id)
         dn.post(lambda n: n.scheduler.remote_kv_ready(rid, n.output_token))
 
     # ---- load reports and KV events -----------------------------------------
@@ -351,6 +468,9 @@ class ClusterSim:
                 continue
             node.dirty = False
             s = node.scheduler
+            if nid in self.draining:                  # out of the router: it reports nothing more
+                s.kv.drain_events()
+                continue
             # as DecodeWorker.report: hand-offs waiting for KV room are waiting requests
             load = WorkerLoad(s.num_waiting_tokens, s.num_running, s.num_waiting + node.joining, s.kv_usage)
             batch.append((nid, load, s.kv.drain_events()))
@@ -361,6 +481,8 @@ class ClusterSim:
 
     def _deliver(self, batch: list) -> None:
         for nid, load, events in batch:
+            if nid not in self.nodes or nid in self.draining:
+                continue                              # drained after this report was sent
             if events and self.router.on_events(nid, events).needs_resync:
                 self.router.on_snapshot(nid, self.nodes[nid].scheduler.kv.snapshot())
             self.router.update_load(nid, load)

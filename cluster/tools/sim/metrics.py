@@ -160,7 +160,7 @@ def summarize(records: list[RequestRecord], itl_hist: LogHistogram, nodes: list[
                   "p99": itl_hist.quantile(0.99), "per_request_mean": _stats(itl_req)["mean"]},
         "e2e_s": _stats([r.e2e for r in done]),
         "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
-        "goodput": {"fraction": len(good) / len(done) if done else 0.0,
+        "goodput": {"requests": len(good), "fraction": len(good) / len(done) if done else 0.0,
                     "requests_per_s": len(good) / duration_s if duration_s > 0 else 0.0},
         "throughput": {"requests_per_s": len(done) / duration_s if duration_s > 0 else 0.0,
                        "output_tokens_per_s": sum(r.tokens_out for r in done) / duration_s

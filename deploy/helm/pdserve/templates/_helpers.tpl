@@ -66,6 +66,25 @@ Fails on a model storage that needs a path but has none.
 {{- if not (hasKey $cfg $key) }}
 {{- $_ := set $cfg $key (mul $g.replicas $g.workersPerPod) }}
 {{- end }}
+{{- if $.Values.autoscaling.enabled }}
+{{- range $bound := list "min" "max" }}
+{{- $bkey := printf "%s_%s_workers" $bound $pool }}
+{{- if not (hasKey $cfg $bkey) }}
+{{- $pods := index $g (printf "%sReplicas" $bound) }}
+{{- $pods = eq $bound "min" | ternary (min $pods $g.replicas) (max $pods $g.replicas) }}
+{{- $_ := set $cfg $bkey (mul $pods $g.workersPerPod) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- with .Values.autoscaling }}
+{{- if .enabled }}
+{{- $_ := set $cfg "autoscale" true }}
+{{- $_ := set $cfg "slo_ttft_ms" .sloTtftMs }}
+{{- $_ := set $cfg "slo_itl_ms" .sloItlMs }}
+{{- $_ := set $cfg "autoscale_interval" .intervalSeconds }}
+{{- $_ := set $cfg "autoscale_cooldown_s" .cooldownSeconds }}
+{{- end }}
 {{- end }}
 {{- if and (ne .Values.model.storage "image") (not $cfg.model) }}
 {{- fail (printf "model.storage is %q: set config.model to the model's path under model.mountPath (%s), e.g. %s/SmolLM2-135M-Instruct.Q4_1.gguf" .Values.model.storage .Values.model.mountPath .Values.model.mountPath) }}

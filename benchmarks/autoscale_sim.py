@@ -1,0 +1,130 @@
+"""Autoscaled pools vs the best fixed prefill:decode split, on the simulator.
+
+For each fleet size N: replays a window of the Mooncake conversation trace,
+overlaid ``copies`` times (each copy its own cache salt: the simulator's
+`overlay`) and compressed ``time_scale`` times to load the fleet; sweeps fixed
+splits P + D = N; then runs the same trace with both pools sized by the
+autoscaling controller (cluster/orchestration/autoscale, the module the live
+head runs), starting from the sweep's middle split of the whole fleet and
+capped at N workers in all. Goodput = requests meeting both SLOs (TTFT and mean
+ITL); best fixed split = most goodput, ties to fewer worker-hours. Prints one
+JSON line.
+
+    .venv/bin/python benchmarks/autoscale_sim.py --fleet 100:1000:12:1 --fleet 1000:300:120:1 --jobs 2
+        (--fleet N:LIMIT:COPIES:TIME_SCALE, repeatable)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+from cluster.orchestration.autoscale import AutoscaleConfig, PoolBounds
+from cluster.tools.sim.autoscale import SimAutoscale
+from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
+from cluster.tools.sim.cost_model import load_cost_model
+from cluster.tools.sim.metrics import Slo
+from cluster.tools.sim.workload import PromptBuilder, compress_time, load_mooncake, overlay
+
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+
+
+def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
+    cost = load_cost_model(args.profile)
+    reqs = overlay(compress_time(load_mooncake(args.trace, fleet["limit"]), fleet["time_scale"]), fleet["copies"])
+    n = fleet["nodes"]
+    scale = None
+    if autoscale:
+        config = AutoscaleConfig(
+            slo_ttft_ms=args.slo_ttft_ms * args.steer, slo_itl_ms=args.slo_itl_ms * args.steer,
+            prefill=PoolBounds(max(1, n // 20), n), decode=PoolBounds(max(1, n // 20), n),
+            max_total_workers=n if args.fleet_cap else None,
+            predict_ahead_s=args.startup_delay, cooldown_out_s=max(args.startup_delay, args.interval))
+        scale = SimAutoscale(config, interval_s=args.interval, window_s=args.window, startup_s=args.startup_delay)
+    sched = cost.meta.get("scheduler", {})
+    cfg = SimConfig(p, d, block_size=512, max_num_batched_tokens=sched.get("max_num_batched_tokens", 8192),
+                    max_num_seqs=sched.get("max_num_seqs", 256), seed=0,
+                    slo=Slo(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0), autoscale=scale)
+    t0 = time.perf_counter()
+    s = ClusterSim(cfg, cost, reqs, PromptBuilder(512)).run()
+    row = {"fleet": fleet["label"], "nodes": n, "split": f"{p}:{d}", "autoscale": autoscale, "requests": s["requests"],
+           "finished": s["finished"], "good": s["goodput"]["requests"],
+           "good_fraction": round(s["goodput"]["fraction"], 4),
+           "worker_hours": round(s["fleet"]["worker_hours"]["total"], 3),
+           "prefill_worker_hours": round(s["fleet"]["worker_hours"].get("prefill", 0.0), 3),
+           "decode_worker_hours": round(s["fleet"]["worker_hours"].get("decode", 0.0), 3),
+           "duration_s": round(s["duration_s"], 1), "ttft_p90_s": round(s["ttft_s"]["p90"], 3),
+           "itl_p90_ms": round(s["itl_s"]["p90"] * 1000, 1), "wall_s": round(time.perf_counter() - t0, 1)}
+    if autoscale:
+        a = s["autoscale"]
+        row.update(peak_workers=a["peak_workers"], decisions=a["decisions"], changes=len(a["changes"]),
+                   first_changes=a["changes"][:12],
+                   prefill_tokens_per_s_per_worker=a["prefill_tokens_per_s_per_worker"],
+                   decode_seqs_per_worker=a["decode_seqs_per_worker"])
+    print(json.dumps({"run": row}), file=sys.stderr, flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--profile", default="h100")
+    ap.add_argument("--fleet", action="append", default=[], metavar="N:LIMIT:COPIES:TIME_SCALE")
+    ap.add_argument("--prefill-fractions", default="0.3,0.4,0.5,0.6,0.7")
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    ap.add_argument("--slo-itl-ms", type=float, default=100.0)
+    ap.add_argument("--steer", type=float, default=0.75,
+                    help="the controller steers each p90 to this part of its SLO (goodput counts the SLO itself)")
+    ap.add_argument("--interval", type=float, default=5.0)
+    ap.add_argument("--window", type=float, default=30.0)
+    ap.add_argument("--startup-delay", type=float, default=30.0)
+    ap.add_argument("--fleet-cap", action="store_true", help="cap both autoscaled pools together at N")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--output", help="also write every run here (JSON)")
+    args = ap.parse_args()
+    fleets = []
+    for spec in args.fleet or ["100:1000:12:1", "1000:300:120:1"]:
+        n, limit, copies, ts = spec.split(":")
+        fleets.append({"label": spec, "nodes": int(n), "limit": int(limit), "copies": int(copies),
+                       "time_scale": float(ts)})
+    fractions = [float(x) for x in args.prefill_fractions.split(",")]
+    jobs = []
+    for f in fleets:
+        n = f["nodes"]
+        splits = sorted({(max(1, round(n * x)), n - max(1, round(n * x))) for x in fractions})
+        jobs += [(f, p, d, False) for p, d in splits]
+        jobs.append((f, n // 2, n - n // 2, True))
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        rows = list(pool.map(one, *zip(*[(args, *j) for j in jobs])))
+    out = {"slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}, "steer": args.steer,
+           "profile": args.profile, "fleet_cap": args.fleet_cap,
+           "startup_delay_s": args.startup_delay, "interval_s": args.interval, "fleets": {}}
+    for f in fleets:
+        mine = [r for r in rows if r["fleet"] == f["label"]]
+        fixed = [r for r in mine if not r["autoscale"]]
+        best = max(fixed, key=lambda r: (r["good"], -r["worker_hours"]))
+        auto = next(r for r in mine if r["autoscale"])
+        out["fleets"][f["label"]] = {
+            "window": f, "requests": best["requests"],
+            "best_fixed": {k: best[k] for k in ("split", "good", "good_fraction", "worker_hours", "ttft_p90_s",
+                                                "itl_p90_ms", "duration_s")},
+            "autoscaled": {k: auto[k] for k in ("good", "good_fraction", "worker_hours", "prefill_worker_hours",
+                                                "decode_worker_hours", "ttft_p90_s", "itl_p90_ms", "duration_s",
+                                                "peak_workers", "changes")},
+            "sweep": [{k: r[k] for k in ("split", "good", "worker_hours", "ttft_p90_s", "itl_p90_ms")} for r in fixed],
+            "goal_met": auto["good"] >= best["good"] and auto["worker_hours"] < best["worker_hours"]}
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    if args.output:
+        Path(args.output).write_text(json.dumps({"summary": out, "runs": rows}, indent=1) + "\n")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""The autoscaling controller: a pure decision per interval for the prefill and
+decode pools.
+
+    decision, state = decide(config, signals, state, now)
+
+No I/O, no clock, no globals: the caller (the live head, or the simulator on its
+virtual clock) builds `FleetSignals` each interval, keeps the returned
+`ControllerState`, and acts on `FleetDecision` (start ``target - current``
+workers, or drain ``current - target``). Its next ``signals.*.workers`` is the
+target it acted on (starting workers included).
+
+Which signals decide each pool, and why:
+
+- **Prefill** serves prompt tokens, so its load is a token rate. Workers needed
+  = predicted prompt tokens/s / (what one worker sustains x
+  ``target_utilization``) + queued tokens / (``queue_drain_fraction`` x TTFT
+  target) / (one worker's raw tokens/s x ``target_utilization``). The rate
+  term keeps up with arrivals; the queue term clears a backlog fast enough that
+  the requests in it still meet the TTFT target (a queue of Q tokens on W
+  workers waits Q / (W x capacity) seconds before its last prompt starts). The
+  queue counts only while TTFT p90 misses its target: a burst that TTFT absorbs
+  is no reason to grow, and with prefix-aware routing a backlog sits on the
+  nodes that hold its prefix, which new workers do not relieve. TTFT p90 above
+  target while tokens queue grows the pool by the relative miss (at least one
+  worker, at most a step) even if the model says it is big enough; the pool
+  shrinks only while the p90 is well under target (``slo_scale_in_margin``).
+  TTFT is prefill's SLO alone: a decode pool without room delays the hand-off,
+  not the first token.
+- **Decode** serves concurrent sequences, bounded by KV room, so its load is
+  the sequences it holds (running + waiting) against what one worker holds, and
+  the KV blocks in use (measured, so it also sees long contexts the
+  per-worker figure underestimates). Requests waiting while KV is above its
+  target mean no room now: at least one more worker (KV_ROOM); waiting with
+  room to spare is a batch slot a step away, counted as load only. ITL p90
+  above target grows the pool by the relative miss (a large batch slows every
+  step, and a hand-off waiting for room shows up as a long first gap); it
+  shrinks only while the ITL p90 is well under target.
+
+Load is predicted ``predict_ahead_s`` ahead (about a worker's start-up time):
+the last observation plus the smoothed slope (an EWMA of the EWMA's slope) times
+the horizon. Scale-out uses the larger of the last observation and the
+prediction (react at once to a step and to a ramp, but not to a spike already
+falling); scale-in the largest of observation, EWMA and prediction (leave
+slowly: the EWMA remembers a recent peak).
+
+The per-worker capacity figures are the caller's model; what a worker sustains
+*within the SLO* can be less (TTFT needs short queues behind long prompts). So
+each pool keeps a learned ``capacity_scale``: an SLO miss at a size the figure
+said was enough lowers it so the figure asks for the grown size, and it
+recovers toward 1 by ``capacity_recovery_per_s`` while the SLO holds with
+margin; shrinking then has to wait until the recovered figure says the load
+fits in fewer workers.
+
+Against flapping: a hysteresis band (scale out above ``target_utilization``,
+scale in only when the load fits at ``scale_in_utilization`` in fewer workers
+and the SLO p90 is under ``slo_scale_in_margin`` of target, and only after that
+held for ``scale_in_hold_s``), cool-downs (no further scale-out for ``cooldown_out_s`` after one, no
+scale-in for ``cooldown_in_s`` after any change), step limits, and bounds (per
+pool, and optionally for both pools together).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+
+from cluster.orchestration.autoscale.signals import (AutoscaleConfig, DecodeSignals, FleetSignals, PoolBounds,
+                                                     PrefillSignals)
+
+_NEVER = float("-inf")
+
+
+class Reason(str, enum.Enum):
+    LOAD = "load"            # predicted load needs more workers (prefill tokens/s, decode sequences)
+    QUEUE = "queue"          # the prefill backlog must drain within the TTFT target
+    TTFT_SLO = "ttft_slo"    # TTFT p90 over target while prompts queue
+    KV_ROOM = "kv_room"      # decode KV use, or requests waiting for room
+    ITL_SLO = "itl_slo"      # ITL p90 over target
+    IDLE = "idle"            # load below the scale-in threshold for the hold time: shrink
+    COOLDOWN = "cooldown"    # a change is wanted but the last one is too recent
+    AT_MAX = "at_max"        # more wanted, the pool (or fleet) is at its maximum
+    AT_MIN = "at_min"        # fewer wanted, the pool is at its minimum
+    STEADY = "steady"        # within the band (or below it, not yet for long enough)
+
+
+GROW = frozenset({Reason.LOAD, Reason.QUEUE, Reason.TTFT_SLO, Reason.KV_ROOM, Reason.ITL_SLO})
+
+
+@dataclass(frozen=True)
+class PoolDecision:
+    pool: str
+    current: int
+    target: int
+    reason: Reason
+    needed: int               # workers the predicted load needs at the target utilisation (unbounded)
+    predicted_load: float     # prefill: prompt tokens/s; decode: sequences
+
+    @property
+    def delta(self) -> int:
+        return self.target - self.current
+
+
+@dataclass(frozen=True)
+class FleetDecision:
+    prefill: PoolDecision
+    decode: PoolDecision
+
+    @property
+    def pools(self) -> tuple[PoolDecision, PoolDecision]:
+        return self.prefill, self.decode
+
+
+@dataclass(frozen=True)
+class PoolState:
+    ewma: float | None = None        # smoothed load
+    trend: float = 0.0               # smoothed d(load)/dt, per second
+    last_t: float | None = None      # time of the last observation
+    last_out_t: float = _NEVER       # time of the last scale-out
+    last_change_t: float = _NEVER    # time of the last change either way
+    below_since: float | None = None  # the load has fit in fewer workers since then
+    # what one worker really sustains within the SLO, as a part of the caller's capacity figure:
+    # lowered when the SLO missed at a size the figure said was enough, recovering slowly while
+    # the SLO holds with margin
+    capacity_scale: float = 1.0
+
+    def observe(self, load: float, now: float, config: AutoscaleConfig) -> "PoolState":
+        if self.ewma is None or self.last_t is None:
+            return replace(self, ewma=load, trend=0.0, last_t=now)
+        dt = now - self.last_t
+        if dt <= 0:
+            return self
+        ewma = config.ewma_alpha * load + (1 - config.ewma_alpha) * self.ewma
+        trend = config.trend_alpha * (ewma - self.ewma) / dt + (1 - config.trend_alpha) * self.trend
+        return replace(self, ewma=ewma, trend=trend, last_t=now)
+
+    def predicted(self, observed: float, config: AutoscaleConfig) -> float:
+        """The load ``predict_ahead_s`` from now: the last observation moved by the smoothed trend."""
+        return max(0.0, observed + self.trend * config.predict_ahead_s)
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    """What the caller keeps between intervals (start with ``ControllerState()``)."""
+    prefill: PoolState = PoolState()
+    decode: PoolState = PoolState()
+
+
+@dataclass(frozen=True)
+class _Want:
+    """One pool's wish before cool-downs, step limits and bounds."""
+    out: int                  # workers needed at the target utilisation (scale out if > current)
+    out_reason: Reason
+    fits_in: int              # workers the load fits at the scale-in utilisation
+    may_shrink: bool          # the SLO holds with margin: shrinking is allowed at all
+    predicted: float
+    load_per_worker: float    # the load one worker takes at the target utilisation, unscaled
+
+
+def _learn(st: PoolState, want: _Want, workers: int, dt: float, c: AutoscaleConfig) -> PoolState:
+    """Adjust ``capacity_scale``: an SLO miss at a size the figure said was enough means one
+    worker sustains less (scale so the figure asks for the grown size); the SLO holding with
+    margin lets it recover toward 1 at ``capacity_recovery_per_s``."""
+    if want.out_reason in (Reason.TTFT_SLO, Reason.ITL_SLO) and want.out > workers and want.predicted > 0:
+        fit = want.predicted / (want.out * want.load_per_worker)
+        return replace(st, capacity_scale=max(c.min_capacity_scale, min(st.capacity_scale, fit)))
+    if want.may_shrink and st.capacity_scale < 1.0 and dt > 0:
+        return replace(st, capacity_scale=min(1.0, st.capacity_scale * (1.0 + c.capacity_recovery_per_s * dt)))
+    return st
+
+
+def _ceil(x: float) -> int:
+    return max(0, math.ceil(x - 1e-9))
+
+
+def _slo_step(workers: int, p90: float, target: float, c: AutoscaleConfig) -> int:
+    """Workers after an SLO miss: grown by the relative miss, at least one, at most a step."""
+    return workers + max(1, math.ceil(workers * min(c.max_step_up, p90 / target - 1.0)))
+
+
+def _under_margin(p90: float | None, target: float, c: AutoscaleConfig) -> bool:
+    return p90 is None or p90 <= c.slo_scale_in_margin * target
+
+
+def _prefill_want(s: PrefillSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
+    pred = st.predicted(s.prompt_tokens_per_s, c)
+    rate_out = max(s.prompt_tokens_per_s, pred)
+    rate_in = max(s.prompt_tokens_per_s, st.ewma or 0.0, pred)
+    # a backlog counts while it hurts: TTFT p90 over target (a burst that TTFT absorbs is no
+    # reason to grow, and with prefix-aware routing it sits on the nodes holding its prefix,
+    # which new workers would not relieve)
+    hurting = s.ttft_p90_ms is None or s.ttft_p90_ms > c.slo_ttft_ms
+    drain = s.queued_tokens / (c.queue_drain_fraction * c.slo_ttft_ms / 1000.0) if hurting else 0.0
+    # arrivals need what a worker sustains within the SLO (learned scale); the backlog drains
+    # at a worker's raw speed
+    cap, raw = s.tokens_per_s_per_worker * st.capacity_scale, s.tokens_per_s_per_worker
+    by_rate = _ceil(rate_out / (cap * c.target_utilization))
+    out = _ceil(rate_out / (cap * c.target_utilization) + drain / (raw * c.target_utilization))
+    reason = Reason.QUEUE if out > s.workers and by_rate <= s.workers else Reason.LOAD
+    ttft = s.ttft_p90_ms
+    if ttft is not None and ttft > c.slo_ttft_ms and s.queued_tokens > 0 and out <= s.workers:
+        out, reason = _slo_step(s.workers, ttft, c.slo_ttft_ms, c), Reason.TTFT_SLO
+    fits_in = _ceil(rate_in / (cap * c.scale_in_utilization) + drain / (raw * c.scale_in_utilization))
+    return _Want(out, reason, fits_in, _under_margin(s.ttft_p90_ms, c.slo_ttft_ms, c), rate_out,
+                 raw * c.target_utilization)
+
+
+def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
+    seqs_obs = s.running + s.waiting
+    pred = st.predicted(seqs_obs, c)
+    seqs_out = max(seqs_obs, pred)
+    seqs_in = max(seqs_obs, st.ewma or 0.0, pred)
+    spw = s.seqs_per_worker * st.capacity_scale
+    by_seqs = _ceil(seqs_out / (spw * c.target_utilization))
+    kv_workers = s.kv_usage * s.ready_workers        # workers' worth of KV in use
+    by_kv = _ceil(kv_workers / c.target_kv_usage)
+    if s.waiting > 0 and s.kv_usage >= c.target_kv_usage:
+        by_kv = max(by_kv, s.workers + 1)            # requests wait and KV is full: at least one more
+    out, reason = (by_kv, Reason.KV_ROOM) if by_kv > by_seqs else (by_seqs, Reason.LOAD)
+    itl = s.itl_p90_ms
+    if itl is not None and itl > c.slo_itl_ms and out <= s.workers:
+        out, reason = _slo_step(s.workers, itl, c.slo_itl_ms, c), Reason.ITL_SLO
+    ratio = c.scale_in_utilization / c.target_utilization
+    fits_in = max(_ceil(seqs_in / (spw * c.scale_in_utilization)),
+                  _ceil(kv_workers / (c.target_kv_usage * ratio)))
+    return _Want(out, reason, fits_in, _under_margin(s.itl_p90_ms, c.slo_itl_ms, c), seqs_out,
+                 s.seqs_per_worker * c.target_utilization)
+
+
+def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c: AutoscaleConfig,
+          now: float) -> tuple[PoolDecision, PoolState]:
+    def done(target: int, reason: Reason, state: PoolState) -> tuple[PoolDecision, PoolState]:
+        if target > cur:
+            state = replace(state, last_out_t=now, last_change_t=now)
+        elif target < cur:
+            state = replace(state, last_change_t=now)
+        return PoolDecision(name, cur, target, reason, want.out, want.predicted), state
+
+    if cur < bounds.min_workers:
+        return done(bounds.min_workers, Reason.AT_MIN, replace(st, below_since=None))
+    if cur > bounds.max_workers:
+        return done(bounds.max_workers, Reason.AT_MAX, st)
+    if want.out > cur:
+        st = replace(st, below_since=None)
+        if cur >= bounds.max_workers:
+            return done(cur, Reason.AT_MAX, st)
+        if now - st.last_out_t < c.cooldown_out_s:
+            return done(cur, Reason.COOLDOWN, st)
+        step = max(1, math.ceil(cur * c.max_step_up))
+        return done(min(want.out, cur + step, bounds.max_workers), want.out_reason, st)
+    if want.may_shrink and want.fits_in < cur:
+        since = st.below_since if st.below_since is not None else now
+        st = replace(st, below_since=since)
+        if cur <= bounds.min_workers:
+            return done(cur, Reason.AT_MIN, st)
+        if now - since < c.scale_in_hold_s:
+            return done(cur, Reason.STEADY, st)
+        if now - st.last_change_t < c.cooldown_in_s:
+            return done(cur, Reason.COOLDOWN, st)
+        step = max(1, math.floor(cur * c.max_step_down))
+        return done(max(want.fits_in, cur - step, bounds.min_workers), Reason.IDLE, st)
+    return done(cur, Reason.STEADY, replace(st, below_since=None))
+
+
+def _fleet_cap(p: PoolDecision, d: PoolDecision, cap: int | None) -> tuple[PoolDecision, PoolDecision]:
+    """Trim growth so both pools together stay within ``cap`` (growth shared in
+    proportion to what each pool asked for); shrinking is never forced."""
+    if cap is None or p.target + d.target <= cap:
+        return p, d
+    gp, gd = max(0, p.delta), max(0, d.delta)
+    room = max(0, cap - p.current - d.current - min(0, p.delta) - min(0, d.delta))
+    if gp + gd == 0:
+        return p, d
+    keep_p = min(gp, round(room * gp / (gp + gd)))
+    keep_d = min(gd, room - keep_p)
+    out = []
+    for dec, grow, keep in ((p, gp, keep_p), (d, gd, keep_d)):
+        if grow > keep:
+            dec = replace(dec, target=dec.current + keep, reason=dec.reason if keep else Reason.AT_MAX)
+        out.append(dec)
+    return out[0], out[1]
+
+
+def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerState,
+           now: float) -> tuple[FleetDecision, ControllerState]:
+    """One interval: the target size of each pool, with its reason, and the new state."""
+    dt_p = now - state.prefill.last_t if state.prefill.last_t is not None else 0.0
+    dt_d = now - state.decode.last_t if state.decode.last_t is not None else 0.0
+    ps = state.prefill.observe(signals.prefill.prompt_tokens_per_s, now, config)
+    ds = state.decode.observe(float(signals.decode.running + signals.decode.waiting), now, config)
+    wp, wd = _prefill_want(signals.prefill, ps, config), _decode_want(signals.decode, ds, config)
+    ps = _learn(ps, wp, signals.prefill.workers, dt_p, config)
+    ds = _learn(ds, wd, signals.decode.workers, dt_d, config)
+    p, ps = _pool("prefill", signals.prefill.workers, wp, ps, config.prefill, config, now)
+    d, ds = _pool("decode", signals.decode.workers, wd, ds, config.decode, config, now)
+    p2, d2 = _fleet_cap(p, d, config.max_total_workers)
+    # a trimmed scale-out that ended at no change must not start the scale-out cool-down
+    if p2.target == p2.current and p.target > p.current:
+        ps = replace(ps, last_out_t=state.prefill.last_out_t, last_change_t=state.prefill.last_change_t)
+    if d2.target == d2.current and d.target > d.current:
+        ds = replace(ds, last_out_t=state.decode.last_out_t, last_change_t=state.decode.last_change_t)
+    return FleetDecision(p2, d2), ControllerState(ps, ds)

@@ -1,0 +1,154 @@
+"""What the autoscaling controller reads each interval, and what the operator sets.
+
+Everything here is a frozen value: the caller (the live head, or the simulator)
+builds one `FleetSignals` per interval from what the router and workers already
+report, and keeps one `AutoscaleConfig` for the run. Nothing here does I/O.
+
+Per-worker capacity figures (`PrefillSignals.tokens_per_s_per_worker`,
+`DecodeSignals.seqs_per_worker`) come from the caller: the planner's capacity
+model (cluster/tools/planner/capacity.py `sequences_that_fit`, pools.py speeds)
+or a cost model; the controller does not import them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefillSignals:
+    """The prefill pool over the last window.
+
+    ``workers``: workers the pool holds or is starting (the last target);
+    ``ready_workers``: of those, the ones taking requests.
+    ``queued_tokens``: prompt tokens waiting to be prefilled, summed over the pool
+    (the router's ``WorkerLoad.queued_prefill_tokens``).
+    ``prompt_tokens_per_s``: prompt tokens arriving per second that need computing
+    (prompt minus the prefix-cache hit the router expects), over the window.
+    ``ttft_p90_ms``: p90 time to first token of requests whose first token came in
+    the window (None: none did).
+    ``tokens_per_s_per_worker``: prompt tokens/s one worker sustains (capacity).
+    """
+    workers: int
+    ready_workers: int
+    queued_tokens: int
+    prompt_tokens_per_s: float
+    ttft_p90_ms: float | None
+    tokens_per_s_per_worker: float
+
+    def __post_init__(self) -> None:
+        _check_counts("prefill", self.workers, self.ready_workers)
+        if self.queued_tokens < 0 or self.prompt_tokens_per_s < 0:
+            raise ValueError(f"prefill signals: queued_tokens and prompt_tokens_per_s must be >= 0, got {self}")
+        if self.tokens_per_s_per_worker <= 0:
+            raise ValueError("prefill signals: tokens_per_s_per_worker must be > 0 (one worker's prompt "
+                             "tokens/s from the planner or cost model)")
+
+
+@dataclass(frozen=True)
+class DecodeSignals:
+    """The decode pool now and over the last window.
+
+    ``running``: sequences in the pool's decode batches; ``waiting``: requests and
+    hand-offs waiting for a batch slot or KV room. ``kv_usage``: used / total KV
+    blocks, averaged over ready workers (0..1). ``itl_p90_ms``: p90 of per-request
+    mean inter-token latency of requests finished in the window (None: none did).
+    ``seqs_per_worker``: sequences one worker holds (KV room at the workload's
+    context length, capped by its batch size).
+    """
+    workers: int
+    ready_workers: int
+    running: int
+    waiting: int
+    kv_usage: float
+    itl_p90_ms: float | None
+    seqs_per_worker: float
+
+    def __post_init__(self) -> None:
+        _check_counts("decode", self.workers, self.ready_workers)
+        if self.running < 0 or self.waiting < 0 or self.kv_usage < 0:
+            raise ValueError(f"decode signals: running, waiting and kv_usage must be >= 0, got {self}")
+        if self.seqs_per_worker <= 0:
+            raise ValueError("decode signals: seqs_per_worker must be > 0 (sequences one worker holds, "
+                             "e.g. planner sequences_that_fit)")
+
+
+@dataclass(frozen=True)
+class FleetSignals:
+    prefill: PrefillSignals
+    decode: DecodeSignals
+
+
+@dataclass(frozen=True)
+class PoolBounds:
+    min_workers: int
+    max_workers: int
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 1 or self.max_workers < self.min_workers:
+            raise ValueError(f"pool bounds: need 1 <= min workers <= max workers, got {self.min_workers}.."
+                             f"{self.max_workers} (--min-*-workers / --max-*-workers)")
+
+    def clamp(self, n: int) -> int:
+        return min(max(n, self.min_workers), self.max_workers)
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """The operator's targets and the controller's tuning.
+
+    Scale out when the predicted load needs more workers at ``target_utilization``,
+    or when the pool's SLO p90 misses its target (by the miss, at most a step);
+    scale in only when the load fits in fewer at ``scale_in_utilization`` (< target:
+    the hysteresis band) and the SLO p90 is under ``slo_scale_in_margin`` of its
+    target, for ``scale_in_hold_s`` in a row. After a scale-out, no
+    further scale-out for ``cooldown_out_s`` (new workers are still starting);
+    after any change, no scale-in for ``cooldown_in_s``. One decision moves a pool
+    by at most ``max(1, ceil(workers * max_step_up))`` up or
+    ``max(1, floor(workers * max_step_down))`` down.
+    """
+    slo_ttft_ms: float
+    slo_itl_ms: float
+    prefill: PoolBounds
+    decode: PoolBounds
+    max_total_workers: int | None = None   # both pools together (a fleet cap); None: none
+    target_utilization: float = 0.8
+    scale_in_utilization: float = 0.45
+    queue_drain_fraction: float = 0.5      # drain the prefill queue within this part of the TTFT target
+    slo_scale_in_margin: float = 0.7      # scale in only while the pool's SLO p90 is under this part of target
+    capacity_recovery_per_s: float = 0.001  # learned capacity scale recovers toward 1 this fast (x per s)
+    min_capacity_scale: float = 0.05
+    target_kv_usage: float = 0.75
+    ewma_alpha: float = 0.3                # weight of the newest observation
+    trend_alpha: float = 0.3
+    predict_ahead_s: float = 30.0          # forecast horizon (about a worker's start-up time)
+    scale_in_hold_s: float = 60.0
+    cooldown_out_s: float = 30.0
+    cooldown_in_s: float = 30.0
+    max_step_up: float = 0.5
+    max_step_down: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.slo_ttft_ms <= 0 or self.slo_itl_ms <= 0:
+            raise ValueError("give positive SLOs, e.g. --slo-ttft-ms 2000 --slo-itl-ms 100")
+        if not 0 < self.scale_in_utilization < self.target_utilization <= 1:
+            raise ValueError("need 0 < scale_in_utilization < target_utilization <= 1 (the hysteresis band)")
+        if not 0 < self.queue_drain_fraction <= 1 or not 0 < self.target_kv_usage <= 1 \
+                or not 0 < self.slo_scale_in_margin <= 1:
+            raise ValueError("queue_drain_fraction, target_kv_usage and slo_scale_in_margin must be in (0, 1]")
+        if not 0 < self.ewma_alpha <= 1 or not 0 <= self.trend_alpha <= 1:
+            raise ValueError("ewma_alpha must be in (0, 1] and trend_alpha in [0, 1]")
+        if not 0 < self.min_capacity_scale <= 1:
+            raise ValueError("min_capacity_scale must be in (0, 1]")
+        for name in ("capacity_recovery_per_s", "predict_ahead_s", "scale_in_hold_s", "cooldown_out_s", "cooldown_in_s",
+                     "max_step_up", "max_step_down"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_total_workers is not None and \
+                self.max_total_workers < self.prefill.min_workers + self.decode.min_workers:
+            raise ValueError(f"max_total_workers {self.max_total_workers} is below the pools' minimums "
+                             f"({self.prefill.min_workers} + {self.decode.min_workers}): raise it or lower them")
+
+
+def _check_counts(pool: str, workers: int, ready: int) -> None:
+    if workers < 0 or not 0 <= ready <= workers:
+        raise ValueError(f"{pool} signals: need 0 <= ready_workers <= workers, got {ready} of {workers}")

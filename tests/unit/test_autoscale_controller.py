@@ -1,0 +1,206 @@
+"""The autoscaling controller on recorded metric series (built here): a load
+step, a drop, noise around a threshold, a short spike; targets and reasons."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from cluster.orchestration.autoscale import (AutoscaleConfig, ControllerState, DecodeSignals, FleetSignals,
+                                             PoolBounds, PrefillSignals, Reason, decide)
+
+CAP_TPS = 10_000.0      # prompt tokens/s one prefill worker sustains
+SEQS = 40.0             # sequences one decode worker holds
+DT = 5.0                # controller interval, s
+
+
+def config(**kw) -> AutoscaleConfig:
+    base = dict(slo_ttft_ms=2000, slo_itl_ms=100, prefill=PoolBounds(1, 20), decode=PoolBounds(1, 20),
+                predict_ahead_s=0.0, scale_in_hold_s=30.0, cooldown_out_s=15.0, cooldown_in_s=30.0,
+                slo_scale_in_margin=0.7)
+    base.update(kw)
+    return AutoscaleConfig(**base)
+
+
+def prefill(workers: int, rate: float, queued: int = 0, ttft: float | None = 500.0) -> PrefillSignals:
+    return PrefillSignals(workers, workers, queued, rate, ttft, CAP_TPS)
+
+
+def decode(workers: int, running: int, waiting: int = 0, kv: float | None = None,
+           itl: float | None = 30.0) -> DecodeSignals:
+    kv = running / (workers * SEQS) if kv is None else kv
+    return DecodeSignals(workers, workers, running, waiting, kv, itl, SEQS)
+
+
+def replay(cfg: AutoscaleConfig, series, p0: int = 2, d0: int = 2):
+    """Feed a series of (prefill kwargs, decode kwargs) one interval apart, acting on
+    each decision (the next signals carry the target as the worker count)."""
+    state, p, d, out = ControllerState(), p0, d0, []
+    for i, (pk, dk) in enumerate(series):
+        dec, state = decide(cfg, FleetSignals(prefill(p, **pk), decode(d, **dk)), state, i * DT)
+        out.append(dec)
+        p, d = dec.prefill.target, dec.decode.target
+    return out
+
+
+def idle_decode():
+    return {"running": 10}
+
+
+def test_prefill_load_step_grows_then_holds():
+    # 15k tokens/s on 2 workers is within target (0.8 x 20k = 16k); a step to 60k needs 8
+    series = [({"rate": 15_000}, idle_decode())] * 4 + [({"rate": 60_000}, idle_decode())] * 12
+    out = replay(config(), series)
+    assert all(d.prefill.target == 2 and d.prefill.reason is Reason.STEADY for d in out[:4])
+    step = out[4].prefill
+    assert step.reason is Reason.LOAD and step.target == 3          # step limit: +50% of 2 -> +1
+    # then bigger steps, spaced by the 15 s scale-out cool-down, up to ceil(60k / 8k) = 8
+    targets = [d.prefill.target for d in out[4:]]
+    assert targets == sorted(targets) and targets[-1] == 8
+    reasons = {d.prefill.reason for d in out[5:]}
+    assert Reason.COOLDOWN in reasons and reasons <= {Reason.LOAD, Reason.COOLDOWN, Reason.STEADY}
+    assert out[-1].prefill.reason is Reason.STEADY and out[-1].prefill.needed == 8
+
+
+def test_prefill_queue_drives_scale_out_when_the_rate_fits():
+    # the rate fits 2 workers; 40k queued tokens must drain within 1 s (half the TTFT target)
+    # while TTFT p90 is over its target (here 2.1 s of 2 s)
+    out = replay(config(), [({"rate": 10_000, "queued": 40_000, "ttft": 2100.0}, idle_decode())])
+    assert out[0].prefill.reason is Reason.QUEUE and out[0].prefill.target == 3
+    # a burst that TTFT absorbs (p90 under target) is no reason to grow
+    out = replay(config(), [({"rate": 10_000, "queued": 40_000, "ttft": 1900.0}, idle_decode())])
+    assert out[0].prefill.reason is Reason.STEADY and out[0].prefill.target == 2
+
+
+def test_ttft_miss_with_a_queue_grows_by_one_even_if_the_model_says_enough():
+    # 3.5 s against 2 s: +75%, at most a step (+50%): 4 -> 6
+    out = replay(config(), [({"rate": 1000, "queued": 100, "ttft": 3500.0}, idle_decode())], p0=4)
+    assert out[0].prefill.reason is Reason.TTFT_SLO and out[0].prefill.target == 6
+    # a small miss: at least one worker
+    out = replay(config(), [({"rate": 1000, "queued": 100, "ttft": 2050.0}, idle_decode())], p0=4)
+    assert out[0].prefill.reason is Reason.TTFT_SLO and out[0].prefill.target == 5
+    # a miss without a queue (one long prompt): more prefill workers would not help
+    out = replay(config(), [({"rate": 1000, "queued": 0, "ttft": 3500.0}, idle_decode())], p0=4)
+    assert out[0].prefill.target == 4
+
+
+def test_drop_shrinks_only_after_the_hold_and_stepwise_to_min():
+    cfg = config(max_step_down=0.25, prefill=PoolBounds(2, 20))
+    series = [({"rate": 1000}, idle_decode())] * 40
+    out = replay(cfg, series, p0=8)
+    targets = [d.prefill.target for d in out]
+    # below the scale-in threshold from t=0; the hold is 30 s: no change before t=30 (index 6)
+    assert targets[:6] == [8] * 6 and all(d.prefill.reason is Reason.STEADY for d in out[:6])
+    assert out[6].prefill.reason is Reason.IDLE and targets[6] == 6       # -25% of 8
+    # later steps are spaced by the 30 s scale-in cool-down, never below min (1)
+    changes = [i for i in range(1, len(targets)) if targets[i] != targets[i - 1]] + [6]
+    assert all(b - a >= 6 for a, b in zip(sorted(set(changes)), sorted(set(changes))[1:]))
+    assert targets[-1] == 2 and out[-1].prefill.reason is Reason.AT_MIN
+    assert targets == sorted(targets, reverse=True)
+
+
+def test_noise_around_the_threshold_does_not_flap():
+    # around 0.8 x 4 workers x 10k = 32k tokens/s, +-6%: inside the hysteresis band of 4 workers
+    # after at most one scale-out, so never an up-down-up
+    rng = random.Random(7)
+    series = [({"rate": 32_000 * (1 + rng.uniform(-0.06, 0.06))}, idle_decode()) for _ in range(120)]
+    out = replay(config(), series, p0=4)
+    targets = [d.prefill.target for d in out]
+    changes = [(a, b) for a, b in zip(targets, targets[1:]) if a != b]
+    assert len(changes) <= 1 and all(b > a for a, b in changes)
+    assert min(targets) == 4 and max(targets) <= 6
+
+
+def test_spike_shorter_than_the_cooldown_adds_once_and_is_not_chased():
+    # decode: a 2-interval spike right after a scale-out (inside the 15 s cool-down)
+    base = {"running": 60}                    # 60 seqs on 2 workers of 40 at 0.8 -> fits (64)
+    series = ([({"rate": 1000}, base)] * 2 + [({"rate": 1000}, {"running": 100})]
+              + [({"rate": 1000}, {"running": 150})] * 2 + [({"rate": 1000}, base)] * 10)
+    out = replay(config(), series)
+    d = [x.decode for x in out]
+    assert d[2].reason is Reason.LOAD and d[2].target == 3        # the step: +1 (50% of 2)
+    assert d[3].reason is Reason.COOLDOWN and d[4].reason is Reason.COOLDOWN
+    assert d[3].target == d[4].target == 3                        # the spike is not chased
+    # after it, the load (60 seqs) is inside the band of 3 workers: held, not shrunk back and forth
+    assert all(x.target == 3 for x in d[5:]) and all(x.reason is Reason.STEADY for x in d[5:])
+
+
+def test_decode_kv_room_and_waiting_drive_scale_out():
+    # few sequences but long contexts: KV at 95% on 2 workers needs 3 at 85%
+    out = replay(config(), [({"rate": 1000}, {"running": 20, "kv": 0.95})])
+    assert out[0].decode.reason is Reason.KV_ROOM and out[0].decode.target == 3
+    # requests waiting while KV is full: at least one more even if the count looks fine
+    out = replay(config(), [({"rate": 1000}, {"running": 20, "waiting": 1, "kv": 0.85})], d0=4)
+    assert out[0].decode.reason is Reason.KV_ROOM and out[0].decode.target == 5
+    # waiting with room to spare: a batch slot a step away, not a reason to grow
+    out = replay(config(), [({"rate": 1000}, {"running": 20, "waiting": 1, "kv": 0.5})], d0=4)
+    assert out[0].decode.reason is Reason.STEADY and out[0].decode.target == 4
+
+
+def test_itl_miss_grows_decode_by_one_and_blocks_scale_in():
+    out = replay(config(), [({"rate": 1000}, {"running": 10, "itl": 120.0})], d0=4)
+    assert out[0].decode.reason is Reason.ITL_SLO and out[0].decode.target == 5      # +20% -> +1
+    # over the hold time with low load but ITL near its target (over 70% of it): never IDLE
+    series = [({"rate": 1000}, {"running": 10, "itl": 80.0})] * 20
+    out = replay(config(), series, d0=20)
+    assert all(x.decode.reason is not Reason.IDLE for x in out) and out[-1].decode.target == 20
+    # well under it: shrinks
+    series = [({"rate": 1000}, {"running": 10, "itl": 30.0})] * 20
+    out = replay(config(), series, d0=20)
+    assert out[-1].decode.target < 20 and Reason.IDLE in {x.decode.reason for x in out}
+
+
+def test_bounds_at_max_and_at_min():
+    out = replay(config(prefill=PoolBounds(1, 3)), [({"rate": 100_000}, idle_decode())] * 10)
+    assert out[-1].prefill.target == 3 and out[-1].prefill.reason is Reason.AT_MAX
+    assert out[-1].prefill.needed == 13
+    # a pool outside its bounds (the operator changed them) is brought in at once
+    dec, _ = decide(config(decode=PoolBounds(3, 5)), FleetSignals(prefill(2, 1000), decode(1, 10)),
+                    ControllerState(), 0.0)
+    assert dec.decode.target == 3 and dec.decode.reason is Reason.AT_MIN
+
+
+def test_fleet_cap_shares_growth():
+    cfg = config(max_total_workers=10, max_step_up=10.0, cooldown_out_s=0.0)
+    dec, _ = decide(cfg, FleetSignals(prefill(2, 80_000), decode(2, 300)), ControllerState(), 0.0)
+    # prefill wants 10, decode 10: 6 more fit, shared by what each asked for (8 and 8)
+    assert dec.prefill.target + dec.decode.target == 10
+    assert dec.prefill.target == 5 and dec.decode.target == 5
+    # at the cap: no growth, AT_MAX, and no cool-down started
+    dec, st = decide(cfg, FleetSignals(prefill(5, 80_000), decode(5, 300)), ControllerState(), 0.0)
+    assert dec.prefill.reason is Reason.AT_MAX and dec.prefill.target == 5
+    assert st.prefill.last_out_t == float("-inf")
+
+
+def test_trend_predicts_a_ramp():
+    cfg = config(predict_ahead_s=30.0, ewma_alpha=0.5, trend_alpha=0.5)
+    # a ramp of +2k tokens/s per interval: the forecast 30 s ahead exceeds the last observation
+    series = [({"rate": 10_000 + 2000 * i}, idle_decode()) for i in range(8)]
+    out = replay(cfg, series, p0=10)
+    assert out[-1].prefill.predicted_load > 10_000 + 2000 * 7
+
+
+def test_decide_is_pure():
+    cfg, st = config(), ControllerState()
+    sig = FleetSignals(prefill(2, 60_000), decode(2, 10))
+    a = decide(cfg, sig, st, 0.0)
+    b = decide(cfg, sig, st, 0.0)
+    assert a == b and st == ControllerState()
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: PoolBounds(0, 3), lambda: PoolBounds(4, 3),
+    lambda: config(slo_ttft_ms=0), lambda: config(scale_in_utilization=0.9),
+    lambda: config(max_total_workers=1),
+    lambda: PrefillSignals(2, 3, 0, 0.0, None, 1.0), lambda: PrefillSignals(2, 2, 0, 0.0, None, 0.0),
+    lambda: DecodeSignals(2, 2, -1, 0, 0.0, None, 4.0)])
+def test_invalid_inputs_say_how_to_fix(bad):
+    with pytest.raises(ValueError):
+        bad()
+
+
+def test_reason_values_are_stable_labels():
+    assert {r.value for r in Reason} == {"load", "queue", "ttft_slo", "kv_room", "itl_slo", "idle", "cooldown",
+                                         "at_max", "at_min", "steady"}
+    assert replace(prefill(1, 0.0), workers=2).workers == 2
