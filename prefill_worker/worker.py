@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
@@ -87,7 +87,9 @@ class PrefillWorker(WorkerBase):
                                                                 item.cache_salt, prefill_only=True))
             except QueueFull:
                 return PrefillResult(first=None, moved=True, busy=True)
-            first = await self._first_token(rid, queue, read_ahead)
+            told: list[Awaitable[Any]] = []
+            first = await self._first_token(rid, queue, read_ahead, told)
+            await _delivered(told)
         except BaseException:
             await self.aengine.call(lambda e: e.abort_request(rid))
             raise
@@ -113,9 +115,11 @@ class PrefillWorker(WorkerBase):
                              prefill_seconds=t1 - t0)
 
     async def _first_token(self, request_id: str, queue: asyncio.Queue,
-                           read_ahead: ReadAheadTarget | ReadAheadHandle | None) -> StepDelta | None:
+                           read_ahead: ReadAheadTarget | ReadAheadHandle | None,
+                           told_calls: list[Awaitable[Any]]) -> StepDelta | None:
         """Wait for the request's first token (None: ended before it started), telling
-        `read_ahead` of the prompt blocks each chunk completed on the way."""
+        `read_ahead` of the prompt blocks each chunk completed on the way (the calls go
+        into `told_calls`)."""
         told, epoch = 0, 0   # blocks told to the reader, at the preemption count `epoch`
         while True:
             delta: StepDelta | None = await queue.get()
@@ -128,8 +132,8 @@ class PrefillWorker(WorkerBase):
             blocks = delta.computed_block_ids
             if len(blocks) > told:
                 with contextlib.suppress(Exception):   # the reader is gone: its submit says so
-                    self._fire(read_ahead, request_id=request_id, peer=self.transfer.peer_info(),
-                               first_index=told, block_ids=blocks[told:], preemptions=epoch)
+                    told_calls.append(self._fire(read_ahead, request_id=request_id, peer=self.transfer.peer_info(),
+                                                 first_index=told, block_ids=blocks[told:], preemptions=epoch))
                 told = len(blocks)
 
     async def release(self, *, request_id: str) -> bool:
@@ -176,17 +180,18 @@ class PrefillWorker(WorkerBase):
         return replace(await super().check_integrity(), leases=len(self.leases))
 
     # ------------------------------------------------------------- internal
-    def _fire(self, target: ReadAheadTarget | ReadAheadHandle, **kwargs: Any) -> None:
+    def _fire(self, target: ReadAheadTarget | ReadAheadHandle, **kwargs: Any) -> Awaitable[Any]:
         """Call `target.read_ahead` without waiting: a Ray actor method's `.remote`, or
-        (one process) a coroutine method scheduled on this loop."""
+        (one process) a coroutine method scheduled on this loop. Returns what to await
+        for its delivery (the reader only starts its reads: delivery is quick)."""
         method = target.read_ahead
         if hasattr(method, "remote"):
-            method.remote(**kwargs)
-            return
+            return method.remote(**kwargs)
         call: Callable[..., Coroutine[Any, Any, None]] = method
         task = asyncio.get_running_loop().create_task(call(**kwargs))
         self._fired.add(task)
         task.add_done_callback(self._fired.discard)
+        return task
 
     def _on_lease_end(self, lease: Lease, cause: ReleaseCause) -> None:
         # may run on any thread: hand the free to the engine thread
@@ -208,3 +213,19 @@ class PrefillWorker(WorkerBase):
 
 def _implements_api(worker: PrefillWorker) -> PrefillWorkerAPI:
     return worker   # mypy checks here that PrefillWorker implements the protocol
+
+
+READ_AHEAD_DELIVERY_S = 0.25   # at most this long for the reader to take the last messages
+
+
+async def _delivered(calls: list[Awaitable[Any]]) -> None:
+    """Before the first token goes back, let the reader take the read-ahead messages sent
+    for it (bounded): a submit that follows the token then finds every earlier chunk's
+    reads started, rather than racing them (the messages and the submit travel by
+    different paths). A reader that fails or is slow only loses the head start."""
+    if not calls:
+        return
+    futures = [asyncio.ensure_future(c) for c in calls]
+    for f in futures:   # a lost message is not an error: retrieve it whenever it ends
+        f.add_done_callback(lambda f: f.cancelled() or f.exception())
+    await asyncio.wait(futures, timeout=READ_AHEAD_DELIVERY_S)
