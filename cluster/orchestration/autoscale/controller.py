@@ -25,7 +25,15 @@ Which signals decide each pool, and why:
   worker, at most a step) even if the model says it is big enough; the pool
   shrinks only while the p90 is well under target (``slo_scale_in_margin``).
   TTFT is prefill's SLO alone: a decode pool without room delays the hand-off,
-  not the first token.
+  not the first token. When the caller measures it, the **wait-miss fraction**
+  replaces the TTFT p90 in all of this: of the requests whose prefill alone
+  (no queueing) fits the TTFT target, the part that missed it. A p90 over target
+  can come from prompts too long to meet it on an idle worker (then more workers
+  are waste), and a p90 under target still lets a tenth of the requests miss.
+  Above ``ttft_miss_budget`` the backlog counts and the pool grows by
+  ``ttft_miss_gain`` x the relative excess (at least one worker, at most a
+  step); it shrinks only while the fraction is under ``slo_scale_in_margin`` x
+  the budget.
 - **Decode** serves concurrent sequences, bounded by KV room, so its load is
   the sequences it holds (running + waiting) against what one worker holds, and
   the KV blocks in use (measured, so it also sees long contexts the
@@ -56,7 +64,10 @@ scale in only when the load fits at ``scale_in_utilization`` in fewer workers
 and the SLO p90 is under ``slo_scale_in_margin`` of target, and only after that
 held for ``scale_in_hold_s``), cool-downs (no further scale-out for ``cooldown_out_s`` after one, no
 scale-in for ``cooldown_in_s`` after any change), step limits, and bounds (per
-pool, and optionally for both pools together).
+pool, and optionally for both pools together: growth shared by the asks, or
+with ``decode_first_under_cap`` decode's first, displacing prefill workers if it
+must, since a decode pool without KV room is a cliff and a short prefill pool
+only queues).
 """
 from __future__ import annotations
 
