@@ -5,8 +5,12 @@ overlaid ``copies`` times (each copy its own cache salt: the simulator's
 `overlay`) and compressed ``time_scale`` times to load the fleet; sweeps fixed
 splits P + D = N; then runs the same trace with both pools sized by the
 autoscaling controller (cluster/orchestration/autoscale, the module the live
-head runs), starting from the sweep's middle split of the whole fleet and
-capped at N workers in all. Goodput = requests meeting both SLOs (TTFT and mean
+head runs), starting from the split of N the capacity planner recommends for
+the window's rate and mean lengths (`--start planner`, cluster/tools/sim/
+autoscale.py `planned_split`; `--start half`: N/2 : N/2), optionally capped at
+N workers in all (`--fleet-cap`). The simulator gives the controller the
+wait-miss fraction (requests that miss TTFT by waiting although their prefill
+alone fits it). Goodput = requests meeting both SLOs (TTFT and mean
 ITL); best fixed split = most goodput, ties to fewer worker-hours. Prints one
 JSON line.
 
@@ -26,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from cluster.orchestration.autoscale import AutoscaleConfig, PoolBounds
-from cluster.tools.sim.autoscale import SimAutoscale
+from cluster.tools.sim.autoscale import SimAutoscale, planned_split
 from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
 from cluster.tools.sim.cost_model import load_cost_model
 from cluster.tools.sim.metrics import Slo
@@ -44,16 +48,21 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
         config = AutoscaleConfig(
             slo_ttft_ms=args.slo_ttft_ms * args.steer, slo_itl_ms=args.slo_itl_ms * args.steer,
             prefill=PoolBounds(max(1, n // 20), n), decode=PoolBounds(max(1, n // 20), n),
-            max_total_workers=n if args.fleet_cap else None,
+            max_total_workers=n if args.fleet_cap else None, decode_first_under_cap=args.decode_first,
+            ttft_miss_budget=args.ttft_miss_budget if args.ttft_miss_budget > 0 else 0.002,
             predict_ahead_s=args.startup_delay, cooldown_out_s=max(args.startup_delay, args.interval))
-        scale = SimAutoscale(config, interval_s=args.interval, window_s=args.window, startup_s=args.startup_delay)
+        scale = SimAutoscale(config, interval_s=args.interval, window_s=args.window, startup_s=args.startup_delay,
+                             ttft_wait_misses=args.ttft_miss_budget > 0)
     sched = cost.meta.get("scheduler", {})
-    cfg = SimConfig(p, d, block_size=512, max_num_batched_tokens=sched.get("max_num_batched_tokens", 8192),
-                    max_num_seqs=sched.get("max_num_seqs", 256), seed=0,
+    chunk, seqs = sched.get("max_num_batched_tokens", 8192), sched.get("max_num_seqs", 256)
+    if autoscale and args.start == "planner":
+        p, d = planned_split(n, reqs, cost, chunk, cost.kv_capacity_tokens // 512 * 512, seqs)
+    cfg = SimConfig(p, d, block_size=512, max_num_batched_tokens=chunk, max_num_seqs=seqs, seed=0,
                     slo=Slo(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0), autoscale=scale)
     t0 = time.perf_counter()
     s = ClusterSim(cfg, cost, reqs, PromptBuilder(512)).run()
     row = {"fleet": fleet["label"], "nodes": n, "split": f"{p}:{d}", "autoscale": autoscale, "requests": s["requests"],
+           "start_split": f"{p}:{d}",
            "finished": s["finished"], "good": s["goodput"]["requests"],
            "good_fraction": round(s["goodput"]["fraction"], 4),
            "worker_hours": round(s["fleet"]["worker_hours"]["total"], 3),
@@ -85,6 +94,13 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=30.0)
     ap.add_argument("--startup-delay", type=float, default=30.0)
     ap.add_argument("--fleet-cap", action="store_true", help="cap both autoscaled pools together at N")
+    ap.add_argument("--decode-first", action="store_true",
+                    help="at the fleet cap, decode's growth first (it may displace prefill workers)")
+    ap.add_argument("--start", choices=("planner", "half"), default="planner",
+                    help="the autoscaled run's starting split: the planner's ratio of N, or N/2 : N/2")
+    ap.add_argument("--ttft-miss-budget", type=float, default=0.002,
+                    help="part of the requests that may miss TTFT by waiting before prefill grows "
+                         "(0: the simulator gives no wait-miss fraction; the TTFT p90 decides)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--output", help="also write every run here (JSON)")
     args = ap.parse_args()
@@ -104,7 +120,8 @@ def main() -> None:
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         rows = list(pool.map(one, *zip(*[(args, *j) for j in jobs])))
     out = {"slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}, "steer": args.steer,
-           "profile": args.profile, "fleet_cap": args.fleet_cap,
+           "profile": args.profile, "fleet_cap": args.fleet_cap, "decode_first": args.decode_first,
+           "start": args.start, "ttft_miss_budget": args.ttft_miss_budget,
            "startup_delay_s": args.startup_delay, "interval_s": args.interval, "fleets": {}}
     for f in fleets:
         mine = [r for r in rows if r["fleet"] == f["label"]]
@@ -115,7 +132,7 @@ def main() -> None:
             "window": f, "requests": best["requests"],
             "best_fixed": {k: best[k] for k in ("split", "good", "good_fraction", "worker_hours", "ttft_p90_s",
                                                 "itl_p90_ms", "duration_s")},
-            "autoscaled": {k: auto[k] for k in ("good", "good_fraction", "worker_hours", "prefill_worker_hours",
+            "autoscaled": {k: auto[k] for k in ("start_split", "good", "good_fraction", "worker_hours", "prefill_worker_hours",
                                                 "decode_worker_hours", "ttft_p90_s", "itl_p90_ms", "duration_s",
                                                 "peak_workers", "changes")},
             "sweep": [{k: r[k] for k in ("split", "good", "worker_hours", "ttft_p90_s", "itl_p90_ms")} for r in fixed],

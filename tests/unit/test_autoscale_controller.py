@@ -204,3 +204,57 @@ def test_reason_values_are_stable_labels():
     assert {r.value for r in Reason} == {"load", "queue", "ttft_slo", "kv_room", "itl_slo", "idle", "cooldown",
                                          "at_max", "at_min", "steady"}
     assert replace(prefill(1, 0.0), workers=2).workers == 2
+
+
+def _waits(workers: int, miss: float | None, rate: float = 1000.0, queued: int = 0,
+           ttft: float | None = 2500.0) -> FleetSignals:
+    p = PrefillSignals(workers, workers, queued, rate, ttft, CAP_TPS, ttft_wait_miss_fraction=miss)
+    return FleetSignals(p, decode(2, 10))
+
+
+def test_wait_miss_fraction_grows_prefill_by_the_excess_and_ignores_long_prompts():
+    cfg = config(ttft_miss_budget=0.01, ttft_miss_gain=0.25)
+    # 3% of the requests that fit the target alone missed it by waiting: 0.25 x (3 - 1) = +50%
+    dec, _ = decide(cfg, _waits(10, 0.03), ControllerState(), 0.0)
+    assert dec.prefill.reason is Reason.TTFT_SLO and dec.prefill.target == 15
+    # 1.5%: +12.5% of 10 -> at least 2 (rounded up)
+    dec, _ = decide(cfg, _waits(10, 0.015), ControllerState(), 0.0)
+    assert dec.prefill.reason is Reason.TTFT_SLO and dec.prefill.target == 12
+    # within budget: the p90 over target comes from prompts too long to meet it on an idle
+    # worker, and a queue with it is no reason to grow (the p90 rule alone would grow)
+    dec, _ = decide(cfg, _waits(10, 0.005, queued=50_000), ControllerState(), 0.0)
+    assert dec.prefill.target == 10 and dec.prefill.reason is Reason.STEADY
+    dec, _ = decide(cfg, _waits(10, None, queued=50_000), ControllerState(), 0.0)
+    assert dec.prefill.target > 10
+
+
+def test_wait_misses_over_budget_count_the_queue_and_block_scale_in():
+    cfg = config(ttft_miss_budget=0.01, scale_in_hold_s=0.0, cooldown_in_s=0.0)
+    # the rate fits 1 worker; 40k queued tokens drain within 1 s only on 5 (at 0.8 x 10k)
+    dec, _ = decide(cfg, _waits(4, 0.012, queued=40_000, ttft=1500.0), ControllerState(), 0.0)
+    assert dec.prefill.target == 6 and dec.prefill.reason is Reason.QUEUE
+    # idle by the rate, but misses above slo_scale_in_margin x budget: hold the size
+    dec, _ = decide(cfg, _waits(10, 0.008, ttft=500.0), ControllerState(), 0.0)
+    assert dec.prefill.target == 10
+    dec, _ = decide(cfg, _waits(10, 0.0, ttft=500.0), ControllerState(), 0.0)
+    assert dec.prefill.target < 10 and dec.prefill.reason is Reason.IDLE
+
+
+def test_fleet_cap_decode_first_displaces_prefill():
+    cfg = config(max_total_workers=10, max_step_up=10.0, cooldown_out_s=0.0, decode_first_under_cap=True,
+                 prefill=PoolBounds(2, 20))
+    # both want 10 with 6 free: decode takes its 6 first
+    dec, _ = decide(cfg, FleetSignals(prefill(2, 80_000), decode(2, 300)), ControllerState(), 0.0)
+    assert (dec.prefill.target, dec.decode.target) == (2, 8) and dec.prefill.reason is Reason.AT_MAX
+    # at the cap, decode short of room: prefill gives workers up, down to its minimum
+    dec, st = decide(cfg, FleetSignals(prefill(7, 10_000), decode(3, 300)), ControllerState(), 0.0)
+    assert (dec.prefill.target, dec.decode.target) == (2, 8)
+    assert st.prefill.last_change_t == 0.0 and st.prefill.last_out_t == float("-inf")
+    assert dec.prefill.target + dec.decode.target <= 10
+
+
+def test_wait_miss_fraction_must_be_a_fraction():
+    with pytest.raises(ValueError, match="0..1"):
+        PrefillSignals(2, 2, 0, 0.0, None, 1.0, ttft_wait_miss_fraction=1.5)
+    with pytest.raises(ValueError, match="ttft_miss_budget"):
+        config(ttft_miss_budget=0.0)

@@ -147,3 +147,50 @@ def test_cli_autoscale_flags(tmp_path, capsys):
     # bounds that cannot hold are a clear error
     assert main([*args[:-2], "--min-decode-workers", "5"]) == 2
     assert "min workers <= max workers" in capsys.readouterr().err
+
+
+def test_planned_split_is_the_planners_ratio_of_the_fleet():
+    from cluster.tools.planner.pools import size_pools
+    from cluster.tools.sim.autoscale import decode_seqs_per_worker, planned_split, prefill_tokens_per_s
+    cost, reqs = _cost(), _step_workload()
+    p, d = planned_split(20, reqs, cost, 512, 64 * BS, 16)
+    assert p + d == 20 and p >= 1 and d >= 1
+    seqs = decode_seqs_per_worker(64 * BS, cost.kv_bytes_per_token, 168.0, 16)
+    plan = size_pools(len(reqs) / (reqs[-1].arrival_s - reqs[0].arrival_s), 128, 40,
+                      prefill_tokens_per_s(cost, 512, 128.0), seqs / cost.pure_decode(int(seqs), int(seqs * 148)))
+    assert p == round(20 * plan.prefill_nodes / (plan.prefill_nodes + plan.decode_nodes))
+    with pytest.raises(ValueError, match="2 nodes"):
+        planned_split(1, reqs, cost, 512, 64 * BS, 16)
+
+
+def test_prefill_alone_is_its_uncached_chunks():
+    from cluster.tools.sim.autoscale import prefill_alone_s
+    calls = []
+
+    def pure(n, cached):
+        calls.append((n, cached))
+        return n / 1000.0
+
+    assert prefill_alone_s(pure, 512, 1300, 100) == pytest.approx(1.2)
+    assert calls == [(512, 100), (512, 612), (176, 1124)]
+    assert prefill_alone_s(pure, 512, 100, 100) == 0.0
+
+
+def test_wait_miss_fraction_reaches_the_controller(monkeypatch):
+    import cluster.tools.sim.autoscale as sim_autoscale
+    seen, real = [], sim_autoscale.decide
+
+    def spy(config, signals, state, now):
+        seen.append(signals.prefill.ttft_wait_miss_fraction)
+        return real(config, signals, state, now)
+
+    monkeypatch.setattr(sim_autoscale, "decide", spy)
+    reqs = _step_workload()
+    _run(reqs, autoscale=_autoscale())
+    assert seen and all(f is None for f in seen)                 # off by default: the p90 decides
+    seen.clear()
+    spec = SimAutoscale(_autoscale().config, interval_s=1.0, window_s=8.0, startup_s=2.0, ttft_wait_misses=True)
+    sim, s = _run(reqs, autoscale=spec)
+    measured = [f for f in seen if f is not None]
+    assert measured and all(0.0 <= f <= 1.0 for f in measured) and max(measured) > 0.0   # the step misses
+    assert s["finished"] == len(reqs) and s["autoscale"]["peak_workers"]["prefill"] >= 2

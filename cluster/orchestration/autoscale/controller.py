@@ -25,7 +25,15 @@ Which signals decide each pool, and why:
   worker, at most a step) even if the model says it is big enough; the pool
   shrinks only while the p90 is well under target (``slo_scale_in_margin``).
   TTFT is prefill's SLO alone: a decode pool without room delays the hand-off,
-  not the first token.
+  not the first token. When the caller measures it, the **wait-miss fraction**
+  replaces the TTFT p90 in all of this: of the requests whose prefill alone
+  (no queueing) fits the TTFT target, the part that missed it. A p90 over target
+  can come from prompts too long to meet it on an idle worker (then more workers
+  are waste), and a p90 under target still lets a tenth of the requests miss.
+  Above ``ttft_miss_budget`` the backlog counts and the pool grows by
+  ``ttft_miss_gain`` x the relative excess (at least one worker, at most a
+  step); it shrinks only while the fraction is under ``slo_scale_in_margin`` x
+  the budget.
 - **Decode** serves concurrent sequences, bounded by KV room, so its load is
   the sequences it holds (running + waiting) against what one worker holds, and
   the KV blocks in use (measured, so it also sees long contexts the
@@ -56,7 +64,10 @@ scale in only when the load fits at ``scale_in_utilization`` in fewer workers
 and the SLO p90 is under ``slo_scale_in_margin`` of target, and only after that
 held for ``scale_in_hold_s``), cool-downs (no further scale-out for ``cooldown_out_s`` after one, no
 scale-in for ``cooldown_in_s`` after any change), step limits, and bounds (per
-pool, and optionally for both pools together).
+pool, and optionally for both pools together: growth shared by the asks, or
+with ``decode_first_under_cap`` decode's first, displacing prefill workers if it
+must, since a decode pool without KV room is a cliff and a short prefill pool
+only queues).
 """
 from __future__ import annotations
 
@@ -177,18 +188,43 @@ def _slo_step(workers: int, p90: float, target: float, c: AutoscaleConfig) -> in
     return workers + max(1, math.ceil(workers * min(c.max_step_up, p90 / target - 1.0)))
 
 
+def _miss_step(workers: int, miss: float, budget: float, c: AutoscaleConfig) -> int | None:
+    """Workers after more requests than ``budget`` missed the SLO: grown by ``ttft_miss_gain`` x the
+    relative excess, at least one, at most a step; None when the misses are within budget."""
+    if miss <= budget:
+        return None
+    return workers + max(1, math.ceil(workers * min(c.max_step_up, c.ttft_miss_gain * (miss / budget - 1.0))))
+
+
 def _under_margin(p90: float | None, target: float, c: AutoscaleConfig) -> bool:
     return p90 is None or p90 <= c.slo_scale_in_margin * target
+
+
+def _prefill_slo(s: PrefillSignals, c: AutoscaleConfig) -> tuple[bool, int | None, bool]:
+    """Prefill's SLO view: (a backlog hurts, the size an SLO miss asks for or None, the SLO holds
+    with margin). Measured, the wait-miss fraction decides (only misses more workers could have
+    prevented count; grow by ``ttft_miss_gain`` x the relative excess over ``ttft_miss_budget``);
+    else the TTFT p90 (over target while prompts queue: grow by the relative miss)."""
+    miss = s.ttft_wait_miss_fraction
+    if miss is not None:
+        step = _miss_step(s.workers, miss, c.ttft_miss_budget, c)
+        return step is not None, step, miss <= c.slo_scale_in_margin * c.ttft_miss_budget
+    ttft = s.ttft_p90_ms
+    hurting = ttft is None or ttft > c.slo_ttft_ms
+    step = None
+    if ttft is not None and hurting and s.queued_tokens > 0:
+        step = _slo_step(s.workers, ttft, c.slo_ttft_ms, c)
+    return hurting, step, _under_margin(ttft, c.slo_ttft_ms, c)
 
 
 def _prefill_want(s: PrefillSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
     pred = st.predicted(s.prompt_tokens_per_s, c)
     rate_out = max(s.prompt_tokens_per_s, pred)
     rate_in = max(s.prompt_tokens_per_s, st.ewma or 0.0, pred)
-    # a backlog counts while it hurts: TTFT p90 over target (a burst that TTFT absorbs is no
-    # reason to grow, and with prefix-aware routing it sits on the nodes holding its prefix,
-    # which new workers would not relieve)
-    hurting = s.ttft_p90_ms is None or s.ttft_p90_ms > c.slo_ttft_ms
+    # a backlog counts while it hurts (TTFT misses): a burst that TTFT absorbs is no reason to
+    # grow, and with prefix-aware routing it sits on the nodes holding its prefix, which new
+    # workers would not relieve
+    hurting, slo_step, may_shrink = _prefill_slo(s, c)
     drain = s.queued_tokens / (c.queue_drain_fraction * c.slo_ttft_ms / 1000.0) if hurting else 0.0
     # arrivals need what a worker sustains within the SLO (learned scale); the backlog drains
     # at a worker's raw speed
@@ -196,12 +232,10 @@ def _prefill_want(s: PrefillSignals, st: PoolState, c: AutoscaleConfig) -> _Want
     by_rate = _ceil(rate_out / (cap * c.target_utilization))
     out = _ceil(rate_out / (cap * c.target_utilization) + drain / (raw * c.target_utilization))
     reason = Reason.QUEUE if out > s.workers and by_rate <= s.workers else Reason.LOAD
-    ttft = s.ttft_p90_ms
-    if ttft is not None and ttft > c.slo_ttft_ms and s.queued_tokens > 0 and out <= s.workers:
-        out, reason = _slo_step(s.workers, ttft, c.slo_ttft_ms, c), Reason.TTFT_SLO
+    if slo_step is not None and slo_step > max(out, s.workers):
+        out, reason = slo_step, Reason.TTFT_SLO
     fits_in = _ceil(rate_in / (cap * c.scale_in_utilization) + drain / (raw * c.scale_in_utilization))
-    return _Want(out, reason, fits_in, _under_margin(s.ttft_p90_ms, c.slo_ttft_ms, c), rate_out,
-                 raw * c.target_utilization)
+    return _Want(out, reason, fits_in, may_shrink, rate_out, raw * c.target_utilization)
 
 
 def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
@@ -261,17 +295,25 @@ def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c
     return done(cur, Reason.STEADY, replace(st, below_since=None))
 
 
-def _fleet_cap(p: PoolDecision, d: PoolDecision, cap: int | None) -> tuple[PoolDecision, PoolDecision]:
-    """Trim growth so both pools together stay within ``cap`` (growth shared in
-    proportion to what each pool asked for); shrinking is never forced."""
+def _fleet_cap(p: PoolDecision, d: PoolDecision, cap: int | None, decode_first: bool = False,
+               prefill_min: int = 1) -> tuple[PoolDecision, PoolDecision]:
+    """Trim growth so both pools together stay within ``cap``. Growth is shared in proportion
+    to what each pool asked for (shrinking is never forced), or with ``decode_first`` decode's
+    comes first and may displace prefill workers (down to ``prefill_min``): a decode pool
+    without KV room is a cliff (sequences wait, preempt, every ITL stretches), a prefill pool
+    short of workers only queues prompts longer."""
     if cap is None or p.target + d.target <= cap:
         return p, d
     gp, gd = max(0, p.delta), max(0, d.delta)
     room = max(0, cap - p.current - d.current - min(0, p.delta) - min(0, d.delta))
     if gp + gd == 0:
         return p, d
-    keep_p = min(gp, round(room * gp / (gp + gd)))
-    keep_d = min(gd, room - keep_p)
+    if decode_first and gd > room:
+        give = min(gd - room, max(0, min(p.current, p.target) - prefill_min))
+        return (replace(p, target=min(p.current, p.target) - give, reason=Reason.AT_MAX),
+                replace(d, target=d.current + room + give, reason=d.reason if room + give else Reason.AT_MAX))
+    keep_d = min(gd, room) if decode_first else min(gd, room - min(gp, round(room * gp / (gp + gd))))
+    keep_p = min(gp, room - keep_d)
     out = []
     for dec, grow, keep in ((p, gp, keep_p), (d, gd, keep_d)):
         if grow > keep:
@@ -292,10 +334,12 @@ def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerStat
     ds = _learn(ds, wd, signals.decode.workers, dt_d, config)
     p, ps = _pool("prefill", signals.prefill.workers, wp, ps, config.prefill, config, now)
     d, ds = _pool("decode", signals.decode.workers, wd, ds, config.decode, config, now)
-    p2, d2 = _fleet_cap(p, d, config.max_total_workers)
+    p2, d2 = _fleet_cap(p, d, config.max_total_workers, config.decode_first_under_cap, config.prefill.min_workers)
     # a trimmed scale-out that ended at no change must not start the scale-out cool-down
     if p2.target == p2.current and p.target > p.current:
         ps = replace(ps, last_out_t=state.prefill.last_out_t, last_change_t=state.prefill.last_change_t)
+    if p2.target < min(p.target, p.current):      # displaced by decode at the fleet cap
+        ps = replace(ps, last_out_t=state.prefill.last_out_t, last_change_t=now)
     if d2.target == d2.current and d.target > d.current:
         ds = replace(ds, last_out_t=state.decode.last_out_t, last_change_t=state.decode.last_change_t)
     return FleetDecision(p2, d2), ControllerState(ps, ds)

@@ -27,6 +27,11 @@ class PrefillSignals:
     ``ttft_p90_ms``: p90 time to first token of requests whose first token came in
     the window (None: none did).
     ``tokens_per_s_per_worker``: prompt tokens/s one worker sustains (capacity).
+    ``ttft_wait_miss_fraction``: of the requests whose first token came in the
+    window and whose prefill alone (no queueing) fits the TTFT target, the part
+    that missed it: the misses more prefill workers could have prevented
+    (None: not measured; the TTFT p90 decides instead). A prompt too long to
+    meet the target on an idle worker is no reason to grow the pool.
     """
     workers: int
     ready_workers: int
@@ -34,11 +39,15 @@ class PrefillSignals:
     prompt_tokens_per_s: float
     ttft_p90_ms: float | None
     tokens_per_s_per_worker: float
+    ttft_wait_miss_fraction: float | None = None
 
     def __post_init__(self) -> None:
         _check_counts("prefill", self.workers, self.ready_workers)
         if self.queued_tokens < 0 or self.prompt_tokens_per_s < 0:
             raise ValueError(f"prefill signals: queued_tokens and prompt_tokens_per_s must be >= 0, got {self}")
+        if self.ttft_wait_miss_fraction is not None and not 0 <= self.ttft_wait_miss_fraction <= 1:
+            raise ValueError(f"prefill signals: ttft_wait_miss_fraction is a part of the window's requests, "
+                             f"0..1 (or None), got {self.ttft_wait_miss_fraction}")
         if self.tokens_per_s_per_worker <= 0:
             raise ValueError("prefill signals: tokens_per_s_per_worker must be > 0 (one worker's prompt "
                              "tokens/s from the planner or cost model)")
@@ -111,9 +120,15 @@ class AutoscaleConfig:
     prefill: PoolBounds
     decode: PoolBounds
     max_total_workers: int | None = None   # both pools together (a fleet cap); None: none
+    decode_first_under_cap: bool = False   # at the cap, decode's growth first (else shared by the asks)
     target_utilization: float = 0.8
     scale_in_utilization: float = 0.45
     queue_drain_fraction: float = 0.5      # drain the prefill queue within this part of the TTFT target
+    # with PrefillSignals.ttft_wait_miss_fraction: the part of the requests that may miss TTFT by
+    # waiting; above it prefill grows by ttft_miss_gain x the relative excess (at least one
+    # worker, at most a step), and it shrinks only under slo_scale_in_margin x the budget
+    ttft_miss_budget: float = 0.002
+    ttft_miss_gain: float = 0.25
     slo_scale_in_margin: float = 0.7      # scale in only while the pool's SLO p90 is under this part of target
     capacity_recovery_per_s: float = 0.001  # learned capacity scale recovers toward 1 this fast (x per s)
     min_capacity_scale: float = 0.05
@@ -137,6 +152,8 @@ class AutoscaleConfig:
             raise ValueError("queue_drain_fraction, target_kv_usage and slo_scale_in_margin must be in (0, 1]")
         if not 0 < self.ewma_alpha <= 1 or not 0 <= self.trend_alpha <= 1:
             raise ValueError("ewma_alpha must be in (0, 1] and trend_alpha in [0, 1]")
+        if not 0 < self.ttft_miss_budget < 1 or self.ttft_miss_gain <= 0:
+            raise ValueError("ttft_miss_budget must be in (0, 1) and ttft_miss_gain > 0")
         if not 0 < self.min_capacity_scale <= 1:
             raise ValueError("min_capacity_scale must be in (0, 1]")
         for name in ("capacity_recovery_per_s", "predict_ahead_s", "scale_in_hold_s", "cooldown_out_s", "cooldown_in_s",

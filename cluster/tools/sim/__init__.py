@@ -13,7 +13,8 @@ virtual clock, with per-node cost models instead of model executors.
 - cluster_sim.py  `ClusterSim`: arrivals -> real `Router` -> prefill -> transfer -> decode
                   (pools can grow and drain while it runs; worker-hours)
 - autoscale.py    `SimAutoscaler`: cluster/orchestration/autoscale's controller on the virtual
-                  clock (signals from the nodes, decisions acted on via `ClusterSim`)
+                  clock (signals from the nodes, optionally the TTFT wait-miss fraction, decisions
+                  acted on via `ClusterSim`); `planned_split`: the planner's split of N to start at
 - metrics.py      TTFT / ITL / e2e, goodput, hit rate, bytes, utilisation
 - insitu.py       `Interference`: a shared host's step slowdown by how many other parties are
                   busy, and the frontend's cost, fitted from workers' step traces

@@ -28,6 +28,7 @@ import numpy as np
 from cluster.orchestration.autoscale import (AutoscaleConfig, ControllerState, DecodeSignals, FleetSignals,
                                              PrefillSignals, decide)
 from cluster.tools.planner.capacity import sequences_that_fit
+from cluster.tools.planner.pools import size_pools
 
 if TYPE_CHECKING:
     from cluster.tools.sim.cluster_sim import ClusterSim
@@ -44,6 +45,9 @@ class SimAutoscale:
     startup_s: float = 30.0
     prefill_tokens_per_s: float | None = None     # one prefill worker; None: from the cost model
     decode_seqs_per_worker: float | None = None   # one decode worker; None: KV room at the mean context
+    # give the controller PrefillSignals.ttft_wait_miss_fraction (needs the cost model's pure_prefill
+    # to tell a request's prefill alone); off: the TTFT p90 alone speaks for prefill's SLO
+    ttft_wait_misses: bool = False
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.window_s <= 0 or self.startup_s < 0:
@@ -66,6 +70,17 @@ def prefill_tokens_per_s(cost, chunk: int, mean_prompt: float) -> float:
     return chunk / max(seconds(chunk, max(0.0, mean_prompt / 2 - chunk / 2)), 1e-9)
 
 
+def prefill_alone_s(pure_prefill, chunk: int, prompt: int, cached: int) -> float:
+    """Seconds a prompt's prefill takes on an idle node: its uncached tokens in
+    chunks of ``chunk``, each attending to what came before."""
+    t, done = 0.0, max(0, cached)
+    while done < prompt:
+        n = min(chunk, prompt - done)
+        t += pure_prefill(n, done)
+        done += n
+    return t
+
+
 def decode_seqs_per_worker(kv_tokens: int, kv_bytes_per_token: int, mean_context: float,
                            max_num_seqs: int) -> float:
     """Sequences one decode node holds: the planner's KV equation (its KV bytes
@@ -74,6 +89,25 @@ def decode_seqs_per_worker(kv_tokens: int, kv_bytes_per_token: int, mean_context
     per_token = kv_bytes_per_token
     fit = sequences_that_fit(kv_tokens * per_token, max(1, int(mean_context)) * per_token)
     return float(max(1, min(fit, max_num_seqs)))
+
+
+def planned_split(nodes: int, workload: list, cost, chunk: int, kv_tokens: int, max_num_seqs: int) -> tuple[int, int]:
+    """Where an operator starts ``nodes`` workers: the planner's prefill:decode ratio
+    (cluster/tools/planner/pools.py `size_pools`) for the workload's request rate and mean
+    prompt and output lengths, at the cost model's speeds (prefill: `prefill_tokens_per_s`;
+    decode: the sequences that fit one node's KV at the mean context, over one pure decode
+    step of that batch), scaled to ``nodes`` (each pool at least one)."""
+    if nodes < 2 or len(workload) < 2:
+        raise ValueError("planned split: need at least 2 nodes and 2 requests (give the split instead)")
+    span = max(workload[-1].arrival_s - workload[0].arrival_s, 1e-9)
+    mean_in = float(np.mean([r.input_length for r in workload]))
+    mean_out = float(np.mean([r.output_length for r in workload]))
+    seqs = decode_seqs_per_worker(kv_tokens, cost.kv_bytes_per_token, mean_in + mean_out, max_num_seqs)
+    step = cost.pure_decode(int(seqs), int(seqs * (mean_in + mean_out / 2)))
+    plan = size_pools(len(workload) / span, max(1, round(mean_in)), max(1, round(mean_out)),
+                      prefill_tokens_per_s(cost, chunk, mean_in), seqs / max(step, 1e-9))
+    p = round(nodes * plan.prefill_nodes / (plan.prefill_nodes + plan.decode_nodes))
+    return min(max(1, p), nodes - 1), nodes - min(max(1, p), nodes - 1)
 
 
 class _Window:
@@ -94,6 +128,9 @@ class _Window:
     def total(self) -> float:
         return sum(v for _, v in self.items)
 
+    def mean(self) -> float | None:
+        return self.total() / len(self.items) if self.items else None
+
     def p90(self) -> float | None:
         return float(np.percentile([v for _, v in self.items], 90)) if self.items else None
 
@@ -113,6 +150,12 @@ class SimAutoscaler:
         self.prompt_tokens = _Window(spec.window_s)
         self.ttft_ms = _Window(spec.window_s)
         self.itl_ms = _Window(spec.window_s)
+        # per request whose prefill alone fits the TTFT target: 1 if it missed by waiting
+        self.wait_misses = _Window(spec.window_s)
+        self.pure_prefill = getattr(sim.cost, "pure_prefill", None) if spec.ttft_wait_misses else None
+        if spec.ttft_wait_misses and self.pure_prefill is None:
+            raise ValueError(f"autoscale: ttft_wait_misses needs a cost model with pure_prefill, and "
+                             f"{getattr(sim.cost, 'name', sim.cost)!r} has none: turn it off")
         self.reasons: Counter = Counter()
         self.changes: list[dict] = []
         self.peak = {"prefill": 0, "decode": 0}
@@ -124,6 +167,12 @@ class SimAutoscaler:
     def on_first_token(self, rec: "RequestRecord") -> None:
         assert rec.first_token_s is not None
         self.ttft_ms.add(rec.first_token_s, rec.ttft * 1000.0)
+        if self.pure_prefill is not None:
+            slo_s = self.spec.config.slo_ttft_ms / 1000.0
+            alone = prefill_alone_s(self.pure_prefill, self.sim.config.max_num_batched_tokens,
+                                    rec.prompt_tokens, rec.cached_tokens)
+            if alone <= slo_s:
+                self.wait_misses.add(rec.first_token_s, 1.0 if rec.ttft > slo_s else 0.0)
 
     def on_done(self, rec: "RequestRecord") -> None:
         itl = rec.mean_itl
@@ -136,7 +185,7 @@ class SimAutoscaler:
 
     def signals(self) -> FleetSignals:
         sim, now = self.sim, self.sim.loop.now
-        for w in (self.prompt_tokens, self.ttft_ms, self.itl_ms):
+        for w in (self.prompt_tokens, self.ttft_ms, self.itl_ms, self.wait_misses):
             w.prune(now)
         span = min(self.spec.window_s, max(now - sim.start_s, self.spec.interval_s))
         pre = [n for n in sim.ready_nodes("prefill")]
@@ -145,7 +194,8 @@ class SimAutoscaler:
             workers=len(pre) + sim.starting_count("prefill"), ready_workers=len(pre),
             queued_tokens=sum(n.scheduler.num_waiting_tokens for n in pre),
             prompt_tokens_per_s=self.prompt_tokens.total() / span, ttft_p90_ms=self.ttft_ms.p90(),
-            tokens_per_s_per_worker=self.prefill_tps)
+            tokens_per_s_per_worker=self.prefill_tps,
+            ttft_wait_miss_fraction=self.wait_misses.mean() if self.pure_prefill is not None else None)
         d = DecodeSignals(
             workers=len(dec) + sim.starting_count("decode"), ready_workers=len(dec),
             running=sum(n.scheduler.num_running + n.scheduler.num_remote for n in dec),
