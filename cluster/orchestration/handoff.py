@@ -136,7 +136,8 @@ class Handoff:
             self.s.metrics.routing.labels(kind=decision.kind.value).inc()
             result = None
             if decision.kind is DecisionKind.REMOTE_PREFILL and job.sampling.n == 1:
-                self.reservation = Reservation.start(self.s.pool, self.wid, job, decision.decode_worker_id)
+                if self.config.reserve_decode_blocks:
+                    self.reservation = Reservation.start(self.s.pool, self.wid, job, decision.decode_worker_id)
                 result = await self._prefill(job, decision.prefill_worker_id)
             if result is None:   # the decode node prefills (policy, or no prefill node left)
                 await self._submit(job, decision.decode_worker_id, None)
@@ -450,8 +451,7 @@ class Handoff:
             with contextlib.suppress(BaseException):
                 await joining
         self.s.by_wid.pop(self.wid, None)
-        if self.stage is not Stage.FINISHED:
-            self.stage = Stage.FINISHED
+        self.stage = Stage.FINISHED
         if not done:
             await self.abort()
         else:

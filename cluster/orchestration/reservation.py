@@ -21,7 +21,7 @@ class Reservation:
     @classmethod
     def start(cls, pool: WorkerPool, wid: str, job: GenerateJob, decode_id: str | None) -> Reservation | None:
         ref = pool.live(decode_id)
-        if not pool.config.reserve_decode_blocks or ref is None:
+        if ref is None:
             return None
 
         async def reserve() -> bool:
