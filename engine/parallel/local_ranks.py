@@ -38,6 +38,16 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="tp-parent-watchdog", daemon=True).start()
 
 
+def _parent_gone(parent_pid: int, wait_s: float = 1.0) -> bool:
+    """Whether the parent has exited (its sockets close a moment before this process is re-parented)."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == parent_pid:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def rank_process_main(config: EngineConfig, rank: int, world_size: int, init_method: str,
                       parent_pid: int, conn: Connection) -> None:
     """The body of rank ``rank``'s process."""
@@ -56,6 +66,10 @@ def rank_process_main(config: EngineConfig, rank: int, world_size: int, init_met
     group.connect(init_method)
     try:
         serve_rank(runner, group)
+    except Exception:
+        if _parent_gone(parent_pid):        # rank 0 died: its connections closed under us
+            os._exit(1)
+        raise
     finally:
         group.destroy()
 
