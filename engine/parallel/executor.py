@@ -10,11 +10,13 @@ which samples. A host that runs ranks elsewhere (a Ray actor per rank, later) ha
 """
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
@@ -58,6 +60,11 @@ class TPExecutor(ModelRunner):
 
         n = config.tensor_parallel_size
         check_tp_size(load_model_config(config.model), n)
+        if dist.is_initialized():
+            gc.collect()          # a dropped TP engine in a reference cycle leaves its group when collected
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a torch.distributed group: one "
+                               "tensor-parallel engine per process (close() the other LLM first)")
         init_method = free_tcp_address()
         group = TPGroup(rank=0, world_size=n, device=rank_device(config.device, 0))
         ranks = LocalRanks.spawn(config, group, init_method)

@@ -35,8 +35,12 @@ def tiny_llama_1kv_dir(tmp_path_factory):
 MODELS = {"llama-2kv": "tiny_llama_dir", "qwen2-2kv": "tiny_qwen2_dir", "llama-1kv-replicated": "tiny_llama_1kv_dir"}
 
 
+def _ranks() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("pdserve-tp-rank")]
+
+
 def _no_rank_left() -> bool:
-    return not [p for p in multiprocessing.active_children() if p.name.startswith("pdserve-tp-rank")]
+    return not _ranks()
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -88,4 +92,16 @@ def test_per_rank_memory_matches_the_planner(request, name):
 def test_a_size_that_cannot_split_the_model_is_refused_before_any_rank_starts(tiny_llama_dir):
     with pytest.raises(ValueError, match="Use one of: 1, 2, 4"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=3, num_kv_blocks=BLOCKS, max_model_len=MAX_LEN)
+    assert _no_rank_left()
+
+
+def test_a_dropped_engine_stops_its_ranks_and_the_next_one_starts(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, num_kv_blocks=BLOCKS, max_model_len=MAX_LEN)
+    first = llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
+    del llm                                                    # no close(): the finalizer stops the ranks
+    with LLM(str(tiny_llama_dir), tensor_parallel_size=2, num_kv_blocks=BLOCKS, max_model_len=MAX_LEN) as llm:
+        assert llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids == first
+        with pytest.raises(RuntimeError, match="one tensor-parallel engine per process"):
+            LLM(str(tiny_llama_dir), tensor_parallel_size=2, num_kv_blocks=BLOCKS, max_model_len=MAX_LEN)
+        assert len(_ranks()) == 1                              # the refused one started none
     assert _no_rank_left()
