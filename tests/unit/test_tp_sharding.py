@@ -75,7 +75,8 @@ def _state(cfg: ModelConfig, bias: bool) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         sd |= {p + "self_attn.q_proj.weight": r(cfg.num_heads * hd, h), p + "self_attn.k_proj.weight": r(kv * hd, h),
                p + "self_attn.v_proj.weight": r(kv * hd, h), p + "self_attn.o_proj.weight": r(h, cfg.num_heads * hd),
-               p + "mlp.gate_proj.weight": r(cfg.intermediate_size, h), p + "mlp.up_proj.weight": r(cfg.intermediate_size, h),
+               p + "mlp.gate_proj.weight": r(cfg.intermediate_size, h),
+               p + "mlp.up_proj.weight": r(cfg.intermediate_size, h),
                p + "mlp.down_proj.weight": r(h, cfg.intermediate_size), p + "input_layernorm.weight": r(h)}
         if bias:
             sd |= {p + f"self_attn.{x}_proj.bias": r(n * hd) for x, n in (("q", cfg.num_heads), ("k", kv), ("v", kv))}
