@@ -111,3 +111,15 @@ def test_a_bias_after_a_row_parallel_projection_is_refused():
     sd = _state(cfg, bias=False) | {"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         shard_state_dict(sd, cfg, ShardLayout.of(cfg, 2, 0))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_reads_the_same_slices_lazily_from_safetensors(tiny_qwen2_dir, rank):
+    from engine.loader import load_hf_config, load_hf_weights
+    from engine.parallel.shard_loader import load_rank_weights
+
+    cfg, layout, lazy = load_rank_weights(tiny_qwen2_dir, 2, rank)
+    assert cfg == load_hf_config(tiny_qwen2_dir) and layout == ShardLayout.of(cfg, 2, rank)
+    eager = shard_state_dict(load_hf_weights(tiny_qwen2_dir), cfg, layout)
+    assert lazy.keys() == eager.keys()
+    assert all(torch.equal(lazy[k], eager[k]) for k in eager)
