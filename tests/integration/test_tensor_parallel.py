@@ -105,3 +105,18 @@ def test_a_dropped_engine_stops_its_ranks_and_the_next_one_starts(tiny_llama_dir
             LLM(str(tiny_llama_dir), tensor_parallel_size=2, num_kv_blocks=BLOCKS, max_model_len=MAX_LEN)
         assert len(_ranks()) == 1                              # the refused one started none
     assert _no_rank_left()
+
+
+def test_a_rank_that_fails_to_load_is_named_at_once_and_leaves_nothing(tmp_path):
+    from engine.config import EngineConfig
+    from engine.parallel.group import TPGroup, free_tcp_address
+    from engine.parallel.local_ranks import LocalRanks
+
+    config = EngineConfig(model=str(tmp_path / "no-such-model"), tensor_parallel_size=2)
+    ranks = LocalRanks.spawn(config, TPGroup(rank=0, world_size=2, device="cpu"), free_tcp_address())
+    try:
+        with pytest.raises(RuntimeError, match="rank 1: ValueError: .*no-such-model"):
+            ranks.wait_ready(timeout_s=120)
+    finally:
+        ranks.shutdown()
+    assert _no_rank_left() and not dist.is_initialized()
