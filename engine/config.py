@@ -90,8 +90,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     step_trace_size: int = 0           # > 0: keep the last N steps' timings (engine/step_trace.py)
+    tensor_parallel_size: int = 1      # ranks one model is split over (engine/parallel/)
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1 (1 = no tensor parallelism), "
+                             f"got {self.tensor_parallel_size}")
         if self.step_trace_size < 0:
             raise ValueError(f"step_trace_size must be >= 0 records (0 = off), got {self.step_trace_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -51,10 +51,13 @@ class LLMEngine:
         self._clock = clock
         self.model_path = resolve_model_path(config.model or None)
         if runner is None:
-            config_with_path = config if config.model else _with_model(config, str(self.model_path))
-            runner = ModelRunner.from_engine_config(config_with_path)
+            runner = _build_runner(config if config.model else _with_model(config, str(self.model_path)))
         self.runner = runner
-        self.tokenizer = tokenizer or Tokenizer.load(self.model_path)
+        try:
+            self.tokenizer = tokenizer or Tokenizer.load(self.model_path)
+        except BaseException:
+            runner.close()
+            raise
         self.max_model_len = runner.max_model_len
         # ids a prompt may hold: the model's embedding rows, which can outnumber the tokenizer's
         # tokens (padded vocabularies, as Qwen2 checkpoints have). The model samples from them
@@ -320,6 +323,10 @@ class LLMEngine:
     def kv_pool(self):
         return self.runner.kv_pool
 
+    def close(self) -> None:
+        """Release the runner (a tensor-parallel runner stops its rank processes); idempotent."""
+        self.runner.close()
+
     # --------------------------------------------------------------- helpers
     def _new_group(self, request_id, prompt_token_ids, params, cache_salt, prefill_only,
                    arrival_time) -> SeqGroup:
@@ -343,6 +350,13 @@ class LLMEngine:
     def _register(self, group: SeqGroup) -> None:
         self._groups[group.group_id] = group
         self._seqs[group.seqs[0].request.request_id] = group.seqs[0]
+
+
+def _build_runner(config: EngineConfig) -> ModelRunner:
+    if config.tensor_parallel_size > 1:
+        from engine.parallel.executor import TPExecutor
+        return TPExecutor.start(config)
+    return ModelRunner.from_engine_config(config)
 
 
 def _with_model(config: EngineConfig, model: str) -> EngineConfig:

@@ -16,6 +16,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.kv_pool import KVPool
 from engine.kv_quant import KVCacheSpec
 from engine.model.llama import LlamaForCausalLM
+from engine.parallel.sharded_model import TPShard
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.tiers.storage import TierStorage
 from engine.tiers.types import KVMove
@@ -56,7 +57,9 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, state_dict: dict[str, torch.Tensor], *,
                  cache_config: CacheConfig | None = None, max_model_len: int | None = None,
                  device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32",
-                 attention_backend: str = "torch_paged") -> None:
+                 attention_backend: str = "torch_paged", tp: TPShard | None = None) -> None:
+        """``tp``: hold one tensor-parallel rank's shard (its heads, its KV pool) of the model;
+        ``state_dict`` is then that rank's slices (engine/parallel/shard_loader.py)."""
         cache_config = cache_config or CacheConfig()
         self.model_config = model_config
         self.device = torch.device(device)
@@ -66,16 +69,21 @@ class ModelRunner:
         if self.max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={model_config.max_position_embeddings}; lower it")
-        shape = AttentionShape(model_config.num_layers, model_config.num_heads,
-                               model_config.num_kv_heads, model_config.head_dim, self.block_size)
+        local = model_config if tp is None else tp.local_config(model_config)   # this rank's heads
+        shape = AttentionShape(local.num_layers, local.num_heads, local.num_kv_heads, local.head_dim,
+                               self.block_size)
         self.kv_spec = KVCacheSpec(cache_config.kv_cache_dtype, self.dtype)
         self.attention = get_attention_backend(attention_backend, shape, self.kv_spec)
         with torch.inference_mode():
-            self.model = LlamaForCausalLM(model_config, self.attention, device=self.device,
-                                          dtype=self.dtype, max_positions=self.max_model_len)
-            self.model.load_hf_state_dict(state_dict)
+            if tp is None:
+                self.model = LlamaForCausalLM(model_config, self.attention, device=self.device,
+                                              dtype=self.dtype, max_positions=self.max_model_len)
+                self.model.load_hf_state_dict(state_dict)
+            else:
+                self.model = tp.build_model(model_config, state_dict, self.attention, device=self.device,
+                                            dtype=self.dtype, max_positions=self.max_model_len)
         self.model.eval()
-        self.kv_pool = KVPool.from_cache_config(model_config, cache_config, device=self.device,
+        self.kv_pool = KVPool.from_cache_config(local, cache_config, device=self.device,
                                                 dtype=self.dtype, max_model_len=self.max_model_len)
         self.tiers = TierStorage.from_cache_config(cache_config, self.kv_pool)
 
@@ -159,12 +167,20 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         """Move / copy blocks, run the forward; float32 logits ``[num seqs with sample, vocab]``
         in the order those sequences appear in ``sched.seqs``."""
-        self.tiers.apply(sched.moves())
-        if sched.is_empty:
+        return self.run(sched.moves(), None if sched.is_empty else self.build_inputs(sched))
+
+    @torch.inference_mode()
+    def run(self, moves: list[KVMove], inputs: StepInputs | None) -> torch.Tensor:
+        """Apply ``moves``, then the forward over ``inputs`` (None: nothing scheduled). A
+        tensor-parallel rank runs the inputs rank 0 built (engine/parallel/executor.py)."""
+        self.tiers.apply(moves)
+        if inputs is None:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        inputs = self.build_inputs(sched)
         if inputs.num_sampled == 0:
             # prefill chunks only: still compute K/V, skip the LM head
             self.model.hidden_states(inputs.batch, self.kv_pool.tensor)
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return self.model(inputs.batch, self.kv_pool.tensor).float()
+
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (a TP executor stops its ranks)."""

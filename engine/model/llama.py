@@ -6,7 +6,7 @@ each one matmul. Weights load from a state dict in Hugging Face naming.
 """
 from __future__ import annotations
 
-from typing import cast
+from typing import Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +19,17 @@ from engine.model.layers import FusedLinear, RMSNorm, SwiGLU, _param
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
 
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """``reduce`` follows o_proj and down: the identity, or a tensor-parallel all-reduce
+    (engine/parallel/) when ``cfg`` is one rank's shard."""
+
+    def __init__(self, cfg: ModelConfig, reduce: Callable[[torch.Tensor], torch.Tensor] = _identity) -> None:
         super().__init__()
+        self.reduce = reduce
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -38,8 +46,8 @@ class DecoderLayer(nn.Module):
         qk = apply_rotary(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), *rope)
         v = qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
         attn = attention.forward(plan, index, qk[:, :nh], qk[:, nh:], v)
-        h = h + self.o_proj(attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.reduce(self.o_proj(attn))
+        return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
 
     def load_hf(self, sd: dict[str, torch.Tensor], prefix: str) -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
@@ -55,12 +63,13 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, attention: AttentionBackend, *,
-                 device: torch.device | str, dtype: torch.dtype, max_positions: int | None = None) -> None:
+                 device: torch.device | str, dtype: torch.dtype, max_positions: int | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] = _identity) -> None:
         super().__init__()
         self.config = cfg
         self.attention = attention
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, reduce) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.to(device=device, dtype=dtype)
@@ -76,7 +85,7 @@ class LlamaForCausalLM(nn.Module):
         """Residual stream after the last layer (before the final norm), ``[T, hidden]``."""
         plan = self.attention.plan(batch.attn, kv_pool)
         rope = self.rope.tables(batch.positions)
-        h = F.embedding(batch.input_ids, self.embed_tokens)
+        h = self.embed(batch.input_ids)
         for i, layer in enumerate(self.layers):
             h = layer(i, h, rope, self.attention, plan)
         return h
@@ -85,6 +94,13 @@ class LlamaForCausalLM(nn.Module):
         """Logits ``[len(logits_indices), vocab]`` in the model dtype; K/V written to the pool."""
         h = self.hidden_states(batch, kv_pool)
         h = self.norm(h.index_select(0, batch.logits_indices))
+        return self.logits(h)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Normed last hidden states ``[N, hidden]`` -> logits ``[N, vocab]``."""
         return F.linear(h, self.lm_head_weight)
 
     @torch.no_grad()

@@ -99,11 +99,14 @@ def test_uneven_split_rounds_up():
 
 def test_tp_capacity_is_per_gpu():
     c4 = plan_capacity(MODEL, CapacityInputs(80 * GiB, 16 * GiB, 8192, tp=4))
-    assert c4.kv_bytes_per_token == 131072 // 4 and c4.weights_per_rank == 4 * GiB
-    assert c4.sequences_device == (76 * GiB) // (GiB // 4)
+    norms = 2 * (2 * 32 + 1) * 4096                       # replicated on every rank (2 bytes a parameter)
+    assert c4.kv_bytes_per_token == 131072 // 4 and c4.weights_per_rank == 4 * GiB + norms * 3 // 4
+    assert c4.sequences_device == (80 * GiB - c4.weights_per_rank) // (GiB // 4)
     c16 = plan_capacity(MODEL, CapacityInputs(80 * GiB, 16 * GiB, 8192, tp=16))
     assert c16.kv_bytes_per_token == 131072 // 8          # no smaller than one head
     assert c16.kv_bytes_per_token_model == 131072
+    kv_proj = 2 * 2 * 32 * 4096 * 8 * 128                 # k/v projections, 2 bytes a parameter
+    assert c16.weights_per_rank == math.ceil((16 * GiB - kv_proj - norms) / 16 + kv_proj / 8 + norms)
     sweep = cap.tp_sweep(MODEL, CapacityInputs(80 * GiB, 16 * GiB, 8192, tp=3))
     assert [c.tp for c in sweep] == [1, 2, 3, 4, 8, 16]
 

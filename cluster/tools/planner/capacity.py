@@ -12,8 +12,11 @@
                                 / (kv_bytes_per_token * (context_len - prefix_len)))
 
 Under tensor parallelism every quantity is per GPU (rank): each rank holds
-max(1, ceil(kv_heads / tp)) KV heads of every sequence and weights / tp; once
-tp > kv_heads the heads are replicated (a rank still needs a whole head).
+max(1, ceil(kv_heads / tp)) KV heads of every sequence; once tp > kv_heads the
+heads are replicated (a rank still needs a whole head). Weights per rank are
+weights / tp, except what pdserve's engine (engine/parallel/sharding.py) keeps
+whole on every rank: the RMSNorm weights, and the k_proj / v_proj rows of a
+replicated KV head (weights_per_rank below).
 """
 from __future__ import annotations
 
@@ -51,6 +54,18 @@ def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
 def kv_replication(num_kv_heads: int, tp: int) -> float:
     """Copies of each KV head across the TP group (1.0 = no replication)."""
     return tp * kv_heads_per_rank(num_kv_heads, tp) / num_kv_heads
+
+
+def weights_per_rank(model: ModelSpec, weights: int, tp: int) -> int:
+    """Weight bytes on one of ``tp`` ranks: the sharded part split, plus the norms whole and the
+    k/v projections of the rank's ``kv_heads_per_rank`` heads (replicated once tp > kv_heads)."""
+    if tp == 1:
+        return weights
+    per_param = weights / model.num_params if model.num_params else 2.0
+    kv_proj = per_param * 2 * model.num_layers * model.hidden_size * model.num_kv_heads * model.head_dim
+    norms = per_param * (2 * model.num_layers + 1) * model.hidden_size
+    kv_rank = kv_proj * kv_heads_per_rank(model.num_kv_heads, tp) / model.num_kv_heads
+    return math.ceil((weights - kv_proj - norms) / tp + kv_rank + norms)
 
 
 def sequences_that_fit(budget_bytes: int, bytes_per_sequence: int) -> int:
@@ -132,7 +147,7 @@ def plan_capacity(model: ModelSpec, inputs: CapacityInputs) -> Capacity:
     heads = kv_heads_per_rank(model.num_kv_heads, inputs.tp)
     per_token = kv_bytes_per_token(model.num_layers, heads, model.head_dim, nbytes, scale)
     per_seq = per_token * inputs.context_len
-    weights_rank = math.ceil(inputs.weights / inputs.tp)
+    weights_rank = weights_per_rank(model, inputs.weights, inputs.tp)
     device_budget = inputs.device_memory - weights_rank - inputs.reserve
     host_budget = inputs.host_memory // inputs.tp
     prefix_bytes = per_token * inputs.shared_prefix_len
