@@ -28,8 +28,11 @@ from collections import Counter, deque
 
 from cluster.router import (PolicyConfig, PrefixIndex, Router, RouterConfig, RoutingRequest,
                             WorkerLoad)
-from engine.block_hash import block_hashes
+from engine.block_hash import block_hashes, root_hash
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
+
+
+ROOT = root_hash(None)         # the parent of a prompt's first block
 
 
 def rss_bytes() -> int:
@@ -50,10 +53,20 @@ class SimWorker:
         self.systems: set[int] = set()
 
     def store(self, chain: list[int], new_from: int, tier: Tier = Tier.DEVICE) -> list[KVEvent]:
+        """STORED events as the engine sends them: one per run of new blocks, with the
+        parent of its first block (engine/kv_events.py ``stored_chains``)."""
         fresh = tuple(h for h in chain[new_from:] if h not in self.held)
         events = []
+        parents = [ROOT] + chain[:-1]
+        run: list[int] = []
+        for i in range(new_from, len(chain) + 1):
+            if i < len(chain) and chain[i] not in self.held:
+                run.append(chain[i])
+                continue
+            if run:
+                events.append(self._event(KVEventKind.STORED, tuple(run), tier, parents[i - len(run)]))
+                run = []
         if fresh:
-            events.append(self._event(KVEventKind.STORED, fresh, tier))
             self.held.update(fresh)
             self.convs.append(list(fresh))
         while len(self.held) > self.capacity and self.convs:
@@ -64,8 +77,9 @@ class SimWorker:
                 events.append(self._event(KVEventKind.REMOVED, gone, Tier.DEVICE))
         return events
 
-    def _event(self, kind: KVEventKind, hashes: tuple[int, ...], tier: Tier) -> KVEvent:
-        ev = KVEvent(self.next_id, kind, hashes, None, tier)
+    def _event(self, kind: KVEventKind, hashes: tuple[int, ...], tier: Tier,
+               parent: int | None = None) -> KVEvent:
+        ev = KVEvent(self.next_id, kind, hashes, parent, tier)
         self.next_id += 1
         return ev
 

@@ -29,6 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
+from collections import Counter
+from functools import reduce
+from itertools import islice
+from operator import or_
 from typing import Iterable, Iterator, Mapping, Sequence, TypeVar, overload
 
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
@@ -157,11 +161,15 @@ class ApplyResult:
 
 class _Worker:
     """Internal per-worker state (mutable, never handed out)."""
-    __slots__ = ("index", "blocks", "next_event_id", "needs_resync", "set_bits", "keep_bits")
+    __slots__ = ("index", "bit", "blocks", "kids", "unparented", "next_event_id", "needs_resync",
+                 "set_bits", "keep_bits")
 
     def __init__(self, index: int, next_event_id: int, lane: int) -> None:
         self.index = index
+        self.bit = 1 << index
         self.blocks: dict[int, Tier] = {}
+        self.kids: dict[int, int] = {}           # parent hash -> blocks held here whose parent it is
+        self.unparented: set[int] = set()        # held blocks stored without a known parent
         self.next_event_id = next_event_id
         self.needs_resync = False
         self.set_lane(lane)
@@ -179,6 +187,9 @@ class PrefixIndex:
         self._first_event_id = first_event_id
         self._lane = 64                          # bits per lane in a packed value
         self._held: dict[int, int] = {}        # hash -> packed masks (see module doc)
+        self._parent: dict[int, int] = {}      # hash -> its parent's hash, as a STORED event gave it
+        self._risky: dict[int, int] = {}       # hash -> workers that may skip it (see module doc)
+        self._special: dict[int, int] = {}     # hash -> off-device, disk and risky lanes; 0 is absent
         self._workers: dict[str, _Worker] = {}
         self._indices: dict[str, int] = {}     # worker id -> bit index, kept across removal
         self._ids: list[str] = []              # bit index -> worker id
@@ -207,7 +218,7 @@ class PrefixIndex:
         w = self._worker(worker_id)
         self._drop_all(w)
         for tier in _RESYNC_ORDER:
-            self._store(w, snapshot.blocks.get(tier, ()), tier)
+            self._store(w, snapshot.blocks.get(tier, ()), tier, None)
         w.next_event_id = snapshot.last_event_id + 1
         w.needs_resync = False
 
@@ -219,7 +230,7 @@ class PrefixIndex:
 
     def _apply_one(self, w: _Worker, ev: KVEvent) -> None:
         if ev.kind is KVEventKind.STORED:
-            self._store(w, ev.block_hashes, ev.tier)
+            self._store(w, ev.block_hashes, ev.tier, ev.parent_hash)
         elif ev.kind is KVEventKind.REMOVED:
             self._remove(w, ev.block_hashes)
         elif ev.kind is KVEventKind.CLEARED:
@@ -228,19 +239,27 @@ class PrefixIndex:
             raise ValueError(f"unknown KV event kind {ev.kind!r}: use KVEventKind.STORED, "
                              "REMOVED or CLEARED")
 
-    def _store(self, w: _Worker, hashes: Iterable[int], tier: Tier) -> None:
+    def _store(self, w: _Worker, hashes: Sequence[int], tier: Tier, parent: int | None) -> None:
+        """``parent`` given: the blocks chain from it (the event protocol); None: their
+        parents are unknown (a snapshot, or a producer that does not say)."""
         if not isinstance(tier, Tier):
             raise ValueError(f"unknown tier {tier!r}: use engine.kv_events.Tier")
         held, blocks, add, keep = self._held, w.blocks, w.set_bits[tier], w.keep_bits
+        lane_mask = (1 << self._lane) - 1
         for h in hashes:
             prev = blocks.get(h)
-            if prev is tier:
-                continue
-            blocks[h] = tier
-            v = held.get(h, 0)
-            if prev is not None:
-                v &= keep[prev]
-            held[h] = v | add
+            if prev is not tier:
+                blocks[h] = tier
+                v = held.get(h, 0)
+                if prev is not None:
+                    v &= keep[prev]
+                held[h] = v | add
+                if prev is None:
+                    self._link(w, h, parent)
+                if add > lane_mask or h in self._special or h in self._risky:
+                    self._mark(h)
+            if parent is not None:
+                parent = h
 
     def _remove(self, w: _Worker, hashes: Iterable[int]) -> None:
         held, blocks, keep = self._held, w.blocks, w.keep_bits
@@ -249,13 +268,68 @@ class PrefixIndex:
             if prev is None:
                 continue
             v = held[h] & keep[prev]
+            self._unlink(w, h)
             if v:
                 held[h] = v
             else:
                 del held[h]
+                self._parent.pop(h, None)
+            if h in self._special or h in self._risky:
+                self._mark(h)
 
     def _drop_all(self, w: _Worker) -> None:
         self._remove(w, list(w.blocks))
+
+    # ---- chain shape: what lets match() binary-search (module doc) -------
+    def _link(self, w: _Worker, h: int, parent: int | None) -> None:
+        """``w`` now holds ``h`` (it did not before); ``parent``: as the event gave it."""
+        q = self._parent.setdefault(h, parent) if parent is not None else self._parent.get(h)
+        if h in w.kids:                          # w held children of h, not h: no longer a hole
+            self._flag(h, w.bit, False)
+        if q is None:
+            w.unparented.add(h)
+            self._flag(h, w.bit, True)
+            return
+        n = w.kids.get(q, 0)
+        w.kids[q] = n + 1
+        if not n and q not in w.blocks:          # w holds a child of q but not q: a hole
+            self._flag(q, w.bit, True)
+
+    def _unlink(self, w: _Worker, h: int) -> None:
+        """``w`` dropped ``h`` (``self._parent`` still has it)."""
+        if h in w.unparented:
+            w.unparented.discard(h)
+            self._flag(h, w.bit, False)
+        else:
+            q = self._parent[h]
+            n = w.kids[q] - 1
+            if n:
+                w.kids[q] = n
+            else:
+                del w.kids[q]
+                if q not in w.blocks:
+                    self._flag(q, w.bit, False)
+        if h in w.kids:                          # w still holds children of h: a hole
+            self._flag(h, w.bit, True)
+
+    def _flag(self, h: int, bit: int, on: bool) -> None:
+        risky = self._risky
+        v = risky.get(h, 0)
+        v = v | bit if on else v & ~bit
+        if v:
+            risky[h] = v
+        else:
+            risky.pop(h, None)
+        self._mark(h)
+
+    def _mark(self, h: int) -> None:
+        """Recompute ``h``'s entry in ``self._special`` from its packed masks and risky bits."""
+        lane = self._lane
+        v = self._held.get(h, 0) >> lane | self._risky.get(h, 0) << 2 * lane
+        if v:
+            self._special[h] = v
+        else:
+            self._special.pop(h, None)
 
     def _worker(self, worker_id: str) -> _Worker:
         w = self._workers.get(worker_id)
@@ -280,6 +354,8 @@ class PrefixIndex:
         self._lane = new
         for w in self._workers.values():
             w.set_lane(new)
+        for h in list(self._special):
+            self._mark(h)
 
     # ---- queries --------------------------------------------------------
     def match(self, block_hashes: Sequence[int]) -> Matches:
@@ -287,13 +363,56 @@ class PrefixIndex:
         blocks by tier (a :class:`Matches`, grouped by match length). Workers
         holding nothing are absent.
 
-        Off-device blocks are counted per worker with bit-sliced counters
-        (plane k holds bit k of every worker's count), so a block held off
-        device by many workers costs a few integer operations, not one per worker.
+        When no worker holding the first block is risky at a later block of
+        the prompt, each one's blocks along it are a prefix of it, and the
+        match binary-searches for where each group of workers ends: O(log n)
+        lookups in the big map per group, and one pass of the small
+        ``_special`` map (C speed) for off-device blocks; otherwise it reads
+        every block (``_walk``). Both give the same answer.
         """
         out = Matches(self._ids, self._indices)
         if not block_hashes:
             return out
+        alive = self._held.get(block_hashes[0], 0) & ((1 << self._lane) - 1)
+        if not alive:
+            return out
+        special = self._special
+        vals = list(map(special.get, block_hashes)) if special else None
+        if vals is not None and reduce(or_, filter(None, islice(vals, 1, None)), 0) >> 2 * self._lane & alive:
+            self._walk(out, block_hashes)           # a worker holding the first block may skip one
+        else:
+            self._search(out, block_hashes, alive, vals)
+        return out
+
+    def _search(self, out: Matches, hashes: Sequence[int], alive: int, special: list[int | None] | None) -> None:
+        """``match`` when every worker in ``alive`` holds a prefix of ``hashes``:
+        per group, binary-search the last block all of it holds. ``special``:
+        each block's ``_special`` value (None: device only, no risk), or None
+        when nothing is off device."""
+        held, lane = self._held.get, self._lane
+        counts = _SlicedCounts()
+        n, pos = len(hashes), 0
+        while True:
+            lo, hi = pos, n                       # all of alive holds hashes[lo]; hi: not all, or the end
+            while hi - lo > 1:
+                mid = (lo + hi) >> 1
+                if held(hashes[mid], 0) & alive == alive:
+                    lo = mid
+                else:
+                    hi = mid
+            if special is not None:               # off-device blocks in [pos, hi), all of alive holds
+                counts.count(Counter(filter(None, special[pos:hi])), alive, lane)
+            if hi == n:
+                self._emit(out, alive, n, counts)
+                return
+            m = held(hashes[hi], 0) & alive
+            self._emit(out, alive & ~m, hi, counts)
+            if not m:
+                return
+            alive, pos = m, hi
+
+    def _walk(self, out: Matches, block_hashes: Sequence[int]) -> None:
+        """``match`` reading every block: exact whatever the chain shape."""
         held = self._held.get
         lane = self._lane
         lane_mask = (1 << lane) - 1
@@ -307,7 +426,7 @@ class PrefixIndex:
                 self._emit(out, alive & ~m, length, counts)
                 alive = m
                 if not m:
-                    return out
+                    return
             if v > lane_mask:                     # someone holds it off device
                 o = (v >> lane) & alive
                 if o:
@@ -318,7 +437,6 @@ class PrefixIndex:
                         counts.add(counts.disk, d)
             length += 1
         self._emit(out, alive, length, counts)
-        return out
 
     def _emit(self, out: Matches, mask: int, length: int, counts: "_SlicedCounts") -> None:
         """Workers in ``mask`` match ``length`` blocks: one group for those holding
@@ -386,6 +504,37 @@ class _SlicedCounts:
             p = planes[k]
             planes[k] = p ^ mask
             mask &= p
+            k += 1
+
+    def count(self, values: Mapping[int, int], alive: int, lane: int) -> None:
+        """Count off-device blocks: ``values`` maps a block's ``_special`` value
+        (off-device lane, disk lane above it) to how many such blocks all of ``alive`` holds."""
+        for v, times in values.items():
+            o = v & alive
+            if o:
+                self.seen |= o
+                d = (v >> lane) & o
+                self.add_times(self.host, o & ~d, times)
+                if d:
+                    self.add_times(self.disk, d, times)
+
+    @staticmethod
+    def add_times(planes: list[int], mask: int, times: int) -> None:
+        """``add(planes, mask)`` ``times`` times: one ripple carry per bit of ``times``."""
+        k = 0
+        while times:
+            if times & 1:
+                while len(planes) < k:
+                    planes.append(0)
+                m, j = mask, k
+                while m:
+                    if j == len(planes):
+                        planes.append(0)
+                    p = planes[j]
+                    planes[j] = p ^ m
+                    m &= p
+                    j += 1
+            times >>= 1
             k += 1
 
     @staticmethod
