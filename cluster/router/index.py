@@ -363,12 +363,14 @@ class PrefixIndex:
         blocks by tier (a :class:`Matches`, grouped by match length). Workers
         holding nothing are absent.
 
-        When no worker holding the first block is risky at a later block of
-        the prompt, each one's blocks along it are a prefix of it, and the
-        match binary-searches for where each group of workers ends: O(log n)
-        lookups in the big map per group, and one pass of the small
-        ``_special`` map (C speed) for off-device blocks; otherwise it reads
-        every block (``_walk``). Both give the same answer.
+        It binary-searches where each group of workers stops matching
+        (``_segments``: O(log n) lookups in the big map per group), then reads
+        the ``_special`` map (C speed) over the blocks some worker matched: if
+        no worker holding the first block is risky at a later one of them,
+        each worker's blocks along the prompt are a prefix of it (module doc),
+        so the search was right, and the off-device blocks are counted per
+        segment; otherwise it reads every block (``_walk``). Both give the
+        same answer.
         """
         out = Matches(self._ids, self._indices)
         if not block_hashes:
@@ -376,21 +378,40 @@ class PrefixIndex:
         alive = self._held.get(block_hashes[0], 0) & ((1 << self._lane) - 1)
         if not alive:
             return out
-        special = self._special
-        vals = list(map(special.get, block_hashes)) if special else None
-        if vals is not None and reduce(or_, filter(None, islice(vals, 1, None)), 0) >> 2 * self._lane & alive:
-            self._walk(out, block_hashes)           # a worker holding the first block may skip one
-        else:
-            self._search(out, block_hashes, alive, vals)
+        segments = self._segments(block_hashes, alive)
+        special, lane = self._special, self._lane
+        kinds: set[int] = set()
+        if special:
+            vals = list(map(special.get, block_hashes[:segments[-1][0]]))
+            kinds.update(filter(None, vals))
+            if kinds and self._risky_after_first(vals, kinds, alive):
+                self._walk(out, block_hashes)       # a worker holding the first block may skip one
+                return out
+        counts, pos = _SlicedCounts(), 0
+        for end, holders, leaving in segments:
+            if kinds:                             # off-device blocks in [pos, end): all of holders hold them
+                part = vals[pos:end] if pos or end < len(vals) else vals
+                counts.count({v: part.count(v) for v in kinds}, holders, lane)
+            self._emit(out, leaving, end, counts)
+            pos = end
         return out
 
-    def _search(self, out: Matches, hashes: Sequence[int], alive: int, special: list[int | None] | None) -> None:
-        """``match`` when every worker in ``alive`` holds a prefix of ``hashes``:
-        per group, binary-search the last block all of it holds. ``special``:
-        each block's ``_special`` value (None: device only, no risk), or None
-        when nothing is off device."""
-        held, lane = self._held.get, self._lane
-        counts = _SlicedCounts()
+    def _risky_after_first(self, vals: list[int | None], kinds: set[int], alive: int) -> bool:
+        """Whether a worker in ``alive`` is risky at a block after the first (``vals``:
+        the blocks' ``_special`` values, ``kinds`` the distinct ones)."""
+        shift = 2 * self._lane
+        if not reduce(or_, kinds) >> shift & alive:
+            return False
+        first = vals[0]
+        return first is None or not first >> shift & alive or vals.count(first) > 1 or any(
+            v >> shift & alive for v in kinds if v != first)
+
+    def _segments(self, hashes: Sequence[int], alive: int) -> list[tuple[int, int, int]]:
+        """Where each group of workers stops matching, read by binary search
+        (right when each worker in ``alive`` holds a prefix of ``hashes``):
+        ``(end, holders of hashes[:end], those of them ending there)`` per group."""
+        held = self._held.get
+        out = []
         n, pos = len(hashes), 0
         while True:
             lo, hi = pos, n                       # all of alive holds hashes[lo]; hi: not all, or the end
@@ -400,15 +421,13 @@ class PrefixIndex:
                     lo = mid
                 else:
                     hi = mid
-            if special is not None:               # off-device blocks in [pos, hi), all of alive holds
-                counts.count(Counter(filter(None, special[pos:hi])), alive, lane)
             if hi == n:
-                self._emit(out, alive, n, counts)
-                return
+                out.append((n, alive, alive))
+                return out
             m = held(hashes[hi], 0) & alive
-            self._emit(out, alive & ~m, hi, counts)
+            out.append((hi, alive, alive & ~m))
             if not m:
-                return
+                return out
             alive, pos = m, hi
 
     def _walk(self, out: Matches, block_hashes: Sequence[int]) -> None:
@@ -511,7 +530,7 @@ class _SlicedCounts:
         (off-device lane, disk lane above it) to how many such blocks all of ``alive`` holds."""
         for v, times in values.items():
             o = v & alive
-            if o:
+            if o and times:
                 self.seen |= o
                 d = (v >> lane) & o
                 self.add_times(self.host, o & ~d, times)

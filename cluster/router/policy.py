@@ -394,9 +394,9 @@ class PrefixAwarePolicy(RoutingPolicy):
             for i in rc.member_positions(mask, matches.ids):
                 penalty[i] = p
         for wid, info in matches.extra.items():
-            i = rc.position(wid)
-            if i is not None:
-                penalty[i] = wt * (n_full - info.blocks)
+            at = rc.position(wid)
+            if at is not None:
+                penalty[at] = wt * (n_full - info.blocks)
         return self._select(workers, list(map(add, rc.key_list, penalty)))
 
     def pick_colocated(self, req, workers, matches) -> Pick:
