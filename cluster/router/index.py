@@ -33,13 +33,14 @@ from collections import Counter
 from functools import reduce
 from itertools import islice
 from operator import or_
-from typing import Iterable, Iterator, Mapping, Sequence, TypeVar, overload
+from typing import Iterable, Iterator, Mapping, Sequence, TypeVar, cast, overload
 
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
 
 _T = TypeVar("_T")
 
 _RESYNC_ORDER = (Tier.DISK, Tier.HOST, Tier.DEVICE)   # last write wins: the fastest tier
+_HINTS = 1 << 16                                        # segment-end hints kept (cleared whole when full)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +195,7 @@ class PrefixIndex:
         self._indices: dict[str, int] = {}     # worker id -> bit index, kept across removal
         self._ids: list[str] = []              # bit index -> worker id
         self._match_cache: list[MatchInfo] = []  # MatchInfo(k) for device-only matches
+        self._hints: dict[int, tuple[int, ...]] = {}   # first block -> segment ends last found
 
     # ---- events ---------------------------------------------------------
     def apply(self, worker_id: str, events: Iterable[KVEvent]) -> ApplyResult:
@@ -379,22 +381,44 @@ class PrefixIndex:
         if not alive:
             return out
         segments = self._segments(block_hashes, alive)
-        special, lane = self._special, self._lane
+        special = self._special
         kinds: set[int] = set()
+        vals: list[int | None] = []
         if special:
             vals = list(map(special.get, block_hashes[:segments[-1][0]]))
-            kinds.update(filter(None, vals))
+            found = set(vals)                     # C speed; None: not special
+            found.discard(None)
+            kinds = cast("set[int]", found)
             if kinds and self._risky_after_first(vals, kinds, alive):
                 self._walk(out, block_hashes)       # a worker holding the first block may skip one
                 return out
-        counts, pos = _SlicedCounts(), 0
+        self._emit_segments(out, segments, vals if kinds else [], kinds)
+        return out
+
+    def _emit_segments(self, out: Matches, segments: list[tuple[int, int, int]],
+                       vals: list[int | None], kinds: set[int]) -> None:
+        """One group per segment and per (host, disk) count: ``vals`` holds the
+        matched blocks' ``_special`` values, ``kinds`` the distinct ones."""
+        lane = self._lane
+        parts: dict[tuple[int, int], int] = {}   # (host, disk) blocks so far -> workers with them
+        pos = 0
         for end, holders, leaving in segments:
             if kinds:                             # off-device blocks in [pos, end): all of holders hold them
                 part = vals[pos:end] if pos or end < len(vals) else vals
-                counts.count({v: part.count(v) for v in kinds}, holders, lane)
-            self._emit(out, leaving, end, counts)
+                for v in kinds:
+                    o = v & holders
+                    if o:
+                        times = part.count(v)
+                        if times:
+                            parts = _refine(parts, o, (v >> lane) & o, times)
+            slow = 0
+            for m in parts.values():
+                slow |= m
+            out.add(leaving & ~slow, self._device_match(end))
+            for (host, disk), m in parts.items():
+                if m & leaving:
+                    out.add(m & leaving, MatchInfo(end - host - disk, host, disk))
             pos = end
-        return out
 
     def _risky_after_first(self, vals: list[int | None], kinds: set[int], alive: int) -> bool:
         """Whether a worker in ``alive`` is risky at a block after the first (``vals``:
@@ -409,26 +433,52 @@ class PrefixIndex:
     def _segments(self, hashes: Sequence[int], alive: int) -> list[tuple[int, int, int]]:
         """Where each group of workers stops matching, read by binary search
         (right when each worker in ``alive`` holds a prefix of ``hashes``):
-        ``(end, holders of hashes[:end], those of them ending there)`` per group."""
+        ``(end, holders of hashes[:end], those of them ending there)`` per group.
+        The ends found for the last prompt with the same first block are tried
+        first (two lookups when they still hold: prompts sharing a prefix share them)."""
         held = self._held.get
-        out = []
+        hints = self._hints.get(hashes[0], ())
+        out: list[tuple[int, int, int]] = []
         n, pos = len(hashes), 0
         while True:
-            lo, hi = pos, n                       # all of alive holds hashes[lo]; hi: not all, or the end
+            lo, hi, at_hi = pos, n, 0             # all of alive holds hashes[lo]; hi: not all, or the end
+            k = len(out)
+            if k < len(hints) and pos < hints[k] <= n:
+                lo, hi, at_hi = self._try_end(hashes, alive, pos, hints[k])
             while hi - lo > 1:
                 mid = (lo + hi) >> 1
-                if held(hashes[mid], 0) & alive == alive:
+                v = held(hashes[mid], 0)
+                if v & alive == alive:
                     lo = mid
                 else:
-                    hi = mid
+                    hi, at_hi = mid, v
             if hi == n:
                 out.append((n, alive, alive))
-                return out
-            m = held(hashes[hi], 0) & alive
+                break
+            m = at_hi & alive
             out.append((hi, alive, alive & ~m))
             if not m:
-                return out
+                break
             alive, pos = m, hi
+        if len(self._hints) >= _HINTS:
+            self._hints.clear()
+        self._hints[hashes[0]] = tuple(end for end, _, _ in out)
+        return out
+
+    def _try_end(self, hashes: Sequence[int], alive: int, lo: int, end: int) -> tuple[int, int, int]:
+        """Narrow ``_segments``' search with a guessed end: ``(lo, hi, hi's packed masks)``."""
+        held, n = self._held.get, len(hashes)
+        if end - 1 > lo:
+            v = held(hashes[end - 1], 0)
+            if v & alive != alive:
+                return lo, end - 1, v
+            lo = end - 1
+        if end == n:
+            return lo, n, 0
+        v = held(hashes[end], 0)
+        if v & alive != alive:
+            return lo, end, v
+        return end, n, 0
 
     def _walk(self, out: Matches, block_hashes: Sequence[int]) -> None:
         """``match`` reading every block: exact whatever the chain shape."""
@@ -504,6 +554,23 @@ class PrefixIndex:
         return len(self._held)
 
 
+def _refine(parts: dict[tuple[int, int], int], off: int, disk: int, times: int) -> dict[tuple[int, int], int]:
+    """``parts`` after ``times`` more blocks held off device by the workers in
+    ``off`` (on disk for those in ``disk``, a subset; on the host for the rest)."""
+    host = off & ~disk
+    out: dict[tuple[int, int], int] = {}
+    for (h, d), m in parts.items():
+        for sub, key in ((m & host, (h + times, d)), (m & disk, (h, d + times)), (m & ~off, (h, d))):
+            if sub:
+                out[key] = out.get(key, 0) | sub
+        off &= ~m
+    if off & host:
+        out[(times, 0)] = out.get((times, 0), 0) | (off & host)
+    if off & disk:
+        out[(0, times)] = out.get((0, times), 0) | (off & disk)
+    return out
+
+
 class _SlicedCounts:
     """Per-worker counters as bit planes: plane k of a list holds bit k of
     every worker's count. Adding a mask is a ripple carry across planes."""
@@ -523,37 +590,6 @@ class _SlicedCounts:
             p = planes[k]
             planes[k] = p ^ mask
             mask &= p
-            k += 1
-
-    def count(self, values: Mapping[int, int], alive: int, lane: int) -> None:
-        """Count off-device blocks: ``values`` maps a block's ``_special`` value
-        (off-device lane, disk lane above it) to how many such blocks all of ``alive`` holds."""
-        for v, times in values.items():
-            o = v & alive
-            if o and times:
-                self.seen |= o
-                d = (v >> lane) & o
-                self.add_times(self.host, o & ~d, times)
-                if d:
-                    self.add_times(self.disk, d, times)
-
-    @staticmethod
-    def add_times(planes: list[int], mask: int, times: int) -> None:
-        """``add(planes, mask)`` ``times`` times: one ripple carry per bit of ``times``."""
-        k = 0
-        while times:
-            if times & 1:
-                while len(planes) < k:
-                    planes.append(0)
-                m, j = mask, k
-                while m:
-                    if j == len(planes):
-                        planes.append(0)
-                    p = planes[j]
-                    planes[j] = p ^ m
-                    m &= p
-                    j += 1
-            times >>= 1
             k += 1
 
     @staticmethod
