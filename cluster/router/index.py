@@ -247,7 +247,8 @@ class PrefixIndex:
         if not isinstance(tier, Tier):
             raise ValueError(f"unknown tier {tier!r}: use engine.kv_events.Tier")
         held, blocks, add, keep = self._held, w.blocks, w.set_bits[tier], w.keep_bits
-        lane_mask = (1 << self._lane) - 1
+        special, parents, kids = self._special, self._parent, w.kids
+        off = add >> self._lane != 0
         for h in hashes:
             prev = blocks.get(h)
             if prev is not tier:
@@ -257,26 +258,44 @@ class PrefixIndex:
                     v &= keep[prev]
                 held[h] = v | add
                 if prev is None:
-                    self._link(w, h, parent)
-                if add > lane_mask or h in self._special or h in self._risky:
+                    if parent is None or h in kids:
+                        self._link(w, h, parent)
+                    else:                         # _link's common case, inline
+                        q = parents.setdefault(h, parent)
+                        n = kids.get(q, 0)
+                        kids[q] = n + 1
+                        if not n and q not in blocks:
+                            self._flag(q, w.bit, True)
+                if off or h in special:           # (a risky block is in special too)
                     self._mark(h)
             if parent is not None:
                 parent = h
 
     def _remove(self, w: _Worker, hashes: Iterable[int]) -> None:
         held, blocks, keep = self._held, w.blocks, w.keep_bits
+        special, parents, kids, unparented = self._special, self._parent, w.kids, w.unparented
         for h in hashes:
             prev = blocks.pop(h, None)
             if prev is None:
                 continue
             v = held[h] & keep[prev]
-            self._unlink(w, h)
+            if h in unparented or h in kids:
+                self._unlink(w, h)
+            else:                                 # _unlink's common case, inline
+                q = parents[h]
+                n = kids[q] - 1
+                if n:
+                    kids[q] = n
+                else:
+                    del kids[q]
+                    if q not in blocks:
+                        self._flag(q, w.bit, False)
             if v:
                 held[h] = v
             else:
                 del held[h]
-                self._parent.pop(h, None)
-            if h in self._special or h in self._risky:
+                parents.pop(h, None)
+            if h in special:
                 self._mark(h)
 
     def _drop_all(self, w: _Worker) -> None:
