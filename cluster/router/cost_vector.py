@@ -10,6 +10,11 @@ place when one worker's load changes, and a decision adds the match term
 per group of workers with the same match (``Matches.groups``, one numpy
 assignment each) and takes the first minimum.
 
+A role of up to ``LIST_MAX`` workers is costed with the same terms kept as
+a Python list (``key_list``) and a group's positions remembered per mask
+(``member_positions``): at 32 workers a list summed with ``map`` is faster
+than numpy's per-call overhead.
+
 The arithmetic is the policy's scalar formula, done elementwise in float64
 in the same order, so the chosen worker and its cost are exactly those of
 costing each worker in Python (tests/unit/test_router_cost_vector.py).

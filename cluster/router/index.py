@@ -2,12 +2,39 @@
 
 Block hashes are chained (engine/block_hash.py), so one hash names a whole
 prefix and the index can be flat: one dict ``hash -> packed worker masks``.
-Matching a prompt walks its hashes once, and-ing the masks: one dict lookup
-per prompt block whatever the number of workers, plus O(1) per worker whose
-match ends. The packed value holds three lanes of ``lane`` bits (worker i is
-bit i of each): workers holding the block in any tier, those holding it off
-device (host or disk), and those holding it on disk. Lanes widen (a one-off
+The packed value holds three lanes of ``lane`` bits (worker i is bit i of
+each): workers holding the block in any tier, those holding it off device
+(host or disk), and those holding it on disk. Lanes widen (a one-off
 re-encode) when more workers than ``lane`` bits have been seen.
+
+Matching a prompt need not read every block. A worker's match is its
+leading run of the prompt's blocks; when each worker's blocks along the
+prompt form a prefix of it ("prefix closed"), where each group of workers
+stops is found by binary search: O(log n) lookups in the big map per group
+(``_segments``), not one per block. Closure is what eviction keeps in
+practice (a parent is touched whenever its child is, so it goes last) but
+not always (a block evicted from under its children, a tier dropping a
+block its child outlives), so the index tracks where it may fail, per
+worker, from the parents STORED events carry (a run of blocks chaining from
+``parent_hash``, engine/kv_events.py):
+
+- ``_parent``: each indexed block's parent, as the first event that stored
+  it (with a parent) said; ``_Worker.kids``: per parent hash, how many of
+  its children the worker holds;
+- a worker is *risky* at block h when it holds children of h but not h (a
+  hole), or holds h without a known parent (a snapshot, or an event with
+  ``parent_hash=None``: the producer did not say how its blocks chain);
+- ``_special``: hash -> (off-device lane, disk lane, risky lane) for every
+  block someone holds off device or is risky at; small next to ``_held``.
+
+A match then reads ``_special`` over the blocks some worker matched (C
+speed): if no worker holding the first block is risky at a later one, every
+one of them holds a prefix of the prompt there (a worker skipping block k
+would be risky at k or at the first block it holds after k), so the search
+was right, and the off-device blocks are counted per group. Otherwise it
+reads every block (``_walk``). Both answer the same (tests compare them with
+a plain scan); trusting a STORED run's chaining is the event protocol's
+contract (the engine's ``stored_chains``).
 
 Event protocol (engine/kv_events.py), per worker:
 
@@ -18,12 +45,12 @@ Event protocol (engine/kv_events.py), per worker:
   events are dropped until ``resync(worker_id, snapshot)``;
 - STORED adds blocks at the event's tier; a block already indexed moves to
   that tier (a worker reports each block at the fastest tier holding it, so
-  a demotion device -> host is a STORED at HOST);
+  a demotion device -> host is a STORED at HOST); ``parent_hash`` is the
+  parent of its first block, each later block's parent the one before it;
 - REMOVED drops blocks from every tier; CLEARED drops all of the worker's.
 
-The event's ``parent_hash`` is not needed: the chained hash already encodes
-the position. ``remove_worker`` forgets a dead worker until it reports again
-(from ``first_event_id``, or through a resync).
+``remove_worker`` forgets a dead worker until it reports again (from
+``first_event_id``, or through a resync).
 """
 from __future__ import annotations
 

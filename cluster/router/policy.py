@@ -220,14 +220,15 @@ class RoutingPolicy(abc.ABC):
 class PrefixAwarePolicy(RoutingPolicy):
     """Cheapest node by cost.py: cached prefix against queue and decode load.
 
-    With many workers, each role's load-only cost terms are kept as an array
-    (``RoleCosts``, in step with the router's view through ``sync`` /
-    ``update``) and a decision costs all workers in a few numpy operations per
-    group of equal matches; otherwise, or for a view the router did not sync,
-    each worker is costed in Python. Both give the same choice and cost
-    (a test compares them)."""
+    From ``fast_min_workers`` workers in a pool, each role's load-only cost
+    terms are kept in step with the router's view (``RoleCosts``, through
+    ``sync`` / ``update``) and a decision adds the match term per group of
+    equal matches: Python lists summed at C speed (``map(add, ...)``) up to
+    ``LIST_MAX`` workers in the role, numpy arrays above; otherwise, or for a
+    view the router did not sync, each worker is costed in Python. All give
+    the same choice and cost (a test compares them)."""
     name = "prefix_aware"
-    fast_min_workers: ClassVar[int] = 8           # per pool, below it the Python scan is as fast
+    fast_min_workers: ClassVar[int] = 8           # per pool, below it the Python scan is as fast (lists: LIST_MAX)
 
     def __init__(self, config: PolicyConfig, rng: random.Random) -> None:
         super().__init__(config, rng)
