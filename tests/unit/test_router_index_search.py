@@ -91,6 +91,29 @@ class _Feed:
             self.model[w], self.next_id[w] = {}, 1
 
 
+def check_shape(idx: PrefixIndex) -> None:
+    """The index's chain bookkeeping equals a recount from its blocks and parents."""
+    risky: dict[int, int] = {}
+    for w in idx._workers.values():
+        kids: dict[int, int] = {}
+        for h in w.blocks:
+            if h in w.unparented:
+                risky[h] = risky.get(h, 0) | w.bit
+            else:
+                kids[idx._parent[h]] = kids.get(idx._parent[h], 0) + 1
+        assert w.kids == kids and w.unparented <= w.blocks.keys()
+        for q in kids:
+            if q not in w.blocks:
+                risky[q] = risky.get(q, 0) | w.bit
+    assert idx._risky == risky
+    lane = idx._lane
+    special = {h: v >> lane for h, v in idx._held.items() if v >> lane}
+    for h, m in risky.items():
+        special[h] = special.get(h, 0) | m << 2 * lane
+    assert idx._special == special
+    assert idx._parent.keys() <= idx._held.keys()
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_search_equals_a_plain_scan_on_random_indexes(seed):
     rng = random.Random(seed)
@@ -108,12 +131,15 @@ def test_search_equals_a_plain_scan_on_random_indexes(seed):
     queries = 0
     for step in range(400):
         feed.step(chains)
+        if step % 40 == 0:
+            check_shape(idx)
         for chain in rng.sample(chains, 3):
             cut = rng.randrange(len(chain)) if rng.random() < 0.2 else 0
             prompt = chain[cut:rng.randint(cut + 1, len(chain))]
             assert idx.match(prompt) == reference_match(feed.model, prompt), (seed, step)
             queries += 1
     assert walks[0] < queries * 0.7, (walks[0], queries)      # the search answered many of them
+    check_shape(idx)
 
 
 def test_a_hole_in_an_engine_fed_chain_is_seen_and_refilling_it_clears_it():
