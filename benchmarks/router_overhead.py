@@ -7,6 +7,12 @@ many 2000-token prompts. The prompt's block hashes are timed apart: the
 frontend computes them once, outside the router.
 
     .venv/bin/python benchmarks/router_overhead.py [--workers 64] [--blocks 1000000]
+    .venv/bin/python benchmarks/router_overhead.py --compare-tree /path/to/other/checkout
+
+``--compare-tree`` runs this script in fresh processes, alternating the router
+of that checkout ("before": its cluster/ and engine/ first on the path) with
+this one's ("after"), ``--rounds`` times each, and prints one JSON line with
+every run's figures and the median of each side.
 
 Prints one JSON line: decision p50/p99 in microseconds of wall time and of
 thread CPU time (the CPU figure leaves out time the OS gave other processes,
@@ -18,18 +24,25 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import platform
 import random
+import statistics
+import subprocess
+import sys
 import time
 import tracemalloc
 from collections import Counter, deque
 
 from cluster.router import (PolicyConfig, PrefixIndex, Router, RouterConfig, RoutingRequest,
                             WorkerLoad)
-from engine.block_hash import block_hashes
-from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
+from engine.block_hash import block_hashes, root_hash
+from engine.kv_events import KVEvent, KVEventKind, Tier
+
+
+ROOT = root_hash(None)         # the parent of a prompt's first block
 
 
 def rss_bytes() -> int:
@@ -50,10 +63,20 @@ class SimWorker:
         self.systems: set[int] = set()
 
     def store(self, chain: list[int], new_from: int, tier: Tier = Tier.DEVICE) -> list[KVEvent]:
+        """STORED events as the engine sends them: one per run of new blocks, with the
+        parent of its first block (engine/kv_events.py ``stored_chains``)."""
         fresh = tuple(h for h in chain[new_from:] if h not in self.held)
         events = []
+        parents = [ROOT] + chain[:-1]
+        run: list[int] = []
+        for i in range(new_from, len(chain) + 1):
+            if i < len(chain) and chain[i] not in self.held:
+                run.append(chain[i])
+                continue
+            if run:
+                events.append(self._event(KVEventKind.STORED, tuple(run), tier, parents[i - len(run)]))
+                run = []
         if fresh:
-            events.append(self._event(KVEventKind.STORED, fresh, tier))
             self.held.update(fresh)
             self.convs.append(list(fresh))
         while len(self.held) > self.capacity and self.convs:
@@ -64,8 +87,9 @@ class SimWorker:
                 events.append(self._event(KVEventKind.REMOVED, gone, Tier.DEVICE))
         return events
 
-    def _event(self, kind: KVEventKind, hashes: tuple[int, ...], tier: Tier) -> KVEvent:
-        ev = KVEvent(self.next_id, kind, hashes, None, tier)
+    def _event(self, kind: KVEventKind, hashes: tuple[int, ...], tier: Tier,
+               parent: int | None = None) -> KVEvent:
+        ev = KVEvent(self.next_id, kind, hashes, parent, tier)
         self.next_id += 1
         return ev
 
@@ -77,6 +101,7 @@ def build(args, router: Router, rng: random.Random) -> dict:
     popularity = [1.0 / (s + 1) for s in range(args.systems)]            # Zipf-like
     workers = [SimWorker(f"w{i:03d}", args.capacity) for i in range(args.workers)]
     convs: list[tuple[int, list[int], list[int]]] = []                     # (system, tokens, hashes)
+    log: list[tuple[str, list[KVEvent]]] = []                              # every event, for index_bytes
     ingest_s = 0.0
     n_events = n_blocks = 0
     base = 10**9
@@ -95,11 +120,12 @@ def build(args, router: Router, rng: random.Random) -> dict:
         t0 = time.perf_counter()
         res = router.on_events(w.wid, events)
         ingest_s += time.perf_counter() - t0
+        log.append((w.wid, events))
         assert not res.needs_resync, res
         n_events += len(events)
         n_blocks += sum(len(e.block_hashes) for e in events)
     gc.collect()
-    return {"workers_sim": workers, "sys_tokens": sys_tokens, "convs": convs,
+    return {"workers_sim": workers, "sys_tokens": sys_tokens, "convs": convs, "log": log,
             "ingest_events_per_s": round(n_events / ingest_s), "ingest_blocks_per_s": round(n_blocks / ingest_s),
             "events": n_events, "index_rss_mb": round((rss_bytes() - rss0) / 2**20, 1)}
 
@@ -116,17 +142,17 @@ def make_prompt(args, world: dict, rng: random.Random, i: int) -> list[int]:
     return prompt[:args.prompt_tokens] + [7 * i + t for t in range(max(0, fill))]
 
 
-def index_bytes(index: PrefixIndex) -> int:
-    """Bytes a PrefixIndex with the same contents allocates (tracemalloc), hash
-    ints included: rebuilt through resync() from fresh copies of the hashes."""
+def index_bytes(log: list[tuple[str, list[KVEvent]]]) -> int:
+    """Bytes a PrefixIndex fed the same events allocates (tracemalloc), hash ints
+    included: the event log replayed with fresh copies of the hashes."""
+    def fresh(h: int | None) -> int | None:
+        return None if h is None else int.from_bytes(h.to_bytes(8, "little"), "little")
+
     tracemalloc.start()
     copy = PrefixIndex()
-    for wid in index.worker_ids:
-        by_tier: dict[Tier, list[int]] = {}
-        for h, tier in index.worker_blocks(wid).items():
-            by_tier.setdefault(tier, []).append(int.from_bytes(h.to_bytes(8, "little"), "little"))
-        copy.resync(wid, KVSnapshot(0, {t: tuple(v) for t, v in by_tier.items()}))
-        del by_tier
+    for wid, events in log:
+        copy.apply(wid, [KVEvent(e.event_id, e.kind, tuple(map(fresh, e.block_hashes)), fresh(e.parent_hash), e.tier)
+                         for e in events])
     copy.match([0])
     used = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
@@ -153,9 +179,15 @@ def main() -> None:
     ap.add_argument("--policy", default="prefix_aware")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compare-tree", default=None,
+                    help="another checkout: run its router and this one side by side (see above)")
+    ap.add_argument("--rounds", type=int, default=2, help="with --compare-tree: runs of each side")
     ap.add_argument("--compare-full-scan", action="store_true",
                     help="also time the same prompts with prefix_aware costing every worker")
     args = ap.parse_args()
+    if args.compare_tree:
+        compare(args)
+        return
 
     rng = random.Random(args.seed)
     router = Router(RouterConfig(policy=args.policy, policy_config=PolicyConfig(temperature=args.temperature)),
@@ -195,6 +227,7 @@ def main() -> None:
         del router.policy.fast_min_workers     # back to the class default
         router.policy.sync(router.view)
     route_us, route_cpu_us, hash_us, kinds, cached = [], [], [], Counter(), []
+    digest = hashlib.sha256()                    # every decision: the same digest = the same choices
     load_before = os.getloadavg()[0]
     for i in range(args.decisions):
         prompt = make_prompt(args, world, rng, i)
@@ -211,6 +244,8 @@ def main() -> None:
         route_us.append((t3 - t2) / 1e3)
         route_cpu_us.append((c3 - c2) / 1e3)
         kinds[d.kind.value] += 1
+        digest.update(f"{d.decode_worker_id},{d.prefill_worker_id},{d.prefill_cached_tokens},"
+                      f"{d.decode_cached_tokens},{d.decode_inputs.cost!r};".encode())
         cached.append(d.prefill_cached_tokens / len(prompt))
         if i % 4 == 0:                            # a load report every few decisions
             report_load(f"w{rng.randrange(args.workers):03d}")
@@ -225,13 +260,43 @@ def main() -> None:
         "route_cpu_p50_us": round(pct(route_cpu_us, 0.50), 1), "route_cpu_p99_us": round(pct(route_cpu_us, 0.99), 1),
         "hash_p50_us": round(pct(hash_us, 0.50), 1), "hash_p99_us": round(pct(hash_us, 0.99), 1),
         "ingest_events_per_s": world["ingest_events_per_s"], "ingest_blocks_per_s": world["ingest_blocks_per_s"],
-        "events": world["events"], "index_mb": round(index_bytes(router.index) / 2**20, 1),
+        "events": world["events"], "index_mb": round(index_bytes(world.pop("log")) / 2**20, 1),
         "build_rss_delta_mb": world["index_rss_mb"],
-        "decision_kinds": dict(kinds), "mean_prefill_hit_ratio": round(sum(cached) / len(cached), 3),
-        "target_p99_us": 50, **({"same_prompts_fast_vs_full_scan": full_scan} if full_scan else {}), "python": platform.python_version(), "machine": platform.machine(),
+        "decision_kinds": dict(kinds), "decisions_sha256": digest.hexdigest()[:16], "mean_prefill_hit_ratio": round(sum(cached) / len(cached), 3),
+        "target_p99_us": 30, **({"same_prompts_fast_vs_full_scan": full_scan} if full_scan else {}), "python": platform.python_version(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     print(json.dumps(out))
+
+
+COMPARED = ("route_p50_us", "route_p99_us", "route_cpu_p50_us", "route_cpu_p99_us", "hash_p50_us",
+            "hash_p99_us", "ingest_events_per_s", "index_mb", "mean_prefill_hit_ratio", "decisions_sha256",
+            "decision_kinds")
+
+
+def compare(args) -> None:
+    """Both routers on the same workload in alternating fresh processes."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a in ("--compare-tree", "--rounds"):
+            skip = True
+        elif not a.startswith(("--compare-tree=", "--rounds=")):
+            argv.append(a)
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    for _ in range(args.rounds):
+        for side, root in (("before", os.path.abspath(args.compare_tree)), ("after", here)):
+            env = dict(os.environ, PYTHONPATH=root)
+            line = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=env, check=True,
+                                  capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            d = json.loads(line)
+            runs[side].append({k: d[k] for k in COMPARED} | {"loadavg_1m": d["loadavg_1m"]})
+    median = {side: {k: statistics.median(r[k] for r in rs) for k in COMPARED[:-2]} for side, rs in runs.items()}
+    same = {r["decisions_sha256"] for rs in runs.values() for r in rs}
+    print(json.dumps({"bench": "router_overhead_compare", "before_tree": os.path.abspath(args.compare_tree),
+                      "args": argv, "same_decisions": len(same) == 1, "median": median, "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ place when one worker's load changes, and a decision adds the match term
 per group of workers with the same match (``Matches.groups``, one numpy
 assignment each) and takes the first minimum.
 
+A role of up to ``LIST_MAX`` workers is costed with the same terms kept as
+a Python list (``key_list``) and a group's positions remembered per mask
+(``member_positions``): at 32 workers a list summed with ``map`` is faster
+than numpy's per-call overhead.
+
 The arithmetic is the policy's scalar formula, done elementwise in float64
 in the same order, so the chosen worker and its cost are exactly those of
 costing each worker in Python (tests/unit/test_router_cost_vector.py).
@@ -27,6 +32,8 @@ if TYPE_CHECKING:
 KeyFn = Callable[["WorkerLoad"], float]
 
 _FEW_BITS = 12          # a group this small is walked bit by bit; larger ones are unpacked by numpy
+LIST_MAX = 64           # a role this small is costed with Python lists (C-speed map / min), not numpy
+_CACHED_MASKS = 4096    # mask -> positions entries kept (cleared whole when full)
 
 
 class RoleCosts:
@@ -34,7 +41,9 @@ class RoleCosts:
         self.views = tuple(views)
         self._key = key
         self._pos = {v.worker_id: i for i, v in enumerate(self.views)}
-        self.keys = np.fromiter((key(v.load) for v in self.views), dtype=np.float64, count=len(self.views))
+        self.key_list = [key(v.load) for v in self.views]
+        self.keys = np.array(self.key_list, dtype=np.float64)
+        self._mask_pos: dict[int, tuple[int, ...]] = {}
         self._bit_pos = np.zeros(0, dtype=np.int64)     # index bit -> position here, -1 if not a member
 
     def __len__(self) -> int:
@@ -46,7 +55,8 @@ class RoleCosts:
         if i is None:
             raise ValueError(f"worker {view.worker_id!r} is not in this RoleCosts: rebuild it when the "
                              "set of live workers changes")
-        self.keys[i] = self._key(view.load)
+        self.key_list[i] = k = self._key(view.load)
+        self.keys[i] = k
         self.views = views if isinstance(views, tuple) else tuple(views)
 
     def position(self, worker_id: str) -> int | None:
@@ -70,6 +80,24 @@ class RoleCosts:
                                              bitorder="little"))
         p = bit_pos[bits]
         return p[p >= 0]
+
+    def member_positions(self, mask: int, ids: Sequence[str]) -> tuple[int, ...]:
+        """``positions`` as a tuple, remembered per mask (a prompt's groups repeat:
+        the workers holding a popular prefix); bits are never reassigned, so an
+        entry stays true while the members do (a new RoleCosts on any change)."""
+        got = self._mask_pos.get(mask)
+        if got is None:
+            if len(self._mask_pos) >= _CACHED_MASKS:
+                self._mask_pos.clear()
+            out, pos, m = [], self._pos, mask
+            while m:
+                low = m & -m
+                m ^= low
+                i = pos.get(ids[low.bit_length() - 1])
+                if i is not None:
+                    out.append(i)
+            got = self._mask_pos[mask] = tuple(out)
+        return got
 
     def _bit_positions(self, ids: Sequence[str]) -> np.ndarray:
         """bit -> position, extended to the index's current bits (bits are never reassigned)."""

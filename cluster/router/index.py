@@ -2,12 +2,39 @@
 
 Block hashes are chained (engine/block_hash.py), so one hash names a whole
 prefix and the index can be flat: one dict ``hash -> packed worker masks``.
-Matching a prompt walks its hashes once, and-ing the masks: one dict lookup
-per prompt block whatever the number of workers, plus O(1) per worker whose
-match ends. The packed value holds three lanes of ``lane`` bits (worker i is
-bit i of each): workers holding the block in any tier, those holding it off
-device (host or disk), and those holding it on disk. Lanes widen (a one-off
+The packed value holds three lanes of ``lane`` bits (worker i is bit i of
+each): workers holding the block in any tier, those holding it off device
+(host or disk), and those holding it on disk. Lanes widen (a one-off
 re-encode) when more workers than ``lane`` bits have been seen.
+
+Matching a prompt need not read every block. A worker's match is its
+leading run of the prompt's blocks; when each worker's blocks along the
+prompt form a prefix of it ("prefix closed"), where each group of workers
+stops is found by binary search: O(log n) lookups in the big map per group
+(``_segments``), not one per block. Closure is what eviction keeps in
+practice (a parent is touched whenever its child is, so it goes last) but
+not always (a block evicted from under its children, a tier dropping a
+block its child outlives), so the index tracks where it may fail, per
+worker, from the parents STORED events carry (a run of blocks chaining from
+``parent_hash``, engine/kv_events.py):
+
+- ``_parent``: each indexed block's parent, as the first event that stored
+  it (with a parent) said; ``_Worker.kids``: per parent hash, how many of
+  its children the worker holds;
+- a worker is *risky* at block h when it holds children of h but not h (a
+  hole), or holds h without a known parent (a snapshot, or an event with
+  ``parent_hash=None``: the producer did not say how its blocks chain);
+- ``_special``: hash -> (off-device lane, disk lane, risky lane) for every
+  block someone holds off device or is risky at; small next to ``_held``.
+
+A match then reads ``_special`` over the blocks some worker matched (C
+speed): if no worker holding the first block is risky at a later one, every
+one of them holds a prefix of the prompt there (a worker skipping block k
+would be risky at k or at the first block it holds after k), so the search
+was right, and the off-device blocks are counted per group. Otherwise it
+reads every block (``_walk``). Both answer the same (tests compare them with
+a plain scan); trusting a STORED run's chaining is the event protocol's
+contract (the engine's ``stored_chains``).
 
 Event protocol (engine/kv_events.py), per worker:
 
@@ -18,24 +45,29 @@ Event protocol (engine/kv_events.py), per worker:
   events are dropped until ``resync(worker_id, snapshot)``;
 - STORED adds blocks at the event's tier; a block already indexed moves to
   that tier (a worker reports each block at the fastest tier holding it, so
-  a demotion device -> host is a STORED at HOST);
+  a demotion device -> host is a STORED at HOST); ``parent_hash`` is the
+  parent of its first block, each later block's parent the one before it;
 - REMOVED drops blocks from every tier; CLEARED drops all of the worker's.
 
-The event's ``parent_hash`` is not needed: the chained hash already encodes
-the position. ``remove_worker`` forgets a dead worker until it reports again
-(from ``first_event_id``, or through a resync).
+``remove_worker`` forgets a dead worker until it reports again (from
+``first_event_id``, or through a resync).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Iterable, Iterator, Mapping, Sequence, TypeVar, overload
+from collections import Counter
+from functools import reduce
+from itertools import islice
+from operator import or_
+from typing import Iterable, Iterator, Mapping, Sequence, TypeVar, cast, overload
 
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
 
 _T = TypeVar("_T")
 
 _RESYNC_ORDER = (Tier.DISK, Tier.HOST, Tier.DEVICE)   # last write wins: the fastest tier
+_HINTS = 1 << 16                                        # segment-end hints kept (cleared whole when full)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +189,15 @@ class ApplyResult:
 
 class _Worker:
     """Internal per-worker state (mutable, never handed out)."""
-    __slots__ = ("index", "blocks", "next_event_id", "needs_resync", "set_bits", "keep_bits")
+    __slots__ = ("index", "bit", "blocks", "kids", "unparented", "next_event_id", "needs_resync",
+                 "set_bits", "keep_bits")
 
     def __init__(self, index: int, next_event_id: int, lane: int) -> None:
         self.index = index
+        self.bit = 1 << index
         self.blocks: dict[int, Tier] = {}
+        self.kids: dict[int, int] = {}           # parent hash -> blocks held here whose parent it is
+        self.unparented: set[int] = set()        # held blocks stored without a known parent
         self.next_event_id = next_event_id
         self.needs_resync = False
         self.set_lane(lane)
@@ -179,10 +215,14 @@ class PrefixIndex:
         self._first_event_id = first_event_id
         self._lane = 64                          # bits per lane in a packed value
         self._held: dict[int, int] = {}        # hash -> packed masks (see module doc)
+        self._parent: dict[int, int] = {}      # hash -> its parent's hash, as a STORED event gave it
+        self._risky: dict[int, int] = {}       # hash -> workers that may skip it (see module doc)
+        self._special: dict[int, int] = {}     # hash -> off-device, disk and risky lanes; 0 is absent
         self._workers: dict[str, _Worker] = {}
         self._indices: dict[str, int] = {}     # worker id -> bit index, kept across removal
         self._ids: list[str] = []              # bit index -> worker id
         self._match_cache: list[MatchInfo] = []  # MatchInfo(k) for device-only matches
+        self._hints: dict[int, tuple[int, ...]] = {}   # first block -> segment ends last found
 
     # ---- events ---------------------------------------------------------
     def apply(self, worker_id: str, events: Iterable[KVEvent]) -> ApplyResult:
@@ -207,7 +247,7 @@ class PrefixIndex:
         w = self._worker(worker_id)
         self._drop_all(w)
         for tier in _RESYNC_ORDER:
-            self._store(w, snapshot.blocks.get(tier, ()), tier)
+            self._store(w, snapshot.blocks.get(tier, ()), tier, None)
         w.next_event_id = snapshot.last_event_id + 1
         w.needs_resync = False
 
@@ -219,7 +259,7 @@ class PrefixIndex:
 
     def _apply_one(self, w: _Worker, ev: KVEvent) -> None:
         if ev.kind is KVEventKind.STORED:
-            self._store(w, ev.block_hashes, ev.tier)
+            self._store(w, ev.block_hashes, ev.tier, ev.parent_hash)
         elif ev.kind is KVEventKind.REMOVED:
             self._remove(w, ev.block_hashes)
         elif ev.kind is KVEventKind.CLEARED:
@@ -228,34 +268,116 @@ class PrefixIndex:
             raise ValueError(f"unknown KV event kind {ev.kind!r}: use KVEventKind.STORED, "
                              "REMOVED or CLEARED")
 
-    def _store(self, w: _Worker, hashes: Iterable[int], tier: Tier) -> None:
+    def _store(self, w: _Worker, hashes: Sequence[int], tier: Tier, parent: int | None) -> None:
+        """``parent`` given: the blocks chain from it (the event protocol); None: their
+        parents are unknown (a snapshot, or a producer that does not say)."""
         if not isinstance(tier, Tier):
             raise ValueError(f"unknown tier {tier!r}: use engine.kv_events.Tier")
         held, blocks, add, keep = self._held, w.blocks, w.set_bits[tier], w.keep_bits
+        special, parents, kids = self._special, self._parent, w.kids
+        off = add >> self._lane != 0
         for h in hashes:
             prev = blocks.get(h)
-            if prev is tier:
-                continue
-            blocks[h] = tier
-            v = held.get(h, 0)
-            if prev is not None:
-                v &= keep[prev]
-            held[h] = v | add
+            if prev is not tier:
+                blocks[h] = tier
+                v = held.get(h, 0)
+                if prev is not None:
+                    v &= keep[prev]
+                held[h] = v | add
+                if prev is None:
+                    if parent is None or h in kids:
+                        self._link(w, h, parent)
+                    else:                         # _link's common case, inline
+                        q = parents.setdefault(h, parent)
+                        n = kids.get(q, 0)
+                        kids[q] = n + 1
+                        if not n and q not in blocks:
+                            self._flag(q, w.bit, True)
+                if off or h in special:           # (a risky block is in special too)
+                    self._mark(h)
+            if parent is not None:
+                parent = h
 
     def _remove(self, w: _Worker, hashes: Iterable[int]) -> None:
         held, blocks, keep = self._held, w.blocks, w.keep_bits
+        special, parents, kids, unparented = self._special, self._parent, w.kids, w.unparented
         for h in hashes:
             prev = blocks.pop(h, None)
             if prev is None:
                 continue
             v = held[h] & keep[prev]
+            if h in unparented or h in kids:
+                self._unlink(w, h)
+            else:                                 # _unlink's common case, inline
+                q = parents[h]
+                n = kids[q] - 1
+                if n:
+                    kids[q] = n
+                else:
+                    del kids[q]
+                    if q not in blocks:
+                        self._flag(q, w.bit, False)
             if v:
                 held[h] = v
             else:
                 del held[h]
+                parents.pop(h, None)
+            if h in special:
+                self._mark(h)
 
     def _drop_all(self, w: _Worker) -> None:
         self._remove(w, list(w.blocks))
+
+    # ---- chain shape: what lets match() binary-search (module doc) -------
+    def _link(self, w: _Worker, h: int, parent: int | None) -> None:
+        """``w`` now holds ``h`` (it did not before); ``parent``: as the event gave it."""
+        q = self._parent.setdefault(h, parent) if parent is not None else self._parent.get(h)
+        if h in w.kids:                          # w held children of h, not h: no longer a hole
+            self._flag(h, w.bit, False)
+        if q is None:
+            w.unparented.add(h)
+            self._flag(h, w.bit, True)
+            return
+        n = w.kids.get(q, 0)
+        w.kids[q] = n + 1
+        if not n and q not in w.blocks:          # w holds a child of q but not q: a hole
+            self._flag(q, w.bit, True)
+
+    def _unlink(self, w: _Worker, h: int) -> None:
+        """``w`` dropped ``h`` (``self._parent`` still has it)."""
+        if h in w.unparented:
+            w.unparented.discard(h)
+            self._flag(h, w.bit, False)
+        else:
+            q = self._parent[h]
+            n = w.kids[q] - 1
+            if n:
+                w.kids[q] = n
+            else:
+                del w.kids[q]
+                if q not in w.blocks:
+                    self._flag(q, w.bit, False)
+        if h in w.kids:                          # w still holds children of h: a hole
+            self._flag(h, w.bit, True)
+
+    def _flag(self, h: int, bit: int, on: bool) -> None:
+        risky = self._risky
+        v = risky.get(h, 0)
+        v = v | bit if on else v & ~bit
+        if v:
+            risky[h] = v
+        else:
+            risky.pop(h, None)
+        self._mark(h)
+
+    def _mark(self, h: int) -> None:
+        """Recompute ``h``'s entry in ``self._special`` from its packed masks and risky bits."""
+        lane = self._lane
+        v = self._held.get(h, 0) >> lane | self._risky.get(h, 0) << 2 * lane
+        if v:
+            self._special[h] = v
+        else:
+            self._special.pop(h, None)
 
     def _worker(self, worker_id: str) -> _Worker:
         w = self._workers.get(worker_id)
@@ -280,6 +402,8 @@ class PrefixIndex:
         self._lane = new
         for w in self._workers.values():
             w.set_lane(new)
+        for h in list(self._special):
+            self._mark(h)
 
     # ---- queries --------------------------------------------------------
     def match(self, block_hashes: Sequence[int]) -> Matches:
@@ -287,13 +411,123 @@ class PrefixIndex:
         blocks by tier (a :class:`Matches`, grouped by match length). Workers
         holding nothing are absent.
 
-        Off-device blocks are counted per worker with bit-sliced counters
-        (plane k holds bit k of every worker's count), so a block held off
-        device by many workers costs a few integer operations, not one per worker.
+        It binary-searches where each group of workers stops matching
+        (``_segments``: O(log n) lookups in the big map per group), then reads
+        the ``_special`` map (C speed) over the blocks some worker matched: if
+        no worker holding the first block is risky at a later one of them,
+        each worker's blocks along the prompt are a prefix of it (module doc),
+        so the search was right, and the off-device blocks are counted per
+        segment; otherwise it reads every block (``_walk``). Both give the
+        same answer.
         """
         out = Matches(self._ids, self._indices)
         if not block_hashes:
             return out
+        alive = self._held.get(block_hashes[0], 0) & ((1 << self._lane) - 1)
+        if not alive:
+            return out
+        segments = self._segments(block_hashes, alive)
+        special = self._special
+        kinds: set[int] = set()
+        vals: list[int | None] = []
+        if special:
+            vals = list(map(special.get, block_hashes[:segments[-1][0]]))
+            found = set(vals)                     # C speed; None: not special
+            found.discard(None)
+            kinds = cast("set[int]", found)
+            if kinds and self._risky_after_first(vals, kinds, alive):
+                self._walk(out, block_hashes)       # a worker holding the first block may skip one
+                return out
+        self._emit_segments(out, segments, vals if kinds else [], kinds)
+        return out
+
+    def _emit_segments(self, out: Matches, segments: list[tuple[int, int, int]],
+                       vals: list[int | None], kinds: set[int]) -> None:
+        """One group per segment and per (host, disk) count: ``vals`` holds the
+        matched blocks' ``_special`` values, ``kinds`` the distinct ones."""
+        lane = self._lane
+        parts: dict[tuple[int, int], int] = {}   # (host, disk) blocks so far -> workers with them
+        pos = 0
+        for end, holders, leaving in segments:
+            if kinds:                             # off-device blocks in [pos, end): all of holders hold them
+                part = vals[pos:end] if pos or end < len(vals) else vals
+                for v in kinds:
+                    o = v & holders
+                    if o:
+                        times = part.count(v)
+                        if times:
+                            parts = _refine(parts, o, (v >> lane) & o, times)
+            slow = 0
+            for m in parts.values():
+                slow |= m
+            out.add(leaving & ~slow, self._device_match(end))
+            for (host, disk), m in parts.items():
+                if m & leaving:
+                    out.add(m & leaving, MatchInfo(end - host - disk, host, disk))
+            pos = end
+
+    def _risky_after_first(self, vals: list[int | None], kinds: set[int], alive: int) -> bool:
+        """Whether a worker in ``alive`` is risky at a block after the first (``vals``:
+        the blocks' ``_special`` values, ``kinds`` the distinct ones)."""
+        shift = 2 * self._lane
+        if not reduce(or_, kinds) >> shift & alive:
+            return False
+        first = vals[0]
+        return first is None or not first >> shift & alive or vals.count(first) > 1 or any(
+            v >> shift & alive for v in kinds if v != first)
+
+    def _segments(self, hashes: Sequence[int], alive: int) -> list[tuple[int, int, int]]:
+        """Where each group of workers stops matching, read by binary search
+        (right when each worker in ``alive`` holds a prefix of ``hashes``):
+        ``(end, holders of hashes[:end], those of them ending there)`` per group.
+        The ends found for the last prompt with the same first block are tried
+        first (two lookups when they still hold: prompts sharing a prefix share them)."""
+        held = self._held.get
+        hints = self._hints.get(hashes[0], ())
+        out: list[tuple[int, int, int]] = []
+        n, pos = len(hashes), 0
+        while True:
+            lo, hi, at_hi = pos, n, 0             # all of alive holds hashes[lo]; hi: not all, or the end
+            k = len(out)
+            if k < len(hints) and pos < hints[k] <= n:
+                lo, hi, at_hi = self._try_end(hashes, alive, pos, hints[k])
+            while hi - lo > 1:
+                mid = (lo + hi) >> 1
+                v = held(hashes[mid], 0)
+                if v & alive == alive:
+                    lo = mid
+                else:
+                    hi, at_hi = mid, v
+            if hi == n:
+                out.append((n, alive, alive))
+                break
+            m = at_hi & alive
+            out.append((hi, alive, alive & ~m))
+            if not m:
+                break
+            alive, pos = m, hi
+        if len(self._hints) >= _HINTS:
+            self._hints.clear()
+        self._hints[hashes[0]] = tuple(end for end, _, _ in out)
+        return out
+
+    def _try_end(self, hashes: Sequence[int], alive: int, lo: int, end: int) -> tuple[int, int, int]:
+        """Narrow ``_segments``' search with a guessed end: ``(lo, hi, hi's packed masks)``."""
+        held, n = self._held.get, len(hashes)
+        if end - 1 > lo:
+            v = held(hashes[end - 1], 0)
+            if v & alive != alive:
+                return lo, end - 1, v
+            lo = end - 1
+        if end == n:
+            return lo, n, 0
+        v = held(hashes[end], 0)
+        if v & alive != alive:
+            return lo, end, v
+        return end, n, 0
+
+    def _walk(self, out: Matches, block_hashes: Sequence[int]) -> None:
+        """``match`` reading every block: exact whatever the chain shape."""
         held = self._held.get
         lane = self._lane
         lane_mask = (1 << lane) - 1
@@ -307,7 +541,7 @@ class PrefixIndex:
                 self._emit(out, alive & ~m, length, counts)
                 alive = m
                 if not m:
-                    return out
+                    return
             if v > lane_mask:                     # someone holds it off device
                 o = (v >> lane) & alive
                 if o:
@@ -318,7 +552,6 @@ class PrefixIndex:
                         counts.add(counts.disk, d)
             length += 1
         self._emit(out, alive, length, counts)
-        return out
 
     def _emit(self, out: Matches, mask: int, length: int, counts: "_SlicedCounts") -> None:
         """Workers in ``mask`` match ``length`` blocks: one group for those holding
@@ -365,6 +598,23 @@ class PrefixIndex:
     @property
     def num_unique_blocks(self) -> int:
         return len(self._held)
+
+
+def _refine(parts: dict[tuple[int, int], int], off: int, disk: int, times: int) -> dict[tuple[int, int], int]:
+    """``parts`` after ``times`` more blocks held off device by the workers in
+    ``off`` (on disk for those in ``disk``, a subset; on the host for the rest)."""
+    host = off & ~disk
+    out: dict[tuple[int, int], int] = {}
+    for (h, d), m in parts.items():
+        for sub, key in ((m & host, (h + times, d)), (m & disk, (h, d + times)), (m & ~off, (h, d))):
+            if sub:
+                out[key] = out.get(key, 0) | sub
+        off &= ~m
+    if off & host:
+        out[(times, 0)] = out.get((times, 0), 0) | (off & host)
+    if off & disk:
+        out[(0, times)] = out.get((0, times), 0) | (off & disk)
+    return out
 
 
 class _SlicedCounts:

@@ -14,13 +14,14 @@ import abc
 import random
 from dataclasses import dataclass, field
 from enum import Enum
+from operator import add
 from types import MappingProxyType
 from typing import Callable, ClassVar, Iterable, Mapping, MutableMapping, Sequence
 
 import numpy as np
 
 from cluster.router import cost as C
-from cluster.router.cost_vector import RoleCosts
+from cluster.router.cost_vector import LIST_MAX, RoleCosts
 from cluster.router.inflight import InFlightMatch
 from cluster.router.index import Matches, MatchInfo, PrefixIndex
 
@@ -219,14 +220,15 @@ class RoutingPolicy(abc.ABC):
 class PrefixAwarePolicy(RoutingPolicy):
     """Cheapest node by cost.py: cached prefix against queue and decode load.
 
-    With many workers, each role's load-only cost terms are kept as an array
-    (``RoleCosts``, in step with the router's view through ``sync`` /
-    ``update``) and a decision costs all workers in a few numpy operations per
-    group of equal matches; otherwise, or for a view the router did not sync,
-    each worker is costed in Python. Both give the same choice and cost
-    (a test compares them)."""
+    From ``fast_min_workers`` workers in a pool, each role's load-only cost
+    terms are kept in step with the router's view (``RoleCosts``, through
+    ``sync`` / ``update``) and a decision adds the match term per group of
+    equal matches: Python lists summed at C speed (``map(add, ...)``) up to
+    ``LIST_MAX`` workers in the role, numpy arrays above; otherwise, or for a
+    view the router did not sync, each worker is costed in Python. All give
+    the same choice and cost (a test compares them)."""
     name = "prefix_aware"
-    fast_min_workers: ClassVar[int] = 64          # per pool, below it the Python scan is as fast
+    fast_min_workers: ClassVar[int] = 8           # per pool, below it the Python scan is as fast (lists: LIST_MAX)
 
     def __init__(self, config: PolicyConfig, rng: random.Random) -> None:
         super().__init__(config, rng)
@@ -329,10 +331,50 @@ class PrefixAwarePolicy(RoutingPolicy):
             costs[i] = self._matched_prefill_cost(req, info, rc.views[i].load.queued_prefill_tokens)
         return costs
 
+    def _prefill_cost_list(self, req: RoutingRequest, rc: RoleCosts, matches: Matches) -> list[float]:
+        """``_prefill_costs`` for a small role, the same arithmetic: ``new work +
+        queued_token * queued``, the new work set per group of equal matches (a
+        host / disk match costed once per group); an in-flight match is costed
+        by ``_matched_prefill_cost`` for its worker."""
+        w, bs = self.config.weights, req.block_size
+        total = req.prompt_tokens / bs
+        work = [w.uncached_token * total * bs] * len(rc)
+        slow: dict[int, MatchInfo] = {}
+        for mask, info in matches.groups:
+            self._set_work(work, slow, rc.member_positions(mask, matches.ids), info, total, bs)
+        for wid, info in matches.extra.items():
+            i = rc.position(wid)
+            if i is not None:
+                self._set_work(work, slow, (i,), info, total, bs)
+        costs = list(map(add, work, rc.key_list))
+        for i, info in slow.items():
+            costs[i] = self._matched_prefill_cost(req, info, rc.views[i].load.queued_prefill_tokens)
+        return costs
+
+    def _set_work(self, work: list[float], slow: dict[int, MatchInfo], positions: Sequence[int],
+                  info: MatchInfo, total: float, bs: int) -> None:
+        """A group's new prefill work (``_matched_prefill_cost`` less the queue term)."""
+        w = self.config.weights
+        if info.in_flight_blocks:
+            slow.update(dict.fromkeys(positions, info))
+            return
+        if info.host_blocks or info.disk_blocks:
+            v = w.uncached_token * (total - C.effective_cached_blocks(
+                info.device_blocks, info.host_blocks, info.disk_blocks, w, 0)) * bs
+        else:
+            v = w.uncached_token * (total - info.device_blocks) * bs
+        for i in positions:
+            work[i] = v
+        if slow:                                      # a later plain match overrides an in-flight one
+            for i in positions:
+                slow.pop(i, None)
+
     def pick_prefill(self, req, workers, matches) -> Pick:
         rc = self._vector(workers, "prefill", matches)
         if rc is None:
             return self._select(workers, self._prefill_costs(req, workers, matches))
+        if len(rc) <= LIST_MAX:
+            return self._select(workers, self._prefill_cost_list(req, rc, matches))
         return self._select_array(workers, self._prefill_cost_array(req, rc, matches))
 
     def pick_decode(self, req, workers, matches) -> Pick:
@@ -345,7 +387,18 @@ class PrefixAwarePolicy(RoutingPolicy):
                 m = get(x.worker_id)
                 costs.append(base(x.load) + wt * (n_full - m.blocks if m is not None else n_full))
             return self._select(workers, costs)
-        return self._select_array(workers, rc.keys + wt * (n_full - rc.match_blocks(matches)))
+        if len(rc) > LIST_MAX:
+            return self._select_array(workers, rc.keys + wt * (n_full - rc.match_blocks(matches)))
+        penalty = [wt * n_full] * len(rc)
+        for mask, info in matches.groups:
+            p = wt * (n_full - info.blocks)
+            for i in rc.member_positions(mask, matches.ids):
+                penalty[i] = p
+        for wid, info in matches.extra.items():
+            at = rc.position(wid)
+            if at is not None:
+                penalty[at] = wt * (n_full - info.blocks)
+        return self._select(workers, list(map(add, rc.key_list, penalty)))
 
     def pick_colocated(self, req, workers, matches) -> Pick:
         w = self.config.weights

@@ -198,12 +198,12 @@ class Router:
             self._view = None
             return
         role, i = pos
-        views = list(getattr(self._view, role))
-        views[i] = slot.view
+        old = getattr(self._view, role)
+        views = old[:i] + (slot.view,) + old[i + 1:]
         if role == "prefill":
-            self._view = ClusterView(tuple(views), self._view.decode)
+            self._view = ClusterView(views, self._view.decode)
         else:
-            self._view = ClusterView(self._view.prefill, tuple(views))
+            self._view = ClusterView(self._view.prefill, views)
         self.policy.update(slot.view, self._view)
 
     def _account(self, req: RoutingRequest, d: RoutingDecision, now: float) -> None:

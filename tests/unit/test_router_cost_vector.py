@@ -75,14 +75,15 @@ def _router(n: int, temperature: float = 0.0, seed: int = 1) -> Router:
     return r
 
 
+@pytest.mark.parametrize("n", [160, 64, 20])       # 80 a role: numpy arrays; 32 and 10: Python lists
 @pytest.mark.parametrize("temperature", [0.0, 0.3])
-def test_array_pick_equals_costing_every_worker(temperature):
+def test_array_pick_equals_costing_every_worker(temperature, n):
     """Random caches over three tiers, a prefix most workers hold, loads drawn from a
     small grid (many ties), in-flight and overriding matches, workers dying and coming back: the
     array pick and the Python scan choose the same worker at the same cost (with the
     same random draws above temperature 0)."""
     rng = random.Random(7)
-    n, bs = 160, 16
+    bs = 16
     router = _router(n, temperature)
     policy = router.policy
     common = [rng.getrandbits(63) for _ in range(2)]
@@ -130,8 +131,10 @@ def test_array_pick_equals_costing_every_worker(temperature):
 
 
 def test_small_pools_use_the_python_scan():
-    small = _router(100)
+    small = _router(14)                                # 7 a role
     assert small.view and small.policy._synced is None
+    listed = _router(100)
+    assert listed.view and listed.policy._synced is listed.view and len(listed.policy._roles["decode"]) <= 64
     big = _router(160)
     assert big.view and big.policy._synced is big.view
     warm = _router(160, temperature=0.5)
