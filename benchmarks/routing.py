@@ -54,18 +54,20 @@ from disagg_vs_colocated import free_port, machine  # noqa: E402
 from routing_workloads import DEFAULT_TRACE, MooncakeSample, mooncake_dataset  # noqa: E402
 
 
-def prefill_counters(stack) -> tuple[float, float]:
-    """(hit, queried) prompt tokens summed over the prefill workers (counters)."""
-    reg, hit, queried = stack.metrics.registry, 0.0, 0.0
+def prefill_counters(stack) -> tuple[float, float, dict[str, float]]:
+    """(hit, queried) prompt tokens summed over the prefill workers (counters), and
+    the tokens each worker computed (queried - hit: how the policy spread the work)."""
+    reg, hit, queried, computed = stack.metrics.registry, 0.0, 0.0, {}
     for wid, ref in stack.backend.workers.items():
         if ref.pool == "prefill":
             lbl = {"worker": wid, "pool": "prefill"}
-            hit += reg.get_sample_value("pdserve_prefix_cache_hit_tokens_total", lbl) or 0.0
-            queried += reg.get_sample_value("pdserve_prefix_cache_queried_tokens_total", lbl) or 0.0
-    return hit, queried
+            h = reg.get_sample_value("pdserve_prefix_cache_hit_tokens_total", lbl) or 0.0
+            q = reg.get_sample_value("pdserve_prefix_cache_queried_tokens_total", lbl) or 0.0
+            hit, queried, computed[wid] = hit + h, queried + q, q - h
+    return hit, queried, computed
 
 
-async def settled_counters(stack, wait_s: float = 1.0) -> tuple[float, float]:
+async def settled_counters(stack, wait_s: float = 1.0) -> tuple[float, float, dict[str, float]]:
     """Counters once the workers' reports (every 0.1 s) have caught up."""
     await asyncio.sleep(wait_s)
     return prefill_counters(stack)
@@ -107,9 +109,9 @@ async def run_policy(policy: str, base: dict, args) -> dict:
         warm = ds.random_dataset(ds.RandomSpec(64, 2), 4, info.vocab_size, 12345)
         await run_load(stack.grpc.target, warm, [0.0] * len(warm), RunnerConfig(progress=False))
         startup = time.monotonic() - t0
-        hit0, q0 = await settled_counters(stack)
+        hit0, q0, c0 = await settled_counters(stack)
         run = await run_load(stack.grpc.target, reqs, offsets, RunnerConfig(progress=False, drain_timeout_s=240))
-        hit1, q1 = await settled_counters(stack)
+        hit1, q1, c1 = await settled_counters(stack)
         waits = prefill_waits(stack)          # the warm-up's 4 distinct prompts never wait
     finally:
         await stack.drain_and_stop(1.0)
@@ -122,7 +124,8 @@ async def run_policy(policy: str, base: dict, args) -> dict:
             "ttft_ms": {k: s["ttft_ms"][k] for k in ("p50", "p90", "p99", "mean")},
             "e2e_ms_p50": s["e2e_ms"]["p50"],
             "request_throughput": s["request_throughput"], "total_token_throughput": s["total_token_throughput"],
-            "finished": s["requests"]["finished"], "failures": s["failures"], "prefill_prefix_waits": waits}
+            "finished": s["requests"]["finished"], "failures": s["failures"], "prefill_prefix_waits": waits,
+            "computed_tokens_per_worker": {w: round(c1[w] - c0.get(w, 0.0)) for w in sorted(c1)}}
 
 
 def prefill_waits(stack) -> dict[str, float]:
