@@ -1,9 +1,12 @@
-"""Prefix-aware vs round-robin routing over 2 prefill workers, side by side.
+"""Prefix-aware vs round-robin routing over --prefill-workers (2) prefill workers, side by side.
 
-A shared-prefix workload (--groups system prompts x --per-group questions,
-shuffled, Poisson arrivals) runs against the same cluster shape twice: 2
+A workload runs against the same cluster shape twice: --prefill-workers
 prefill workers + 1 decode worker, router_policy prefix_aware and then
-round_robin. Conditional disaggregation is off for both
+round_robin. --workload shared-prefix (default): --groups system prompts x
+--per-group questions, shuffled, Poisson arrivals at --rate. --workload
+mooncake: a replay of the Mooncake conversation trace, --conversations whole
+conversations sampled from it, lengths scaled by --trace-block-len / 512 and
+times by --trace-time-scale (benchmarks/routing_workloads.py). Conditional disaggregation is off for both
 (local_prefill_threshold=0, local_prefill_hit_ratio=1.0), so every prompt is
 prefilled by a prefill worker and the policies differ only in which one.
 
@@ -24,6 +27,7 @@ With --kv-blocks 1024 the caches hold everything and the policies differ by
 one extra miss per group (round-robin computes each prefix on both workers).
 
     .venv/bin/python benchmarks/routing.py [--groups 6 --per-group 12 --rate 1.5 --kv-blocks 128]
+    .venv/bin/python benchmarks/routing.py --workload mooncake --prefill-workers 4 [--conversations 60]
 
 Prints one JSON line. Figures vary with the machine's load; compare the two
 policies of one run.
@@ -36,6 +40,7 @@ import json
 import os
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -46,20 +51,23 @@ from cluster.tools.bench.runner import RunnerConfig, run_load  # noqa: E402
 from cluster.config import ServeConfig  # noqa: E402
 from cluster.server_stack import start_stack  # noqa: E402
 from disagg_vs_colocated import free_port, machine  # noqa: E402
+from routing_workloads import DEFAULT_TRACE, MooncakeSample, mooncake_dataset  # noqa: E402
 
 
-def prefill_counters(stack) -> tuple[float, float]:
-    """(hit, queried) prompt tokens summed over the prefill workers (counters)."""
-    reg, hit, queried = stack.metrics.registry, 0.0, 0.0
+def prefill_counters(stack) -> tuple[float, float, dict[str, float]]:
+    """(hit, queried) prompt tokens summed over the prefill workers (counters), and
+    the tokens each worker computed (queried - hit: how the policy spread the work)."""
+    reg, hit, queried, computed = stack.metrics.registry, 0.0, 0.0, {}
     for wid, ref in stack.backend.workers.items():
         if ref.pool == "prefill":
             lbl = {"worker": wid, "pool": "prefill"}
-            hit += reg.get_sample_value("pdserve_prefix_cache_hit_tokens_total", lbl) or 0.0
-            queried += reg.get_sample_value("pdserve_prefix_cache_queried_tokens_total", lbl) or 0.0
-    return hit, queried
+            h = reg.get_sample_value("pdserve_prefix_cache_hit_tokens_total", lbl) or 0.0
+            q = reg.get_sample_value("pdserve_prefix_cache_queried_tokens_total", lbl) or 0.0
+            hit, queried, computed[wid] = hit + h, queried + q, q - h
+    return hit, queried, computed
 
 
-async def settled_counters(stack, wait_s: float = 1.0) -> tuple[float, float]:
+async def settled_counters(stack, wait_s: float = 1.0) -> tuple[float, float, dict[str, float]]:
     """Counters once the workers' reports (every 0.1 s) have caught up."""
     await asyncio.sleep(wait_s)
     return prefill_counters(stack)
@@ -79,20 +87,32 @@ async def pin_prefill_workers(stack) -> dict[str, int]:
     return pinned
 
 
-async def run_policy(policy: str, base: dict, spec: ds.SharedPrefixSpec, args) -> dict:
+def workload(args, vocab_size: int) -> tuple[list[ds.BenchRequest], list[float]]:
+    """The requests and their send offsets (the same for every policy)."""
+    if args.workload == "mooncake":
+        reqs = mooncake_dataset(MooncakeSample(args.trace_path, args.conversations, args.trace_block_len,
+                                               args.trace_time_scale, args.max_model_len - args.output_len,
+                                               args.output_len, args.seed), vocab_size)
+        return reqs, [r.arrival_s or 0.0 for r in reqs]
+    spec = ds.SharedPrefixSpec(args.groups, args.per_group, args.system_len, args.question_len, args.output_len)
+    reqs = ds.shared_prefix_dataset(spec, vocab_size, args.seed)
+    return reqs, arrivals.schedule(arrivals.ArrivalSpec(args.rate), len(reqs), args.seed)
+
+
+async def run_policy(policy: str, base: dict, args) -> dict:
     t0 = time.monotonic()
     stack = await start_stack(ServeConfig(**base, router_policy=policy))
     try:
         pinned = await pin_prefill_workers(stack)
         info = stack.backend.model_info()
-        reqs = ds.shared_prefix_dataset(spec, info.vocab_size, args.seed)     # the same for every policy
-        offsets = arrivals.schedule(arrivals.ArrivalSpec(args.rate), len(reqs), args.seed)
+        reqs, offsets = workload(args, info.vocab_size)
         warm = ds.random_dataset(ds.RandomSpec(64, 2), 4, info.vocab_size, 12345)
         await run_load(stack.grpc.target, warm, [0.0] * len(warm), RunnerConfig(progress=False))
         startup = time.monotonic() - t0
-        hit0, q0 = await settled_counters(stack)
-        run = await run_load(stack.grpc.target, reqs, offsets, RunnerConfig(progress=False, drain_timeout_s=120))
-        hit1, q1 = await settled_counters(stack)
+        hit0, q0, c0 = await settled_counters(stack)
+        run = await run_load(stack.grpc.target, reqs, offsets, RunnerConfig(progress=False, drain_timeout_s=240))
+        hit1, q1, c1 = await settled_counters(stack)
+        waits = prefill_waits(stack)          # the warm-up's 4 distinct prompts never wait
     finally:
         await stack.drain_and_stop(1.0)
     s = summarize(run)
@@ -104,22 +124,33 @@ async def run_policy(policy: str, base: dict, spec: ds.SharedPrefixSpec, args) -
             "ttft_ms": {k: s["ttft_ms"][k] for k in ("p50", "p90", "p99", "mean")},
             "e2e_ms_p50": s["e2e_ms"]["p50"],
             "request_throughput": s["request_throughput"], "total_token_throughput": s["total_token_throughput"],
-            "finished": s["requests"]["finished"], "failures": s["failures"]}
+            "finished": s["requests"]["finished"], "failures": s["failures"], "prefill_prefix_waits": waits,
+            "computed_tokens_per_worker": {w: round(c1[w] - c0.get(w, 0.0)) for w in sorted(c1)}}
+
+
+def prefill_waits(stack) -> dict[str, float]:
+    """Requests that waited for an in-flight prefix on the prefill workers (counters), and the blocks saved."""
+    reg, out = stack.metrics.registry, {"requests": 0.0, "blocks_saved": 0.0}
+    for wid, ref in stack.backend.workers.items():
+        if ref.pool == "prefill":
+            lbl = {"worker": wid, "pool": "prefill"}
+            out["requests"] += reg.get_sample_value("pdserve_prefix_waits_total", lbl) or 0.0
+            out["blocks_saved"] += reg.get_sample_value("pdserve_prefix_wait_blocks_saved_total", lbl) or 0.0
+    return out
 
 
 async def main_async(args) -> dict:
     import ray
 
-    spec = ds.SharedPrefixSpec(args.groups, args.per_group, args.system_len, args.question_len, args.output_len)
     base = dict(model=args.model, grpc_port=free_port(), metrics_port=0, http_port=0, torch_threads=1,
-                cpus_per_worker=1.0,
-                prefill_workers=2, decode_workers=1, num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len,
+                cpus_per_worker=1.0, prefill_workers=args.prefill_workers, decode_workers=1,
+                num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len,
                 local_prefill_threshold=0, local_prefill_hit_ratio=1.0, log_level="WARNING",
                 ray_temp_dir=tempfile.mkdtemp(prefix="pdserve-bench-ray-"))
     out: dict = {}
     try:
         for policy in ("prefix_aware", "round_robin"):
-            out[policy] = await run_policy(policy, base, spec, args)
+            out[policy] = await run_policy(policy, base, args)
     finally:
         ray.shutdown()
     ideal = out["prefix_aware"].pop("ideal_hit_rate")
@@ -130,30 +161,47 @@ async def main_async(args) -> dict:
         r["prefill_hit_rate_over_ideal"] = round(r["prefill_hit_rate"] / ideal, 3) if r["prefill_hit_rate"] else None
     pa, rr = out["prefix_aware"], out["round_robin"]
     return {"benchmark": "routing", "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)",
-            "machine": machine(),
-            "workload": {"groups": args.groups, "per_group": args.per_group, "system_len": args.system_len,
-                         "question_len": args.question_len, "output_len": args.output_len,
-                         "rate_per_s": args.rate, "requests": n, "prefill_workers": 2, "decode_workers": 1},
+            "machine": machine(), "workload": workload_info(args, n),
             "ideal_hit_rate": ideal, **out,
-            "ttft_p90_round_robin_over_prefix_aware": round(rr["ttft_ms"]["p90"] / pa["ttft_ms"]["p90"], 3)
-            if pa["ttft_ms"]["p90"] and rr["ttft_ms"]["p90"] else None,
-            "targets": "prefix_aware hit rate >= 0.9 x ideal; TTFT p90 >= 2x better than round_robin"}
+            "ttft_round_robin_over_prefix_aware": {k: round(rr["ttft_ms"][k] / pa["ttft_ms"][k], 3)
+                                                   if pa["ttft_ms"][k] and rr["ttft_ms"][k] else None
+                                                   for k in ("p50", "p90", "mean")},
+            "targets": "prefix_aware hit rate >= 0.95 x ideal; TTFT >= 3x better than round_robin"}
+
+
+def workload_info(args, n: int) -> dict:
+    shape = {"requests": n, "prefill_workers": args.prefill_workers, "decode_workers": 1,
+             "kv_blocks_per_worker": args.kv_blocks, "output_len": args.output_len}
+    if args.workload == "mooncake":
+        return {"name": "mooncake", "trace": Path(args.trace_path).name, "conversations": args.conversations,
+                "trace_block_len": args.trace_block_len, "trace_time_scale": args.trace_time_scale,
+                "max_prompt_len": args.max_model_len - args.output_len, **shape}
+    return {"name": "shared-prefix", "groups": args.groups, "per_group": args.per_group,
+            "system_len": args.system_len, "question_len": args.question_len, "rate_per_s": args.rate, **shape}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="", help="HF dir or .gguf (default: the bundled SmolLM2)")
+    p.add_argument("--workload", choices=("shared-prefix", "mooncake"), default="shared-prefix")
+    p.add_argument("--prefill-workers", type=int, default=2)
     p.add_argument("--groups", type=int, default=6)
     p.add_argument("--per-group", type=int, default=12)
     p.add_argument("--system-len", type=int, default=384)
     p.add_argument("--question-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=4)
-    p.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson)")
+    p.add_argument("--output-len", type=int, default=4, help="output tokens (a cap for mooncake)")
+    p.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson; shared-prefix)")
+    p.add_argument("--trace-path", default=str(DEFAULT_TRACE), help="Mooncake conversation trace (JSONL)")
+    p.add_argument("--conversations", type=int, default=60, help="whole conversations sampled from the trace")
+    p.add_argument("--trace-block-len", type=int, default=16, help="tokens per trace hash id (512 in the trace)")
+    p.add_argument("--trace-time-scale", type=float, default=1 / 40, help="replay seconds per trace second")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-blocks", type=int, default=128, help="KV blocks per worker (default 128: fewer "
                    "than all groups' system prompts need, so where a group goes decides what stays cached)")
     p.add_argument("--max-model-len", type=int, default=1024)
     args = p.parse_args()
+    if args.prefill_workers < 1:
+        p.error("--prefill-workers must be >= 1")
     print(json.dumps(asyncio.run(main_async(args))))
 
 

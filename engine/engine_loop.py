@@ -114,10 +114,12 @@ class EngineLoop:
             while not self._stopping:
                 had_commands = bool(self._commands)
                 self._run_commands()
+                if had_commands:      # requests just added count in the stats while the next step runs
+                    self._publish()
                 did_work = False
                 if self.engine.has_unfinished():
                     did_work = self._step()
-                if did_work or had_commands:
+                if did_work:
                     self._publish()
                 if not did_work and not self._commands:
                     if not self._wake.wait(self._idle_interval if not self.engine.has_unfinished() else 0.002):

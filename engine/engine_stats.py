@@ -31,6 +31,9 @@ class EngineStats:
     kv_bytes_moved: int = 0            # between tiers, swaps included
     swap_preemptions: int = 0
     recompute_preemptions: int = 0
+    # requests that waited for prompt blocks another request was computing (engine/prefix_wait.py)
+    prefix_waits: int = 0
+    prefix_wait_blocks_saved: int = 0  # in-flight blocks they then took as hits instead of computing
 
 
 def tier_stats(scheduler: Scheduler, runner: ModelRunner) -> dict[str, int]:
@@ -42,3 +45,9 @@ def tier_stats(scheduler: Scheduler, runner: ModelRunner) -> dict[str, int]:
                 kv_bytes_moved=runner.tiers.stats.bytes_moved,
                 swap_preemptions=scheduler.num_swap_preemptions,
                 recompute_preemptions=scheduler.num_recompute_preemptions)
+
+
+def prefix_wait_stats(scheduler: Scheduler) -> dict[str, int]:
+    """The prefix-wait fields of EngineStats."""
+    w = scheduler.prefix_waits.stats
+    return dict(prefix_waits=w.waits, prefix_wait_blocks_saved=w.blocks_saved)

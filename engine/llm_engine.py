@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import torch
 
 from engine.config import EngineConfig
-from engine.engine_stats import EngineStats, tier_stats
+from engine.engine_stats import EngineStats, prefix_wait_stats, tier_stats
 from engine.kv_events import KVEvent, KVSnapshot
 from engine.model_runner import ModelRunner
 from engine.outputs import StepDelta
@@ -305,7 +305,8 @@ class LLMEngine:
                            remote_waiting=s.num_remote, held=s.num_held,
                            kv_blocks_used=kv.num_blocks - kv.num_free_blocks, kv_blocks_total=kv.num_blocks,
                            prefix_queried_tokens=pc.queried_tokens, prefix_hit_tokens=pc.hit_tokens,
-                           preemptions=self._num_preemptions, **tier_stats(self.scheduler, self.runner))
+                           preemptions=self._num_preemptions, **tier_stats(self.scheduler, self.runner),
+                           **prefix_wait_stats(self.scheduler))
 
     def drain_kv_events(self) -> list[KVEvent]:
         self._events.extend(self.scheduler.kv.drain_events())

@@ -2,7 +2,9 @@
 
 Each step spends a budget of ``max_num_batched_tokens`` tokens: first on
 running requests (decodes and continuing chunked prefills, oldest arrival
-first), then on waiting requests in FCFS order. A request computes the
+first), then on waiting requests in FCFS order, skipping one whose next
+prompt blocks a running request is computing right now (it waits for them
+as prefix hits: engine/prefix_wait.py). A request computes the
 tokens between ``num_computed_tokens`` and ``num_tokens``; prefill, decode and
 "KV arrived from a remote node" are the same case. When the pool runs out,
 the most recently arrived running request is preempted: by swap to the host
@@ -22,9 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.block_manager import KVCacheManager, cdiv
+from engine.block_manager import ComputedBlocks, KVCacheManager, cdiv
 from engine.block_pool import IntegrityError
 from engine.config import CacheConfig, SchedulerConfig
+from engine.prefix_wait import PrefixWaits
 from engine.request import Request, RequestStatus
 from engine.request_queues import RequestQueues
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -61,6 +64,7 @@ class Scheduler(RemoteKVMixin):
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  tier_sizes, cache_config.kv_cache_dtype)
         self.preemption = preemption or PreemptionPolicy()
+        self.prefix_waits = PrefixWaits(cache_config.block_size, cache_config.enable_prefix_caching)
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
         self._clock = clock
@@ -146,22 +150,36 @@ class Scheduler(RemoteKVMixin):
         out.preempted_ids.append(request.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
-        while self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        """Admit waiting requests in FCFS order; one whose next prompt blocks a
+        running request is computing now is skipped (engine/prefix_wait.py)."""
+        pending: dict[int, str] | None = None       # built on first need
+        i = 0
+        while i < len(self.waiting) and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
             computed = self.kv.get_computed_blocks(request)
+            if pending is None:
+                pending = self.prefix_waits.pending(self.running)
+            if self.prefix_waits.should_wait(request, computed, pending):
+                i += 1
+                continue
             n = self._chunk(request.num_tokens - computed.num_computed_tokens, budget)
             if n == 0:
                 return
             block_ids = self.kv.allocate_slots(request, n, computed)
             if block_ids is None:
                 return
-            self.waiting.popleft()
-            request.num_computed_tokens = computed.num_computed_tokens
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = computed.num_computed_tokens
-            self.queues.start_running(request)
+            del self.waiting[i]
+            self._admit(request, computed, pending)
             out.seqs.append(self._seq(request, n, block_ids))
             budget.take(n)
+
+    def _admit(self, request: Request, computed: ComputedBlocks, pending: dict[int, str]) -> None:
+        request.num_computed_tokens = computed.num_computed_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = computed.num_computed_tokens
+        self.queues.start_running(request)
+        self.prefix_waits.admitted(request, computed)
+        self.prefix_waits.add_owner(pending, request)
 
     def _seq(self, request: Request, n: int, block_ids: list[int]) -> ScheduledSeq:
         return ScheduledSeq(request, n, block_ids, sample=request.num_computed_tokens + n == request.num_tokens)
@@ -198,6 +216,7 @@ class Scheduler(RemoteKVMixin):
         if request is None:
             return False
         self.queues.remove(request)
+        self.prefix_waits.forget(request_id)
         request.status = status
         if request.hold_kv_on_finish and status != RequestStatus.FINISHED_ABORTED:
             self.queues.held[request_id] = (request, self._clock())

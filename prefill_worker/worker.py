@@ -51,6 +51,9 @@ class PrefillWorker(WorkerBase):
         self.transfer.set_read_guard(self.leases)
         self._maintenance: asyncio.Task | None = None
         self._pending: dict[str, asyncio.Queue] = {}   # request id -> queue, while prefilling
+        # request id -> prompt tokens, sent to the engine thread and not yet added (it adds
+        # between steps): the engine's stats do not count them yet, the report does
+        self._adding: dict[str, int] = {}
         self._fired: set[asyncio.Task] = set()   # read_ahead messages sent in this process
 
     # ------------------------------------------------------------- control
@@ -82,11 +85,14 @@ class PrefillWorker(WorkerBase):
         queue = self.aengine.subscribe(rid)
         self._pending[rid] = queue
         try:
+            self._adding[rid] = len(item.prompt_token_ids)    # reported as queued until the engine has it
             try:
                 await self.aengine.call(lambda e: e.add_request(rid, item.prompt_token_ids, item.sampling,
                                                                 item.cache_salt, prefill_only=True))
             except QueueFull:
                 return PrefillResult(first=None, moved=True, busy=True)
+            finally:
+                self._adding.pop(rid, None)
             told: list[Awaitable[Any]] = []
             first = await self._first_token(rid, queue, read_ahead, told)
             await _delivered(told)
@@ -166,6 +172,9 @@ class PrefillWorker(WorkerBase):
     # ----------------------------------------------------------- reporting
     async def report(self) -> WorkerReport:
         report = await super().report()
+        if self._adding:
+            report = replace(report, stats=replace(report.stats, waiting_tokens=report.stats.waiting_tokens
+                                                   + sum(self._adding.values())))
         return replace(report, leases_active=len(self.leases),
                        lease_expiries=self.leases.releases[ReleaseCause.EXPIRED])
 

@@ -57,6 +57,8 @@ class WorkerStats:
     leases_active: int = 0
     preemptions: int = 0           # cumulative
     tiers: TierStats = field(default_factory=TierStats)
+    prefix_waits: int = 0          # cumulative: requests that waited for an in-flight prefix
+    prefix_wait_blocks_saved: int = 0   # cumulative: in-flight blocks those took as hits
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,10 @@ COUNTERS = (   # exported as NAME_total
             lambda s: s.prefix_queried_tokens),
     _Series("pdserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache per worker",
             lambda s: s.prefix_hit_tokens),
+    _Series("pdserve_prefix_waits", "Requests that waited for prompt blocks another request was computing, "
+            "instead of recomputing them, per worker", lambda s: s.prefix_waits),
+    _Series("pdserve_prefix_wait_blocks_saved", "KV blocks taken as prefix hits after waiting for them "
+            "(not recomputed) per worker", lambda s: s.prefix_wait_blocks_saved),
     _Series("pdserve_lease_expiries", "KV leases that expired unread per worker", lambda s: s.lease_expiries),
     _Series("pdserve_preemptions", "Preemptions per worker", lambda s: s.preemptions),
     _Series("pdserve_kv_page_ins", "Cached KV blocks paged back into the device from host or disk per worker",
