@@ -91,6 +91,7 @@ class EngineConfig:
     seed: int = 0
     step_trace_size: int = 0           # > 0: keep the last N steps' timings (engine/step_trace.py)
     tensor_parallel_size: int = 1      # ranks one model is split over (engine/parallel/)
+    packed_weights: bool = True        # CPU: linear layers on oneDNN-packed weights (engine/model/packed_linear.py)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -22,11 +22,13 @@ class LLM:
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  seed: int = 0, host_kv_memory_bytes: int = 0, num_host_kv_blocks: int | None = None,
                  disk_kv_dir: str = "", disk_kv_bytes: int = 0, preemption_mode: str = "auto",
-                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> None:
+                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                 packed_weights: bool = True) -> None:
         """``tensor_parallel_size`` N > 1 splits the model over N ranks: this process is rank 0
         and N - 1 processes are spawned (close() or the end of the program stops them)."""
         config = EngineConfig(
             model=model or "", device=device, dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
+            packed_weights=packed_weights,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching,

@@ -16,6 +16,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.kv_pool import KVPool
 from engine.kv_quant import KVCacheSpec
 from engine.model.llama import LlamaForCausalLM
+from engine.model.packed_linear import can_pack
 from engine.parallel.sharded_model import TPShard
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.tiers.storage import TierStorage
@@ -57,9 +58,12 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, state_dict: dict[str, torch.Tensor], *,
                  cache_config: CacheConfig | None = None, max_model_len: int | None = None,
                  device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32",
-                 attention_backend: str = "torch_paged", tp: TPShard | None = None) -> None:
+                 attention_backend: str = "torch_paged", tp: TPShard | None = None,
+                 packed_weights: bool = True) -> None:
         """``tp``: hold one tensor-parallel rank's shard (its heads, its KV pool) of the model;
-        ``state_dict`` is then that rank's slices (engine/parallel/shard_loader.py)."""
+        ``state_dict`` is then that rank's slices (engine/parallel/shard_loader.py).
+        ``packed_weights``: linear layers on oneDNN-packed weights where the device and dtype
+        allow (engine/model/packed_linear.py); a tensor-parallel shard keeps plain weights."""
         cache_config = cache_config or CacheConfig()
         self.model_config = model_config
         self.device = torch.device(device)
@@ -79,6 +83,8 @@ class ModelRunner:
                 self.model = LlamaForCausalLM(model_config, self.attention, device=self.device,
                                               dtype=self.dtype, max_positions=self.max_model_len)
                 self.model.load_hf_state_dict(state_dict)
+                if packed_weights and can_pack(self.device, self.dtype):
+                    self.model.pack_weights()
             else:
                 self.model = tp.build_model(model_config, state_dict, self.attention, device=self.device,
                                             dtype=self.dtype, max_positions=self.max_model_len)
@@ -95,7 +101,8 @@ class ModelRunner:
         model_config, state = load_model_source(config.model)
         return cls(model_config, state, cache_config=config.cache,
                    max_model_len=config.scheduler.max_model_len, device=config.device,
-                   dtype=config.dtype, attention_backend=attention_backend)
+                   dtype=config.dtype, attention_backend=attention_backend,
+                   packed_weights=config.packed_weights)
 
     @property
     def num_blocks(self) -> int:

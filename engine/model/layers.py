@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.packed_linear import pack_weight, packed_linear
+
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -30,9 +32,17 @@ class FusedLinear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        self.packed: torch.Tensor | None = None     # oneDNN's blocked weight, once pack() ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def pack(self) -> None:
+        """Replace the weight by oneDNN's packed copy (engine/model/packed_linear.py)."""
+        self.packed = pack_weight(self.weight.data)
+        self.weight.data = self.weight.data.new_empty(0)
 
     def load_parts(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
         w = torch.cat(weights, dim=0)
@@ -40,6 +50,7 @@ class FusedLinear(nn.Module):
             raise ValueError(f"fused weight shape {tuple(w.shape)} != expected {tuple(self.weight.shape)}: "
                              "the checkpoint does not match its config")
         self.weight.data = w.to(self.weight.dtype).to(self.weight.device).contiguous()
+        self.packed = None
         if self.bias is not None:
             if biases is None:
                 raise ValueError("the config says the projection has a bias but the checkpoint has none")

@@ -16,6 +16,7 @@ from engine.attention.backend import AttentionBackend
 from engine.batch import BatchInput
 from engine.config import ModelConfig
 from engine.model.layers import FusedLinear, RMSNorm, SwiGLU, _param
+from engine.model.packed_linear import pack_weight, packed_linear
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -72,6 +73,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, reduce) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head_packed: torch.Tensor | None = None
         self.to(device=device, dtype=dtype)
         scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
@@ -101,7 +103,19 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Normed last hidden states ``[N, hidden]`` -> logits ``[N, vocab]``."""
+        if self.lm_head_packed is not None:
+            return packed_linear(h, self.lm_head_packed, None)
         return F.linear(h, self.lm_head_weight)
+
+    def pack_weights(self) -> None:
+        """oneDNN-packed weights for every projection and the LM head (call after loading;
+        a tied LM head gets its own packed copy, the embedding stays as it is)."""
+        for module in self.modules():
+            if isinstance(module, FusedLinear):
+                module.pack()
+        self.lm_head_packed = pack_weight(self.lm_head_weight.data)
+        if self.lm_head is not None:
+            self.lm_head.data = self.lm_head.data.new_empty(0)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -118,7 +132,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens.data.copy_(emb)
         self.norm.weight.data.copy_(sd["model.norm.weight"])
         if self.lm_head is not None:
-            self.lm_head.data.copy_(sd["lm_head.weight"])
+            self.lm_head.data = sd["lm_head.weight"].to(self.embed_tokens.dtype).to(self.embed_tokens.device).clone()
+        self.lm_head_packed = None
         try:
             for i, layer in enumerate(self.layers):
                 cast(DecoderLayer, layer).load_hf(sd, f"model.layers.{i}.")
