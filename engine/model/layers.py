@@ -30,6 +30,7 @@ class FusedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.shape = (out_features, in_features)
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
         self.packed: torch.Tensor | None = None     # oneDNN's blocked weight, once pack() ran
@@ -46,8 +47,8 @@ class FusedLinear(nn.Module):
 
     def load_parts(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
         w = torch.cat(weights, dim=0)
-        if w.shape != self.weight.shape:
-            raise ValueError(f"fused weight shape {tuple(w.shape)} != expected {tuple(self.weight.shape)}: "
+        if tuple(w.shape) != self.shape:
+            raise ValueError(f"fused weight shape {tuple(w.shape)} != expected {self.shape}: "
                              "the checkpoint does not match its config")
         self.weight.data = w.to(self.weight.dtype).to(self.weight.device).contiguous()
         self.packed = None
