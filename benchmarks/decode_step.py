@@ -66,12 +66,23 @@ class Case:
         times, cpu = sorted(self.times), sorted(self.cpu)
         med = times[len(times) // 2]
         batch, ctx = self.key["batch"], self.key["ctx"]
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+        weight_bytes = read_weight_bytes(self.runner.model)
         return {**self.key, "step_ms_median": round(med * 1e3, 2),
                 "step_ms_min": round(times[0] * 1e3, 2), "step_cpu_ms_median": round(cpu[len(cpu) // 2] * 1e3, 2),
                 "tok_per_s": round(batch / med, 1), "prefill_tok_per_s": round(batch * ctx / self.prefill_s, 1),
                 "weight_MB": round(weight_bytes / 1e6, 1),
                 "weight_read_GBps": round(weight_bytes / med / 1e9, 2)}
+
+
+def read_weight_bytes(model) -> int:
+    """Weight bytes a decode step reads: the projections and LM head (packed or plain) and the
+    norms; the embedding only when it is also the (unpacked) LM head."""
+    def size(t) -> int:
+        return t.numel() * t.element_size()
+    total = sum(size(p) for name, p in model.named_parameters() if name != "embed_tokens")
+    total += sum(size(m.packed) for m in model.modules() if getattr(m, "packed", None) is not None)
+    head = model.lm_head_packed if model.lm_head_packed is not None else model.lm_head_weight
+    return total + (size(head) if model.lm_head is None or model.lm_head_packed is not None else 0)
 
 
 def run(cfg, state, batch: int, ctx: int, steps: int, dtype: str, block_size: int,

@@ -80,9 +80,11 @@ def profile(args, batch: int) -> dict:
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"p{i}", [rng.randrange(100, vocab) for _ in range(args.ctx)], params)
+    t_prefill = time.perf_counter()
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
             or engine.scheduler.num_waiting:
-        engine.step()                                   # prefill (untimed)
+        engine.step()                                   # prefill (timed apart)
+    t_prefill = time.perf_counter() - t_prefill
     for _ in range(3):
         engine.step()                                   # warm-up decode steps
     timers = Timers()
@@ -113,7 +115,8 @@ def profile(args, batch: int) -> dict:
     tot = mean["total"]
     share = {k: (round(v / tot, 4) if v is not None else None) for k, v in mean.items() if k != "total"}
     non_forward = 1.0 - (share["forward"] or 0.0) - (share["attention"] or 0.0)
-    return {"batch": batch, "ctx": args.ctx, "step_ms_median": round(med["total"] * 1e3, 2),
+    return {"batch": batch, "ctx": args.ctx, "prefill_tok_per_s": round(batch * args.ctx / t_prefill, 1),
+            "step_ms_median": round(med["total"] * 1e3, 2),
             "step_ms_mean": round(tot * 1e3, 2), "tok_per_s": round(batch / med["total"], 1),
             "ms_mean": {k: (round(v * 1e3, 3) if v is not None else None) for k, v in mean.items() if k != "total"},
             "share": share, "non_forward_share": round(non_forward, 4),
