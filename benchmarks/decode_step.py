@@ -5,6 +5,7 @@ decode steps through ModelRunner.execute (metadata build included).
 Prints one JSON line.  Usage:
   python benchmarks/decode_step.py --batch 1 16 --dtype float32 bfloat16 --ctx 128
   python benchmarks/decode_step.py --batch 16 --dtype float32 --kv-cache-dtype auto int8 fp8_e4m3 --interleave
+  python benchmarks/decode_step.py ... --threads 1     # steadier on a shared host
 """
 from __future__ import annotations
 
@@ -100,7 +101,11 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=("auto", "int8", "fp8_e4m3"))
     ap.add_argument("--interleave", action="store_true",
                     help="prefill every case first, then time their decode steps in turn (side by side)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's); 1 keeps timings steady on a shared host")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg, state = load_model_source(args.model)
     grid = [(b, d, kv) for d in args.dtype for kv in args.kv_cache_dtype for b in args.batch]
     if args.interleave:

@@ -31,6 +31,23 @@ def decode_table(device: torch.device | str = "cpu") -> torch.Tensor:
     return values.to(device)
 
 
+def decode_via_half(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 e4m3fn codes (no NaN codes) -> their values in ``dtype``, by moving bits.
+
+    The code's 7 magnitude bits shifted left by 7 are a float16 whose value is
+    the e4m3 value times 2^-8, subnormals included (both formats' exponents step
+    by 2 and float16's bias is 8 above e4m3's); the sign bit moves to bit 15.
+    Integer ops and a float16 cast vectorise on every device, where torch's
+    float8 -> float cast on the CPU is element by element: 6x faster here
+    (1.6 M codes: 1.0 ms against 6.4 ms, one thread). Exact: every e4m3 value
+    times 2^-8 is a float16, and times 2^8 again is exact in float32 / bfloat16.
+    Codes 0x7f / 0xff (NaN) decode to 480: the quantizer never writes them.
+    """
+    x = codes.to(torch.int16)
+    bits = (x & 0x7F).mul_(128).bitwise_or_((x & 0x80).mul_(256))
+    return bits.view(torch.float16).to(dtype).mul_(256.0)
+
+
 def encode(y: torch.Tensor) -> torch.Tensor:
     """float32 values in [-448, 448] -> uint8 e4m3fn codes (round to nearest, ties to even)."""
     positive = decode_table(y.device)[:127]            # codes 0..126: increasing finite values

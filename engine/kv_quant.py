@@ -26,8 +26,10 @@ rounding adds no error. Zero vectors get the smallest normal scale.
 
 fp8: codes are float8_e4m3fn bytes. Where torch can cast to
 ``torch.float8_e4m3fn`` on the pool's device (CPU and CUDA in torch >= 2.1)
-the cast is used; elsewhere :mod:`engine.kv_fp8` encodes and decodes the same
-bytes with plain float ops (tests check the two agree bit for bit). Attention
+the cast is used to encode; elsewhere :mod:`engine.kv_fp8` encodes the same
+bytes with plain float ops (tests check the two agree bit for bit). Decoding
+uses torch's cast on CUDA and :func:`engine.kv_fp8.decode_via_half` (moved
+bits, exact) elsewhere: torch's float8 -> float cast is scalar on the CPU. Attention
 always dequantizes to the model's dtype and runs its matmuls there: no fp8
 matmul runs on any device.
 """
@@ -93,8 +95,9 @@ class KVCodec:
         self.spec = spec
         self.device = torch.device(device)
         self.native_fp8 = spec.name == "fp8_e4m3" and kv_fp8.native_cast_supported(self.device)
-        self._lut = kv_fp8.decode_table(self.device) if spec.name == "fp8_e4m3" and not self.native_fp8 \
-            else None
+        # decoding: torch's float8 cast where it is vectorised (CUDA), moved bits elsewhere (CPU: the
+        # cast is element by element there, 6x slower than kv_fp8.decode_via_half)
+        self.native_fp8_decode = self.native_fp8 and self.device.type == "cuda"
         self._tiny = torch.finfo(SCALE_DTYPE).tiny
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,9 +117,9 @@ class KVCodec:
         """uint8 codes -> unscaled values in ``dtype``."""
         if self.spec.name == "int8":
             return codes.view(torch.int8).to(dtype)
-        if self._lut is None:    # fp8 with a native cast
+        if self.native_fp8_decode:
             return codes.view(torch.float8_e4m3fn).to(dtype)
-        return self._lut.to(dtype)[codes.long()]
+        return kv_fp8.decode_via_half(codes, dtype)
 
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.decode_codes(codes, dtype).mul_(scale.to(dtype).unsqueeze(-1))

@@ -6,12 +6,12 @@ The engine's pool tensor ``[num_blocks, num_layers, 2, kv_heads, block_size,
 head_dim]`` (contiguous) has exactly this shape in memory, so one run of
 consecutive blocks is one transfer descriptor.
 
-Tensor parallelism (later): a rank that owns only some heads of every block
-can describe its share with ``slice_offset`` / ``slice_bytes``: the bytes
-``[slice_offset, slice_offset + slice_bytes)`` inside each block. Only that
-slice is transferred. A partial slice leaves gaps between blocks, so runs of
-blocks are then not merged into one descriptor. By default the slice is the
-whole block.
+``slice_offset`` / ``slice_bytes`` describe one contiguous part of every
+block (the bytes ``[slice_offset, slice_offset + slice_bytes)``); only that
+part is transferred and runs of blocks are then not merged. By default the
+slice is the whole block. Tensor-parallel ranks hold their own KV heads in
+pools of their own; which bytes move between ranks of different TP sizes is
+planned in :mod:`kvtransfer.head_plan`.
 """
 from __future__ import annotations
 

@@ -30,6 +30,21 @@ def test_fp8_fallback_codec_matches_torch_bit_for_bit():
     assert kv_fp8.native_cast_supported(torch.device("cpu"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_decode_by_moved_bits_matches_torch_cast_exactly(dtype):
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = (codes & 0x7F) != 0x7F                          # the quantizer never writes the NaN codes
+    native = codes.view(torch.float8_e4m3fn).to(dtype)
+    moved = kv_fp8.decode_via_half(codes, dtype)
+    assert moved.dtype == dtype
+    assert torch.equal(moved[finite], native[finite])
+    assert torch.equal(torch.signbit(moved[finite]), torch.signbit(native[finite]))   # -0.0 stays -0.0
+    codec = KVCodec(KVCacheSpec("fp8_e4m3"), "cpu")
+    assert not codec.native_fp8_decode                       # the CPU decodes by moved bits
+    tile = codes[finite].view(1, -1).expand(3, -1)           # non-contiguous rows, as a gather slices them
+    assert torch.equal(codec.decode_codes(tile, dtype), native[finite].expand(3, -1))
+
+
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
 def test_codec_error_is_bounded_by_the_per_token_scale(name):
     codec = KVCodec(KVCacheSpec(name), "cpu")
