@@ -1,0 +1,68 @@
+"""Tensor-parallel workers in a real cluster (local Ray, gRPC on loopback, tcp KV hand-off):
+a 2-rank prefill worker hands off to a 1-rank decode worker and a 1-rank prefill worker to a
+2-rank decode worker; each decode rank reads exactly its KV heads from the prefill ranks
+that hold them. Greedy tokens equal transformers `generate`; the prefill node's leases all
+end (every rank's read done, then rank 0 notified), and a rank that dies takes its worker
+down and the request is still served."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from cluster.cli.client import GenerationClient
+from cluster.config import ServeConfig
+from cluster_harness import Cluster, free_port
+from tiny_models import hf_greedy, load_hf_model
+
+pytestmark = pytest.mark.ray
+BS, MAX_NEW = 16, 8
+TILE = BS * 16 * 4                        # one KV head's block tile: 16 tokens x head_dim 16 x fp32
+BLOCK_TP1 = 2 * 3 * 2 * TILE              # tiny Llama: 3 layers, K|V, 2 KV heads
+
+
+def _cluster(model_dir, tmp, prefill_tp: int, decode_tp: int) -> Cluster:
+    return Cluster(ServeConfig(
+        model=str(model_dir), num_kv_blocks=32, max_model_len=256, block_size=BS, transfer_backend="tcp",
+        prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
+        grpc_port=free_port(), http_port=0, metrics_port=0, prefill_workers=1, decode_workers=1,
+        ray_temp_dir=str(tmp), worker_niceness=0, local_prefill_threshold=0, local_prefill_hit_ratio=1.0,
+        reserve_decode_blocks=True, pipelined_handoff=True, max_num_batched_tokens=40))
+
+
+async def _complete(target, ids):
+    async with GenerationClient(target) as c:
+        return await c.complete(prompt_token_ids=ids, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 380) for _ in range(n)] for n in (5, 2 * BS, 3 * BS + 9, 5 * BS + 1)]
+
+
+def _serve_and_compare(cluster: Cluster, model_dir) -> None:
+    hf = load_hf_model(model_dir)
+    prompts = _prompts()
+    blocks0 = cluster.sample("pdserve_kv_transfer_blocks_total")
+    bytes0 = cluster.sample("pdserve_kv_transfer_bytes_sum")
+    for p in prompts:
+        got = asyncio.run(_complete(cluster.target, p))
+        assert got.tokens == hf_greedy(hf, p, MAX_NEW), f"prompt of {len(p)} tokens"
+    blocks = cluster.sample("pdserve_kv_transfer_blocks_total") - blocks0
+    moved = cluster.sample("pdserve_kv_transfer_bytes_sum") - bytes0
+    assert blocks == sum(-(-len(p) // BS) for p in prompts)
+    assert moved == blocks * BLOCK_TP1, "every rank's heads of every block, once"
+    cluster.wait_idle()                   # leases all ended: every decode rank read, then rank 0 notified
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_tp_mix_hands_off_and_matches_transformers(tiny_llama_dir, tmp_path, prefill_tp, decode_tp):
+    cluster = _cluster(tiny_llama_dir, tmp_path, prefill_tp, decode_tp)
+    try:
+        infos = {w: cluster.call(w, "ready") for w in cluster.backend.workers}
+        assert infos["prefill-0"].tensor_parallel_size == prefill_tp
+        assert infos["decode-0"].tensor_parallel_size == decode_tp
+        _serve_and_compare(cluster, tiny_llama_dir)
+    finally:
+        cluster.close()
