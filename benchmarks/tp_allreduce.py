@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,12 +22,10 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.batch import AttentionMetadata, BatchInput  # noqa: E402
-from engine.model_runner import StepInputs  # noqa: E402
-from engine.parallel.group import TPGroup, free_tcp_address, rank_device  # noqa: E402
-from engine.parallel.rank import StepMessage  # noqa: E402
+from engine.batch import AttentionMetadata, BatchInput
+from engine.model_runner import StepInputs
+from engine.parallel.group import TPGroup, free_tcp_address, rank_device
+from engine.parallel.rank import StepMessage
 
 SHAPES = {"tiny": dict(hidden=64, layers=3, vocab=384), "smollm2": dict(hidden=576, layers=30, vocab=49152)}
 CASES = [("decode", 1, 1), ("decode", 16, 16), ("prefill", 512, 1)]     # (kind, tokens, sampled rows)

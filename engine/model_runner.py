@@ -58,7 +58,8 @@ class ModelRunner:
                  cache_config: CacheConfig | None = None, max_model_len: int | None = None,
                  device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32",
                  attention_backend: str = "torch_paged", tp: TPShard | None = None) -> None:
-        """``tp``: hold one tensor-parallel rank's shard (its heads, its KV pool) of the model."""
+        """``tp``: hold one tensor-parallel rank's shard (its heads, its KV pool) of the model;
+        ``state_dict`` is then that rank's slices (engine/parallel/shard_loader.py)."""
         cache_config = cache_config or CacheConfig()
         self.model_config = model_config
         self.device = torch.device(device)

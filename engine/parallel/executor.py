@@ -24,7 +24,8 @@ from engine.parallel.group import TPGroup, free_tcp_address, rank_device
 from engine.parallel.local_ranks import LocalRanks
 from engine.parallel.rank import RankMemory, StepMessage, inputs_to, rank_memory
 from engine.parallel.sharded_model import TPShard
-from engine.parallel.sharding import ShardLayout, check_tp_size
+from engine.parallel.shard_loader import load_rank_weights
+from engine.parallel.sharding import check_tp_size
 from engine.scheduler_output import SchedulerOutput
 from engine.tiers.types import KVMove
 
@@ -41,10 +42,7 @@ class Ranks(Protocol):
 class TPExecutor(ModelRunner):
     def __init__(self, config: EngineConfig, group: TPGroup, ranks: Ranks) -> None:
         """Build rank 0's shard of ``config.model``; the group is joined by :meth:`start`."""
-        from engine.loader import load_model_source
-
-        model_config, state = load_model_source(config.model)
-        layout = ShardLayout.of(model_config, group.world_size, 0)
+        model_config, layout, state = load_rank_weights(config.model, group.world_size, 0)
         super().__init__(model_config, state, cache_config=config.cache,
                          max_model_len=config.scheduler.max_model_len, device=group.device,
                          dtype=config.dtype, tp=TPShard(layout, group))

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, StepInputs
 from engine.parallel.group import TPGroup
 from engine.parallel.sharded_model import TPShard
-from engine.parallel.sharding import ShardLayout
+from engine.parallel.shard_loader import load_rank_weights
 from engine.tiers.types import KVMove
 
 
@@ -61,10 +61,7 @@ def inputs_to(inputs: StepInputs, device: torch.device | str) -> StepInputs:
 
 def build_rank_runner(config: EngineConfig, group: TPGroup) -> ModelRunner:
     """This rank's model runner: its shard of ``config.model`` and its own KV pool."""
-    from engine.loader import load_model_source
-
-    model_config, state = load_model_source(config.model)
-    layout = ShardLayout.of(model_config, group.world_size, group.rank)
+    model_config, layout, state = load_rank_weights(config.model, group.world_size, group.rank)
     return ModelRunner(model_config, state, cache_config=config.cache, max_model_len=config.scheduler.max_model_len,
                        device=group.device, dtype=config.dtype, tp=TPShard(layout, group))
 

@@ -17,7 +17,7 @@ from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel.group import TPGroup
-from engine.parallel.sharding import ShardLayout, shard_state_dict
+from engine.parallel.sharding import ShardLayout
 
 
 class ShardedLlamaForCausalLM(LlamaForCausalLM):
@@ -39,11 +39,6 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         """Rank 0: ``[N, vocab]`` (the padding rows dropped); other ranks: their own slice."""
         return self.group.gather_last_dim(F.linear(h, self.lm_head_weight))[:, :self.layout.vocab_size]
 
-    @torch.no_grad()
-    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load this rank's slices of the whole model's HF-named weights."""
-        self.load_hf_state_dict(shard_state_dict(sd, self.full_config, self.layout))
-
     def weight_bytes(self) -> int:
         """Bytes of this rank's parameters (what the planner calls weights per rank)."""
         return sum(p.numel() * p.element_size() for p in self.parameters())
@@ -61,7 +56,9 @@ class TPShard:
     def build_model(self, model: ModelConfig, state_dict: dict[str, torch.Tensor], attention: AttentionBackend, *,
                     device: torch.device | str, dtype: torch.dtype,
                     max_positions: int | None = None) -> ShardedLlamaForCausalLM:
+        """The shard of ``model`` (the whole model's config) from ``state_dict``: this rank's
+        slices, HF-named (engine/parallel/shard_loader.py, or sharding.shard_state_dict)."""
         m = ShardedLlamaForCausalLM(model, self.layout, self.group, attention, device=device, dtype=dtype,
                                     max_positions=max_positions)
-        m.load_full_state_dict(state_dict)
+        m.load_hf_state_dict(state_dict)
         return m

@@ -98,44 +98,59 @@ class ShardLayout:
                        intermediate_size=self.ffn_size, vocab_size=self.vocab_shard)
 
 
-def _rows(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    return t.narrow(0, start, n)
+@dataclass(frozen=True)
+class Slice:
+    """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, start + length)`` of one tensor; with
+    ``pad_to`` the rows past the tensor's end are zeros (the last vocabulary shard)."""
+    dim: int
+    start: int
+    length: int
+    pad_to: int = 0
 
 
-def _vocab_rows(t: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-    """This rank's rows of an embedding-like ``[V, hidden]``, zero-padded to ``vocab_shard``."""
-    n = max(0, min(layout.vocab_shard, t.shape[0] - layout.vocab_start))
-    out = t.new_zeros(layout.vocab_shard, *t.shape[1:])
-    if n:
-        out[:n] = t.narrow(0, layout.vocab_start, n)
+def slice_for(name: str, model: ModelConfig, layout: ShardLayout) -> Slice | None:
+    """What rank ``layout.rank`` keeps of the HF-named tensor ``name``; None: the whole tensor."""
+    hd = model.head_dim
+    q = (layout.head_start * hd, layout.num_heads * hd)
+    kv = (layout.kv_head_start * hd, layout.num_kv_heads * hd)
+    ffn = (layout.ffn_start, layout.ffn_size)
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return Slice(0, layout.vocab_start, layout.vocab_shard, pad_to=layout.vocab_shard)
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        return Slice(0, *q)
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias",
+                      "self_attn.v_proj.weight", "self_attn.v_proj.bias")):
+        return Slice(0, *kv)
+    if name.endswith("self_attn.o_proj.weight"):
+        return Slice(1, *q)
+    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        return Slice(0, *ffn)
+    if name.endswith("mlp.down_proj.weight"):
+        return Slice(1, *ffn)
+    if name.endswith(("o_proj.bias", "down_proj.bias")):
+        raise ValueError(f"{name}: a bias after a row-parallel projection is not supported under "
+                         "tensor parallelism; use tensor_parallel_size=1")
+    return None
+
+
+def take(t, sl: Slice | None, size: int) -> torch.Tensor:
+    """``sl`` of ``t`` (a tensor, or a lazy safetensors slice ``size`` long in ``sl.dim``)."""
+    if sl is None:
+        return t[:]
+    n = max(0, min(sl.length, size - sl.start))
+    part = t[sl.start:sl.start + n] if sl.dim == 0 else t[:, sl.start:sl.start + n]
+    if not sl.pad_to or n == sl.pad_to:
+        return part
+    out = torch.zeros(sl.pad_to, *part.shape[1:], dtype=part.dtype)
+    out[:n] = part
     return out
 
 
 def shard_state_dict(sd: dict[str, torch.Tensor], model: ModelConfig,
                      layout: ShardLayout) -> dict[str, torch.Tensor]:
     """This rank's slices of an HF-named state dict (names kept; norms and unknown tensors whole)."""
-    hd = model.head_dim
-    q = (layout.head_start * hd, layout.num_heads * hd)
-    kv = (layout.kv_head_start * hd, layout.num_kv_heads * hd)
-    ffn = (layout.ffn_start, layout.ffn_size)
-    out: dict[str, torch.Tensor] = {}
+    out = {}
     for name, t in sd.items():
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            out[name] = _vocab_rows(t, layout)
-        elif name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            out[name] = _rows(t, *q)
-        elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias",
-                            "self_attn.v_proj.weight", "self_attn.v_proj.bias")):
-            out[name] = _rows(t, *kv)
-        elif name.endswith("self_attn.o_proj.weight"):
-            out[name] = t.narrow(1, *q)
-        elif name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
-            out[name] = _rows(t, *ffn)
-        elif name.endswith("mlp.down_proj.weight"):
-            out[name] = t.narrow(1, *ffn)
-        elif name.endswith(("o_proj.bias", "down_proj.bias")):
-            raise ValueError(f"{name}: a bias after a row-parallel projection is not supported under "
-                             "tensor parallelism; use tensor_parallel_size=1")
-        else:
-            out[name] = t
+        sl = slice_for(name, model, layout)
+        out[name] = t if sl is None else take(t, sl, t.shape[sl.dim])
     return out
