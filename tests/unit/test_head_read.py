@@ -1,6 +1,7 @@
-"""Cross-TP hand-off over real tcp transfer engines: each destination rank reads its KV heads
-from the source ranks' own pools (read_segments), then one notify-only read ends the source's
-lease; a lease that ended meanwhile fails the hand-off instead of passing stale bytes."""
+"""Cross-TP hand-off over real transfer engines (tcp, and nixl where installed): each
+destination rank reads its KV heads from the source ranks' own pools (read_segments), then one
+notify-only read ends the source's lease; a lease that ended meanwhile fails the hand-off
+(tcp, whose source sees reads) instead of passing stale bytes."""
 from __future__ import annotations
 
 import time
@@ -14,20 +15,23 @@ from kvtransfer.head_plan import head_shards
 from kvtransfer.head_read import notify_source, plan_rank_read, read_heads
 from kvtransfer.layout import KVPoolLayout
 from kvtransfer.leases import LeaseTable, ReleaseCause
+from kvtransfer.registry import available_backends, create_engine
 from kvtransfer.tcp_backend import TcpEngine
 
 LAYERS, BLOCK, HEAD_DIM, BLOCKS = 3, 4, 8, 12
 SRC_IDS, DST_IDS = [7, 8, 9, 2], [0, 1, 2, 5]
+BACKENDS = [b for b in ("tcp", "nixl") if b in available_backends()]
 
 
 class _Side:
     """One worker's ranks: a pool per rank (its heads of `full`, or zeros) on its own engine."""
 
-    def __init__(self, name: str, num_kv_heads: int, tp: int, full: torch.Tensor | None = None) -> None:
+    def __init__(self, name: str, num_kv_heads: int, tp: int, full: torch.Tensor | None = None,
+                 backend: str = "tcp") -> None:
         self.shards = head_shards(num_kv_heads, tp)
         self.pools = [full[:, :, :, s.first_head:s.end].contiguous() if full is not None
                       else torch.zeros(BLOCKS, LAYERS, 2, s.num_heads, BLOCK * HEAD_DIM) for s in self.shards]
-        self.engines = [TcpEngine(f"{name}-rank{r}") for r in range(tp)]
+        self.engines = [create_engine(backend, f"{name}-{backend}-rank{r}") for r in range(tp)]
         for e, p in zip(self.engines, self.pools):
             e.register_pool(KVPoolLayout.from_tensor(p))
         self.sources = [RankSource(e.peer_info(), s) for e, s in zip(self.engines, self.shards)]
@@ -49,10 +53,11 @@ def sides():
         s.close()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("heads,p_tp,d_tp", [(2, 2, 1), (2, 1, 2), (2, 2, 2), (1, 2, 1), (1, 1, 2), (4, 2, 4)])
-def test_each_rank_reads_its_heads_over_tcp(sides, heads, p_tp, d_tp):
+def test_each_rank_reads_its_heads(sides, backend, heads, p_tp, d_tp):
     full = torch.randn(BLOCKS, LAYERS, 2, heads, BLOCK * HEAD_DIM)
-    src, dst = sides("p", heads, p_tp, full), sides("d", heads, d_tp)
+    src, dst = sides("p", heads, p_tp, full, backend), sides("d", heads, d_tp, backend=backend)
     leases = LeaseTable(time.monotonic, lambda lease, cause: None)
     src.engines[0].set_read_guard(leases)
     leases.pin("req", SRC_IDS, 30.0)
@@ -80,7 +85,7 @@ def test_matching_splits_read_whole_blocks(sides):
     full = torch.randn(BLOCKS, LAYERS, 2, 2, BLOCK * HEAD_DIM)
     src, dst = sides("p", 2, 2, full), sides("d", 2, 2)
     plans = [plan_rank_read(src.sources, s, r, dst.engines[r].layout, LAYERS) for r, s in enumerate(dst.shards)]
-    assert [[p.agent_name for p, _ in plan] for plan in plans] == [["p-rank0"], ["p-rank1"]]
+    assert [[p.agent_name for p, _ in plan] for plan in plans] == [["p-tcp-rank0"], ["p-tcp-rank1"]]
     res = read_heads(dst.engines[1], src.sources, dst.shards[1], 1, LAYERS, SRC_IDS, DST_IDS, 10.0)
     assert res.ok and res.descriptors == 2                 # runs 7-9 -> 0-2 and 2 -> 5
 
