@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -57,12 +58,42 @@ def _serve_and_compare(cluster: Cluster, model_dir) -> None:
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_tp_mix_hands_off_and_matches_transformers(tiny_llama_dir, tmp_path, prefill_tp, decode_tp):
-    cluster = _cluster(tiny_llama_dir, tmp_path, prefill_tp, decode_tp)
+def test_tp_mix_hands_off_and_matches_transformers(tiny_llama_dir, tmp_path_factory, prefill_tp, decode_tp):
+    cluster = _cluster(tiny_llama_dir, tmp_path_factory.mktemp("ray"), prefill_tp, decode_tp)
     try:
         infos = {w: cluster.call(w, "ready") for w in cluster.backend.workers}
         assert infos["prefill-0"].tensor_parallel_size == prefill_tp
         assert infos["decode-0"].tensor_parallel_size == decode_tp
         _serve_and_compare(cluster, tiny_llama_dir)
+        if decode_tp == 2:
+            _a_dead_rank_takes_its_worker_down(cluster, tiny_llama_dir)
     finally:
         cluster.close()
+
+
+def _a_dead_rank_takes_its_worker_down(cluster: Cluster, model_dir) -> None:
+    """Kill decode-0's rank 1: rank 0 exits too, Ray restarts both, the pool marks the worker
+    dead and routes to it again once it is back; it then serves tokens equal to transformers."""
+    import ray
+
+    ref = cluster.backend.workers["decode-0"]
+    pid = cluster.call("decode-0", "ready").pid
+    ray.kill(ref.placement.ranks[0], no_restart=False)
+    deadline = time.monotonic() + 180
+    while ref.alive:                       # rank 0 exits at once; the pool sees the stream break
+        assert time.monotonic() < deadline, "decode-0 was not reported dead after its rank 1 died"
+        time.sleep(0.05)
+    while True:
+        try:
+            info = cluster.call("decode-0", "ready")
+        except Exception:          # down, or restarting
+            info = None
+        if info is not None and info.pid != pid and ref.alive:
+            break
+        assert time.monotonic() < deadline, "decode-0 did not come back with fresh ranks"
+        time.sleep(0.5)
+    assert info.tensor_parallel_size == 2
+    prompt = _prompts()[2]
+    got = asyncio.run(_complete(cluster.target, prompt))
+    assert got.tokens == hf_greedy(load_hf_model(model_dir), prompt, MAX_NEW)
+    cluster.wait_idle()
