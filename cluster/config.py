@@ -245,6 +245,9 @@ def _check_tp(cfg: ServeConfig) -> None:
             raise ValueError(f"{name} must be >= 1 ranks per worker, or 0 to use tensor_parallel_size, "
                              f"got {getattr(cfg, name)}")
     tp = max(cfg.pool_tp_size("prefill"), cfg.pool_tp_size("decode"))
+    if tp > 1 and cfg.transfer_backend == "ucxx":
+        raise ValueError("the ucxx transfer backend cannot hand KV between tensor-parallel ranks (head ranges): "
+                         "use transfer_backend nixl, tcp or auto")
     if tp > 1 and cfg.device.startswith("cuda") and cfg.gpus_per_worker != 1:
         raise ValueError(f"tensor parallelism on {cfg.device} gives each rank its own GPU: set "
                          f"gpus_per_worker to 1 (a worker then holds its TP size in GPUs), got {cfg.gpus_per_worker}")

@@ -1,9 +1,10 @@
 """Tensor-parallel workers in a real cluster (local Ray, gRPC on loopback, tcp KV hand-off):
-a 2-rank prefill worker hands off to a 1-rank decode worker and a 1-rank prefill worker to a
-2-rank decode worker; each decode rank reads exactly its KV heads from the prefill ranks
-that hold them. Greedy tokens equal transformers `generate`; the prefill node's leases all
-end (every rank's read done, then rank 0 notified), and a rank that dies takes its worker
-down and the request is still served."""
+prefill TP 2 -> decode TP 1, 1 -> 2 and 2 -> 2 on a tiny Llama with 2 KV heads, 2 -> 1 and
+1 -> 2 on a tiny Qwen2, and 1 -> 2 on a Llama with 1 KV head (replicated on both decode
+ranks); each decode rank reads exactly its KV heads from the prefill ranks that hold them.
+Greedy tokens equal transformers `generate`; the bytes moved are the model's KV once per
+replica; the prefill node's leases all end (every rank's read done, then rank 0 notified);
+and a rank that dies takes its worker down, which comes back and serves again."""
 from __future__ import annotations
 
 import asyncio
@@ -15,12 +16,18 @@ import pytest
 from cluster.cli.client import GenerationClient
 from cluster.config import ServeConfig
 from cluster_harness import Cluster, free_port
-from tiny_models import hf_greedy, load_hf_model
+from tiny_models import hf_greedy, load_hf_model, make_tiny_model
 
 pytestmark = pytest.mark.ray
 BS, MAX_NEW = 16, 8
 TILE = BS * 16 * 4                        # one KV head's block tile: 16 tokens x head_dim 16 x fp32
-BLOCK_TP1 = 2 * 3 * 2 * TILE              # tiny Llama: 3 layers, K|V, 2 KV heads
+LAYERS = 3
+MODELS = {"llama": ("tiny_llama_dir", 2), "qwen2": ("tiny_qwen2_dir", 2), "llama-1kv": ("tiny_llama_1kv_dir", 1)}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_1kv_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_1kv"), "llama", num_kv_heads=1, seed=3)
 
 
 def _cluster(model_dir, tmp, prefill_tp: int, decode_tp: int) -> Cluster:
@@ -42,7 +49,7 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 380) for _ in range(n)] for n in (5, 2 * BS, 3 * BS + 9, 5 * BS + 1)]
 
 
-def _serve_and_compare(cluster: Cluster, model_dir) -> None:
+def _serve_and_compare(cluster: Cluster, model_dir, kv_heads: int, decode_tp: int) -> None:
     hf = load_hf_model(model_dir)
     prompts = _prompts()
     blocks0 = cluster.sample("pdserve_kv_transfer_blocks_total")
@@ -53,20 +60,24 @@ def _serve_and_compare(cluster: Cluster, model_dir) -> None:
     blocks = cluster.sample("pdserve_kv_transfer_blocks_total") - blocks0
     moved = cluster.sample("pdserve_kv_transfer_bytes_sum") - bytes0
     assert blocks == sum(-(-len(p) // BS) for p in prompts)
-    assert moved == blocks * BLOCK_TP1, "every rank's heads of every block, once"
+    replicas = max(1, decode_tp // kv_heads)     # decode ranks beyond the KV heads each read their replica
+    assert moved == blocks * 2 * LAYERS * kv_heads * TILE * replicas, "every rank's heads of every block, once"
     cluster.wait_idle()                   # leases all ended: every decode rank read, then rank 0 notified
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_tp_mix_hands_off_and_matches_transformers(tiny_llama_dir, tmp_path_factory, prefill_tp, decode_tp):
-    cluster = _cluster(tiny_llama_dir, tmp_path_factory.mktemp("ray"), prefill_tp, decode_tp)
+@pytest.mark.parametrize("model,prefill_tp,decode_tp", [("llama", 2, 1), ("llama", 1, 2), ("llama", 2, 2),
+                                                        ("qwen2", 2, 1), ("qwen2", 1, 2), ("llama-1kv", 1, 2)])
+def test_tp_mix_hands_off_and_matches_transformers(request, tmp_path_factory, model, prefill_tp, decode_tp):
+    fixture, kv_heads = MODELS[model]
+    model_dir = request.getfixturevalue(fixture)
+    cluster = _cluster(model_dir, tmp_path_factory.mktemp("ray"), prefill_tp, decode_tp)
     try:
         infos = {w: cluster.call(w, "ready") for w in cluster.backend.workers}
         assert infos["prefill-0"].tensor_parallel_size == prefill_tp
         assert infos["decode-0"].tensor_parallel_size == decode_tp
-        _serve_and_compare(cluster, tiny_llama_dir)
-        if decode_tp == 2:
-            _a_dead_rank_takes_its_worker_down(cluster, tiny_llama_dir)
+        _serve_and_compare(cluster, model_dir, kv_heads, decode_tp)
+        if (model, decode_tp) == ("llama", 2) and prefill_tp == 1:
+            _a_dead_rank_takes_its_worker_down(cluster, model_dir)
     finally:
         cluster.close()
 

@@ -45,6 +45,12 @@ def test_sizes_below_one_are_refused(field, value, match):
         ServeConfig(**{field: value})
 
 
+def test_a_backend_without_head_range_reads_is_refused():
+    with pytest.raises(ValueError, match="ucxx .* use transfer_backend nixl, tcp or auto"):
+        ServeConfig(tensor_parallel_size=2, transfer_backend="ucxx")
+    ServeConfig(transfer_backend="ucxx")
+
+
 def test_cuda_ranks_need_a_gpu_each():
     with pytest.raises(ValueError, match="set gpus_per_worker to 1"):
         ServeConfig(device="cuda", tensor_parallel_size=2)
