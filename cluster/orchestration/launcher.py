@@ -62,8 +62,17 @@ def transfer_settings(cfg: ServeConfig) -> TransferSettings:
     could not bind. A local cluster started here with a concrete `host` (127.0.0.1 by
     default): that address, since every worker runs on this machine."""
     local = not cfg.address and cfg.host not in ("0.0.0.0", "::", "")
-    return TransferSettings(backend=cfg.transfer_backend, host=cfg.host if local else "",
+    return TransferSettings(backend=_backend(cfg), host=cfg.host if local else "",
                             lease_ttl=cfg.lease_ttl, timeout=cfg.transfer_timeout, secret=cluster_secret(cfg))
+
+
+def _backend(cfg: ServeConfig) -> str:
+    """The configured backend; "auto" with tensor parallelism skips ucxx, which cannot read head ranges."""
+    tp = max(cfg.pool_tp_size("prefill"), cfg.pool_tp_size("decode"))
+    if cfg.transfer_backend != "auto" or tp == 1:
+        return cfg.transfer_backend
+    from kvtransfer.registry import available_backends
+    return next(b for b in available_backends() if b != "ucxx")
 
 
 def cluster_secret(cfg: ServeConfig) -> str:

@@ -8,7 +8,7 @@ import pytest
 
 from cluster.cli import serve as serve_cli
 from cluster.config import ServeConfig
-from cluster.orchestration.launcher import engine_config
+from cluster.orchestration.launcher import engine_config, transfer_settings
 from cluster.orchestration.tp_placement import check_tp_sizes
 
 
@@ -49,6 +49,7 @@ def test_a_backend_without_head_range_reads_is_refused():
     with pytest.raises(ValueError, match="ucxx .* use transfer_backend nixl, tcp or auto"):
         ServeConfig(tensor_parallel_size=2, transfer_backend="ucxx")
     ServeConfig(transfer_backend="ucxx")
+    assert transfer_settings(ServeConfig(tensor_parallel_size=2)).backend in ("nixl", "tcp")   # auto skips ucxx
 
 
 def test_cuda_ranks_need_a_gpu_each():
