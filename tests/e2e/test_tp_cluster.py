@@ -16,6 +16,7 @@ import pytest
 from cluster.cli.client import GenerationClient
 from cluster.config import ServeConfig
 from cluster_harness import Cluster, free_port
+from kvtransfer.registry import available_backends
 from tiny_models import hf_greedy, load_hf_model, make_tiny_model
 
 pytestmark = pytest.mark.ray
@@ -30,9 +31,9 @@ def tiny_llama_1kv_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_1kv"), "llama", num_kv_heads=1, seed=3)
 
 
-def _cluster(model_dir, tmp, prefill_tp: int, decode_tp: int) -> Cluster:
+def _cluster(model_dir, tmp, prefill_tp: int, decode_tp: int, backend: str = "tcp") -> Cluster:
     return Cluster(ServeConfig(
-        model=str(model_dir), num_kv_blocks=32, max_model_len=256, block_size=BS, transfer_backend="tcp",
+        model=str(model_dir), num_kv_blocks=32, max_model_len=256, block_size=BS, transfer_backend=backend,
         prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
         grpc_port=free_port(), http_port=0, metrics_port=0, prefill_workers=1, decode_workers=1,
         ray_temp_dir=str(tmp), worker_niceness=0, local_prefill_threshold=0, local_prefill_hit_ratio=1.0,
@@ -78,6 +79,18 @@ def test_tp_mix_hands_off_and_matches_transformers(request, tmp_path_factory, mo
         _serve_and_compare(cluster, model_dir, kv_heads, decode_tp)
         if (model, decode_tp) == ("llama", 2) and prefill_tp == 1:
             _a_dead_rank_takes_its_worker_down(cluster, model_dir)
+    finally:
+        cluster.close()
+
+
+@pytest.mark.skipif("nixl" not in available_backends(), reason="nixl not installed")
+def test_tp_hand_off_over_nixl(tiny_llama_dir, tmp_path_factory):
+    """The default backend: prefill ranks 1..N-1 are one-sided NIXL sources (their actors
+    progress the passive side), the decode rank reads head ranges with NIXL descriptors."""
+    cluster = _cluster(tiny_llama_dir, tmp_path_factory.mktemp("ray"), 2, 1, backend="nixl")
+    try:
+        assert cluster.call("decode-0", "ready").backend == "nixl"
+        _serve_and_compare(cluster, tiny_llama_dir, 2, 1)
     finally:
         cluster.close()
 
