@@ -31,11 +31,11 @@ def tiny_llama_1kv_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_1kv"), "llama", num_kv_heads=1, seed=3)
 
 
-def _cluster(model_dir, tmp, prefill_tp: int, decode_tp: int, backend: str = "tcp") -> Cluster:
+def _cluster(model_dir, tmp, prefill_tp: int, decode_tp: int, backend: str = "tcp", decode_workers: int = 1) -> Cluster:
     return Cluster(ServeConfig(
         model=str(model_dir), num_kv_blocks=32, max_model_len=256, block_size=BS, transfer_backend=backend,
         prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
-        grpc_port=free_port(), http_port=0, metrics_port=0, prefill_workers=1, decode_workers=1,
+        grpc_port=free_port(), http_port=0, metrics_port=0, prefill_workers=1, decode_workers=decode_workers,
         ray_temp_dir=str(tmp), worker_niceness=0, local_prefill_threshold=0, local_prefill_hit_ratio=1.0,
         reserve_decode_blocks=True, pipelined_handoff=True, max_num_batched_tokens=40))
 
@@ -121,3 +121,37 @@ def _a_dead_rank_takes_its_worker_down(cluster: Cluster, model_dir) -> None:
     got = asyncio.run(_complete(cluster.target, prompt))
     assert got.tokens == hf_greedy(load_hf_model(model_dir), prompt, MAX_NEW)
     cluster.wait_idle()
+
+
+def test_a_rank_dying_mid_request_migrates_it(tiny_llama_dir, tmp_path_factory):
+    """Two decode workers at TP 2: kill a rank of the one streaming a long request; the worker
+    goes down with it and the request migrates to the other, its tokens still transformers'."""
+    import ray
+
+    cluster = _cluster(tiny_llama_dir, tmp_path_factory.mktemp("ray"), 1, 2, decode_workers=2)
+    try:
+        prompt, n = _prompts()[1], 160
+        expect = hf_greedy(load_hf_model(tiny_llama_dir), prompt, n)
+        migrations0 = cluster.sample("pdserve_request_migrations_total")
+
+        async def run():
+            async with GenerationClient(cluster.target) as c:
+                task = asyncio.ensure_future(c.complete(prompt_token_ids=prompt, max_tokens=n, temperature=0.0,
+                                                        ignore_eos=True))
+                deadline = time.monotonic() + 60
+                while True:
+                    running = {w: (await asyncio.to_thread(cluster.call, w, "report")).stats.running
+                               for w in ("decode-0", "decode-1")}
+                    busy = [w for w, r in running.items() if r]
+                    if busy:
+                        break
+                    assert not task.done() and time.monotonic() < deadline, "the request never ran on a decode worker"
+                    await asyncio.sleep(0.02)
+                ray.kill(cluster.backend.workers[busy[0]].placement.ranks[0], no_restart=False)
+                return await task
+
+        got = asyncio.run(run())
+        assert got.tokens == expect
+        assert cluster.sample("pdserve_request_migrations_total") - migrations0 >= 1
+    finally:
+        cluster.close()
