@@ -69,6 +69,10 @@ class ServeConfig:
     prefill_workers: int = 1
     decode_workers: int = 1
     colocated: bool = False               # workers do both phases, no handoff
+    # tensor parallelism (docs/tensor_parallel.md): ranks (Ray actors) one worker's model is split over
+    tensor_parallel_size: int = 1         # both pools
+    prefill_tensor_parallel_size: int = 0   # 0 = tensor_parallel_size
+    decode_tensor_parallel_size: int = 0    # 0 = tensor_parallel_size (colocated workers too)
     cpus_per_worker: float = 1.0
     worker_niceness: int = 15             # nice of worker actors in a Ray cluster pdserve starts (Ray's default)
     gpus_per_worker: float = 0.0
@@ -167,6 +171,7 @@ class ServeConfig:
         for name in ("grpc_port", "metrics_port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a TCP port (0-65535)")
+        _check_tp(self)
         if not 0 <= self.worker_niceness <= 19:
             raise ValueError(f"worker_niceness must be 0-19 (0 = the frontend's priority, 15 = Ray's default), "
                              f"got {self.worker_niceness}")
@@ -203,6 +208,11 @@ class ServeConfig:
                      else (self.min_decode_workers, self.max_decode_workers))
         return low, high or size
 
+    def pool_tp_size(self, pool: str) -> int:
+        """Ranks per worker of "prefill" or "decode" / "colocated"."""
+        own = self.prefill_tensor_parallel_size if pool == "prefill" else self.decode_tensor_parallel_size
+        return own or self.tensor_parallel_size
+
     @property
     def kv_cache_memory_bytes(self) -> int:
         return parse_size(self.kv_cache_memory)
@@ -222,6 +232,25 @@ class ServeConfig:
         values.update(_coerce({k: v for k, v in (overrides or {}).items() if v is not None},
                               lambda k: f"config key {k!r}"))
         return cls(**values)
+
+
+def _check_tp(cfg: ServeConfig) -> None:
+    """The sizes alone (whether the model splits that way is checked at start-up, with the model:
+    cluster/orchestration/tp_placement.py)."""
+    if cfg.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1 ranks per worker (1 = no tensor parallelism), "
+                         f"got {cfg.tensor_parallel_size}")
+    for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 1 ranks per worker, or 0 to use tensor_parallel_size, "
+                             f"got {getattr(cfg, name)}")
+    tp = max(cfg.pool_tp_size("prefill"), cfg.pool_tp_size("decode"))
+    if tp > 1 and cfg.transfer_backend == "ucxx":
+        raise ValueError("the ucxx transfer backend cannot hand KV between tensor-parallel ranks (head ranges): "
+                         "use transfer_backend nixl, tcp or auto")
+    if tp > 1 and cfg.device.startswith("cuda") and cfg.gpus_per_worker != 1:
+        raise ValueError(f"tensor parallelism on {cfg.device} gives each rank its own GPU: set "
+                         f"gpus_per_worker to 1 (a worker then holds its TP size in GPUs), got {cfg.gpus_per_worker}")
 
 
 def _check_autoscale(cfg: ServeConfig) -> None:

@@ -25,8 +25,9 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, QueueFull
@@ -34,7 +35,9 @@ from engine.outputs import StepDelta
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RemoteAllocation
 from kvtransfer.engine import PeerInfo, TransferEngine, TransferStatus
-from kvtransfer.handle import KVHandle
+from kvtransfer.handle import KVHandle, RankSource
+from kvtransfer.head_plan import HeadShard
+from kvtransfer.head_read import HeadReadResult, notify_source, read_heads
 from kvtransfer.settings import TransferSettings
 from worker_api.base import WorkerBase
 from worker_api.messages import PullFailure, ReadyInfo, SubmitResult, WorkerReport, WorkItem
@@ -59,8 +62,9 @@ class _AheadRead:
 
 class DecodeWorker(WorkerBase):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferSettings,
-                 torch_threads: int = 1, pool: str = "decode") -> None:
-        super().__init__(worker_id, pool, engine_config, transfer, torch_threads, batch_stream=True)
+                 torch_threads: int = 1, pool: str = "decode", tp_ranks: Sequence[Any] = ()) -> None:
+        super().__init__(worker_id, pool, engine_config, transfer, torch_threads, batch_stream=True,
+                         tp_ranks=tp_ranks)
         self.transfer: TransferEngine | None = None if pool == "colocated" else self._open_transfer()
         # one thread owns every transfer-engine call (backends need not be thread-safe)
         self._xfer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
@@ -158,7 +162,7 @@ class DecodeWorker(WorkerBase):
         read them now into the reservation. Ignored without one (not made yet, or
         already claimed): the submit then reads them."""
         alloc = self._reserved.get(request_id)
-        if alloc is None:
+        if alloc is None or self.tp_actors:   # a TP worker reads every rank's heads at the submit
             return
         end = min(first_index + len(block_ids), len(alloc.block_ids))
         indices = tuple(range(max(first_index, alloc.num_cached_blocks), end))
@@ -249,8 +253,8 @@ class DecodeWorker(WorkerBase):
             if ahead and not todo:   # the last read carries the notification that ends the source's lease
                 todo = [len(alloc.block_ids) - 1]
             if todo:
-                status, nbytes, ndesc, err = await self._read(
-                    handle.peer, [handle.block_ids[i] for i in todo], [alloc.block_ids[i] for i in todo],
+                status, nbytes, ndesc, err = await self._read_handle(
+                    handle, [handle.block_ids[i] for i in todo], [alloc.block_ids[i] for i in todo],
                     request_id.encode())
         finally:
             self._pulling.discard(request_id)
@@ -277,6 +281,32 @@ class DecodeWorker(WorkerBase):
         await self.aengine.call(lambda e: e.remote_kv_failed(request_id, late_token))
         return SubmitResult(local_prefill=False, cached_blocks=alloc.num_cached_blocks, descriptors=ndesc,
                             transfer_seconds=seconds, recomputed=True, error=err or status.value)
+
+    async def _read_handle(self, handle: KVHandle, src: list[int], dst: list[int], notify: bytes) -> _ReadResult:
+        """Read the handle's blocks `src` into ours `dst`; across tensor-parallel ranks when
+        either side splits the KV heads (every rank reads its heads, then rank 0 notifies)."""
+        if not handle.tensor_parallel and not self.tp_actors:
+            return await self._read(handle.peer, src, dst, notify)
+        transfer = self.transfer
+        if transfer is None:
+            return TransferStatus.FAILED, 0, 0, "a colocated worker moves no KV: submit it without a handle"
+        sources = handle.ranks or (RankSource(handle.peer, HeadShard(0, self.kv_heads.num_kv_heads)),)
+        heads, timeout = self.kv_heads, self.settings.timeout
+        loop = asyncio.get_running_loop()
+        own = loop.run_in_executor(self._xfer_thread, lambda: read_heads(
+            transfer, sources, heads.shard, 0, heads.num_layers, src, dst, timeout))
+        others = [asyncio.wrap_future(a.read_heads.remote(sources, src, dst).future()) for a in self.tp_actors]
+        results = await asyncio.gather(own, *others, return_exceptions=True)
+        done = [r for r in results if isinstance(r, HeadReadResult)]
+        nbytes, ndesc = sum(r.nbytes for r in done), sum(r.descriptors for r in done)
+        for r in results:
+            if not isinstance(r, HeadReadResult):    # a rank actor died: its worker goes down too
+                return TransferStatus.FAILED, nbytes, ndesc, f"{type(r).__name__}: {r}"
+            if not r.ok:
+                return r.status, nbytes, ndesc, r.error
+        note = await loop.run_in_executor(self._xfer_thread, lambda: notify_source(
+            transfer, handle.peer, notify, timeout))
+        return note.status, nbytes, ndesc + note.descriptors, note.error
 
     async def _read(self, peer: PeerInfo, src: list[int], dst: list[int], notify: bytes) -> _ReadResult:
         """Read `peer`'s blocks `src` into ours `dst`: (status, bytes, descriptors, error).

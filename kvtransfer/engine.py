@@ -17,9 +17,12 @@ import abc
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from kvtransfer.layout import KVPoolLayout
+
+if TYPE_CHECKING:
+    from kvtransfer.head_plan import Segment
 
 
 class TransferStatus(enum.Enum):
@@ -130,6 +133,15 @@ class TransferEngine(abc.ABC):
              notify: bytes = b"") -> TransferHandle:
         """Copy ``peer``'s blocks ``src_block_ids`` into our ``dst_block_ids``;
         ``notify`` is delivered to the peer once the read completed."""
+
+    def read_segments(self, peer: PeerInfo, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                      segments: Sequence["Segment"], notify: bytes = b"") -> TransferHandle:
+        """As :meth:`read`, but only the byte ``segments`` of each block (a tensor-parallel
+        rank's head ranges, planned by :mod:`kvtransfer.head_plan`; the segments' src_rank
+        is not looked at: they all come from ``peer``). A segment that is the whole block on
+        both sides reads runs of blocks as :meth:`read` does."""
+        raise ValueError(f"the {self.backend_name!r} transfer backend cannot read head ranges between "
+                         "tensor-parallel workers of different sizes: use the tcp or nixl backend")
 
     #: whether set_read_guard() takes effect: the source sees every read
     #: (tcp) rather than one-sided reads it never hears of (NIXL, UCXX)

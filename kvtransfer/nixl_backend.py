@@ -35,6 +35,7 @@ import numpy as np
 
 from kvtransfer import side_channel, ucx_env
 from kvtransfer.descriptors import Descriptor, build_descriptors
+from kvtransfer.head_plan import Segment, segment_descriptors
 from kvtransfer.engine import (Notification, PeerInfo, TransferEngine, TransferHandle,
                                TransferStatus)
 from kvtransfer.layout import KVPoolLayout
@@ -257,7 +258,15 @@ class NixlEngine(TransferEngine):
 
     def read(self, peer: PeerInfo, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
              notify: bytes = b"") -> TransferHandle:
-        descs = build_descriptors(peer.layout, self.layout, src_block_ids, dst_block_ids)
+        return self._start_read(peer, build_descriptors(peer.layout, self.layout, src_block_ids, dst_block_ids),
+                                notify)
+
+    def read_segments(self, peer: PeerInfo, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                      segments: Sequence[Segment], notify: bytes = b"") -> TransferHandle:
+        descs = segment_descriptors(peer.layout, self.layout, src_block_ids, dst_block_ids, segments)
+        return self._start_read(peer, descs, notify)
+
+    def _start_read(self, peer: PeerInfo, descs: list[Descriptor], notify: bytes) -> TransferHandle:
         nbytes = sum(d.nbytes for d in descs)
         try:
             self.connect(peer)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from kvtransfer.descriptors import Descriptor, build_descriptors
+from kvtransfer.head_plan import Segment, segment_descriptors
 from kvtransfer.engine import (Notification, PeerInfo, ReadGuard, TransferEngine, TransferHandle,
                                TransferStatus)
 from kvtransfer.layout import KVPoolLayout
@@ -255,7 +256,16 @@ class TcpEngine(TransferEngine):
     def read(self, peer: PeerInfo, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
              notify: bytes = b"") -> TransferHandle:
         self._check_peer(peer)
-        descs = build_descriptors(peer.layout, self.layout, src_block_ids, dst_block_ids)
+        return self._start_read(peer, build_descriptors(peer.layout, self.layout, src_block_ids, dst_block_ids),
+                                notify)
+
+    def read_segments(self, peer: PeerInfo, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                      segments: Sequence[Segment], notify: bytes = b"") -> TransferHandle:
+        self._check_peer(peer)
+        descs = segment_descriptors(peer.layout, self.layout, src_block_ids, dst_block_ids, segments)
+        return self._start_read(peer, descs, notify)
+
+    def _start_read(self, peer: PeerInfo, descs: list[Descriptor], notify: bytes) -> TransferHandle:
         handle = TcpHandle(len(descs), sum(d.nbytes for d in descs))
         handle._reader = threading.Thread(target=self._run_read, args=(peer, descs, notify, handle),
                                           daemon=True, name=f"tcp-read-{self.name}")

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -41,14 +41,15 @@ log = logging.getLogger("pdserve.prefill")
 
 class PrefillWorker(WorkerBase):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferSettings,
-                 torch_threads: int = 1) -> None:
-        super().__init__(worker_id, "prefill", engine_config, transfer, torch_threads)
+                 torch_threads: int = 1, tp_ranks: Sequence[Any] = ()) -> None:
+        super().__init__(worker_id, "prefill", engine_config, transfer, torch_threads, tp_ranks=tp_ranks)
         self.transfer = self._open_transfer()
         # a source that sees its reads refuses those of ended leases; one that does not
         # (one-sided NIXL reads) keeps an expired lease's blocks a transfer timeout longer
         grace = 0.0 if self.transfer.sees_reads else self.settings.timeout
         self.leases = LeaseTable(time.monotonic, self._on_lease_end, expiry_grace=grace)
         self.transfer.set_read_guard(self.leases)
+        self._ranks = self.rank_sources(self.transfer)      # every rank's pool and heads (tensor parallel), for handles
         self._maintenance: asyncio.Task | None = None
         self._pending: dict[str, asyncio.Queue] = {}   # request id -> queue, while prefilling
         # request id -> prompt tokens, sent to the engine thread and not yet added (it adds
@@ -81,6 +82,8 @@ class PrefillWorker(WorkerBase):
         t0 = time.monotonic()
         if self._draining:
             return PrefillResult(first=None, moved=True)
+        if self.tp_actors:   # read-ahead reads whole blocks of rank 0 only: readers wait for the handle
+            read_ahead = None
         rid = item.request_id
         queue = self.aengine.subscribe(rid)
         self._pending[rid] = queue
@@ -115,7 +118,7 @@ class PrefillWorker(WorkerBase):
             self.leases.pin(rid, block_ids, self.settings.lease_ttl)
             handle = KVHandle(request_id=rid, peer=self.transfer.peer_info(), block_ids=tuple(block_ids),
                               num_tokens=len(item.prompt_token_ids), lease_ttl_s=self.settings.lease_ttl,
-                              preemptions=first.preemptions)
+                              preemptions=first.preemptions, ranks=self._ranks)
         # the engine reports the queue time with a sequence's first token
         return PrefillResult(first=first, handle=handle, queue_seconds=first.queue_seconds,
                              prefill_seconds=t1 - t0)

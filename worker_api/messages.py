@@ -111,6 +111,8 @@ class ReadyInfo:
     kv_bytes_per_block: int
     backend: str | None = None      # its transfer backend; None: it moves no KV (colocated)
     kv_port: int | None = None      # the port readers reach its KV on (prefill role)
+    tensor_parallel_size: int = 1   # ranks (Ray actors) its model is split over
+    kv_bytes_per_head_block: int = 0   # one KV head's share of a block (equal across TP sizes)
 
 
 @dataclass(frozen=True)

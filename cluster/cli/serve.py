@@ -55,12 +55,16 @@ HELP = {
     "autoscale_decode_seqs_per_worker": "sequences one decode worker holds (0 = measured: its KV blocks over "
                                         "the blocks a running sequence holds, capped by --max-num-seqs)",
     "decode_workers": "decode actors (colocated workers with --colocated)",
+    "tensor_parallel_size": "ranks one worker's model is split over, in both pools (Ray actors in one placement "
+                            "group, one node; docs/tensor_parallel.md)",
+    "prefill_tensor_parallel_size": "ranks per prefill worker (0 = --tensor-parallel-size)",
+    "decode_tensor_parallel_size": "ranks per decode (or colocated) worker (0 = --tensor-parallel-size)",
     "colocated": "workers run both phases; no KV handoff (for comparison)",
-    "cpus_per_worker": "Ray CPUs each worker actor reserves",
+    "cpus_per_worker": "Ray CPUs each worker actor (each rank of a tensor-parallel worker) reserves",
     "worker_niceness": "nice level of the worker actors when pdserve starts Ray itself (15, Ray's default: the "
                        "frontend keeps streaming promptly when engines saturate the cores; 0: engines get equal "
                        "priority); an existing cluster: set RAY_worker_niceness before `ray start`",
-    "gpus_per_worker": "Ray GPUs each worker actor reserves (set with --device cuda)",
+    "gpus_per_worker": "Ray GPUs each worker actor (each rank of a tensor-parallel worker: 1) reserves (set with --device cuda)",
     "torch_threads": "torch threads inside each worker",
     "prefill_resource": "Ray custom resource prefill actors request ('' = none)",
     "decode_resource": "Ray custom resource decode actors request ('' = none)",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import ServeConfig, parse_size
+from cluster.orchestration.tp_placement import TPPlacement, check_tp_sizes, place_tp_worker
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvtransfer.settings import TransferSettings
 from worker_api.messages import ReadyInfo
@@ -24,11 +25,24 @@ class WorkerRef:
     # a Ray actor handle: a PrefillWorker's for the "prefill" pool, else a DecodeWorker's
     actor: PrefillWorkerHandle | DecodeWorkerHandle
     alive: bool = True
+    placement: TPPlacement | None = None   # a tensor-parallel worker's placement group and ranks 1..N-1
+
+    def kill(self, no_restart: bool = True) -> None:
+        """Stop the worker (and its ranks); never raises."""
+        import ray
+
+        try:
+            ray.kill(self.actor, no_restart=no_restart)
+        except Exception:
+            pass
+        if self.placement is not None and no_restart:
+            self.placement.remove()
 
 
-def engine_config(cfg: ServeConfig) -> EngineConfig:
+def engine_config(cfg: ServeConfig, pool: str = "decode") -> EngineConfig:
+    """One `pool`'s engine (its tensor-parallel size; --no-ray's one engine is a decode pool's)."""
     return EngineConfig(
-        model=cfg.model, device=cfg.device, dtype=cfg.dtype,
+        model=cfg.model, device=cfg.device, dtype=cfg.dtype, tensor_parallel_size=cfg.pool_tp_size(pool),
         cache=CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_kv_blocks or None,
                           kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
                           host_kv_memory_bytes=parse_size(cfg.host_kv_memory), disk_kv_dir=cfg.disk_kv_dir,
@@ -48,8 +62,17 @@ def transfer_settings(cfg: ServeConfig) -> TransferSettings:
     could not bind. A local cluster started here with a concrete `host` (127.0.0.1 by
     default): that address, since every worker runs on this machine."""
     local = not cfg.address and cfg.host not in ("0.0.0.0", "::", "")
-    return TransferSettings(backend=cfg.transfer_backend, host=cfg.host if local else "",
+    return TransferSettings(backend=_backend(cfg), host=cfg.host if local else "",
                             lease_ttl=cfg.lease_ttl, timeout=cfg.transfer_timeout, secret=cluster_secret(cfg))
+
+
+def _backend(cfg: ServeConfig) -> str:
+    """The configured backend; "auto" with tensor parallelism skips ucxx, which cannot read head ranges."""
+    tp = max(cfg.pool_tp_size("prefill"), cfg.pool_tp_size("decode"))
+    if cfg.transfer_backend != "auto" or tp == 1:
+        return cfg.transfer_backend
+    from kvtransfer.registry import available_backends
+    return next(b for b in available_backends() if b != "ucxx")
 
 
 def cluster_secret(cfg: ServeConfig) -> str:
@@ -82,7 +105,8 @@ def init_ray(cfg: ServeConfig) -> None:
         ray.init(address=cfg.address, **kwargs)
         return
     # room for the largest pools autoscaling may grow to
-    workers = cfg.pool_bounds("decode")[1] + (0 if cfg.colocated else cfg.pool_bounds("prefill")[1])
+    workers = cfg.pool_bounds("decode")[1] * cfg.pool_tp_size("decode") + \
+        (0 if cfg.colocated else cfg.pool_bounds("prefill")[1] * cfg.pool_tp_size("prefill"))   # ranks
     resources = {r: 1000 for r in (cfg.prefill_resource, cfg.decode_resource) if r}
     if cfg.worker_niceness != 15:   # Ray nices worker processes (the engine actors) to 15; docs/deploy.md
         kwargs["_system_config"] = {"worker_niceness": cfg.worker_niceness}
@@ -117,9 +141,11 @@ class WorkerLauncher:
     their KV caches agree (checked as each becomes ready)."""
 
     def __init__(self, cfg: ServeConfig) -> None:
+        check_tp_sizes(cfg)
         init_ray(cfg)
         self.cfg = cfg
-        self._engine, self._transfer = engine_config(cfg), transfer_settings(cfg)
+        self._engines = {pool: engine_config(cfg, pool) for pool in ("prefill", "decode", "colocated")}
+        self._transfer = transfer_settings(cfg)
         self._tag = os.urandom(3).hex()
         self._next: dict[str, int] = {}           # pool -> the next worker number
         self._layout: tuple[str, ReadyInfo] | None = None   # the first ready worker's KV layout
@@ -136,13 +162,20 @@ class WorkerLauncher:
         self._next[pool] = n + 1
         wid = f"{pool}-{n}"
         cfg, name = self.cfg, f"pdserve-{self._tag}-{wid}"
+        resource = cfg.prefill_resource if pool == "prefill" else cfg.decode_resource
+        opts, tp, engine = _options(cfg, name, resource), cfg.pool_tp_size(pool), self._engines[pool]
+        placement = None
+        if tp > 1:
+            placement = place_tp_worker(cfg, name, wid, resource, tp, engine, self._transfer, opts)
+            opts = placement.rank0_options(opts)
+        ranks = placement.ranks if placement else []
         if pool == "prefill":
-            actor = ray.remote(PrefillWorker).options(**_options(cfg, name, cfg.prefill_resource)) \
-                .remote(wid, self._engine, self._transfer, cfg.torch_threads)
+            actor = ray.remote(PrefillWorker).options(**opts) \
+                .remote(wid, engine, self._transfer, cfg.torch_threads, ranks)
         else:
-            actor = ray.remote(DecodeWorker).options(**_options(cfg, name, cfg.decode_resource)) \
-                .remote(wid, self._engine, self._transfer, cfg.torch_threads, pool)
-        return WorkerRef(worker_id=wid, pool=pool, actor=actor)
+            actor = ray.remote(DecodeWorker).options(**opts) \
+                .remote(wid, engine, self._transfer, cfg.torch_threads, pool, ranks)
+        return WorkerRef(worker_id=wid, pool=pool, actor=actor, placement=placement)
 
     async def wait_ready(self, refs: list[WorkerRef]) -> None:
         """Wait until each has loaded its model; refuse (and stop them) if their KV caches
@@ -157,7 +190,7 @@ class WorkerLauncher:
             check_kv_agreement(([self._layout] if self._layout else []) + named)
         except ValueError:
             for r in refs:
-                ray.kill(r.actor, no_restart=True)
+                r.kill()
             raise
         self._layout = self._layout or (named[0] if named else None)
 
@@ -175,13 +208,14 @@ async def launch_workers(cfg: ServeConfig) -> tuple[WorkerLauncher, list[WorkerR
 def check_kv_agreement(infos: list[tuple[str, ReadyInfo]]) -> None:
     """Workers hand KV blocks to each other byte for byte, and the router matches their
     block hashes: every worker must store K/V alike (kv_cache_dtype, block size, bytes
-    per block). Refuses at start-up, naming who disagrees, rather than at the first hand-off."""
+    per block and KV head). Refuses at start-up, naming who disagrees, rather than at the first hand-off."""
     layouts: dict[tuple, list[str]] = {}
     for worker_id, info in infos:
-        key = (info.kv_cache_dtype, info.block_size, info.kv_bytes_per_block)
+        # per KV head: a tensor-parallel rank's block holds its heads only
+        key = (info.kv_cache_dtype, info.block_size, info.kv_bytes_per_head_block or info.kv_bytes_per_block)
         layouts.setdefault(key, []).append(worker_id)
     if len(layouts) > 1:
-        described = "; ".join(f"{', '.join(ids)}: kv_cache_dtype={kv}, block_size={bs}, {nbytes} B/block"
+        described = "; ".join(f"{', '.join(ids)}: kv_cache_dtype={kv}, block_size={bs}, {nbytes} B/block/KV head"
                               for (kv, bs, nbytes), ids in layouts.items())
         raise ValueError(f"the workers' KV caches disagree ({described}): a block moved between them would be "
                          "misread. Start every pool with the same --kv-cache-dtype, --dtype, --block-size "

@@ -76,8 +76,6 @@ class WorkerPool:
 
     def remove(self, worker_id: str) -> None:
         """Stop a worker for good and forget it (scale-in, once drain.retire_worker emptied it)."""
-        import ray
-
         ref = self.workers.pop(worker_id)
         consumer = self._consumers.pop(worker_id, None)
         if consumer is not None:
@@ -87,10 +85,7 @@ class WorkerPool:
         self.router.remove_worker(worker_id)
         self.stats.pop(worker_id, None)
         self.metrics.forget_worker(worker_id, ref.pool)
-        try:
-            ray.kill(ref.actor, no_restart=True)
-        except Exception:
-            pass
+        ref.kill()
         log.info("pool %s shrank: %s left", ref.pool, worker_id)
 
     def serving(self, pool: str) -> list[str]:
@@ -100,17 +95,12 @@ class WorkerPool:
                       and (r.pool == "prefill") == (pool == "prefill"))
 
     async def stop(self) -> None:
-        import ray
-
         self._stopping = True
         for t in [*self._tasks, *self._consumers.values()]:
             t.cancel()
         await self._shutdown_check()
         for ref in self.workers.values():
-            try:
-                ray.kill(ref.actor)
-            except Exception:
-                pass
+            ref.kill()
 
     async def _shutdown_check(self) -> None:
         """Log each live worker's integrity and blocks in use: a leak shows at shutdown."""

@@ -35,6 +35,8 @@ POOLS = ("prefill", "decode")
 SCENARIOS: dict[str, list[str]] = {
     "default": [],
     "gpu": ["-f", str(CHART / "values-gpu.yaml")],
+    # tensor-parallel workers: 2 ranks per prefill worker, 1 per decode worker
+    "tp": ["--set", "config.tensor_parallel_size=2", "--set", "config.decode_tensor_parallel_size=1"],
     # model copied by an init container, no HTTP, LoadBalancer, head PDB, ServiceMonitor
     "copy": ["--set", "model.storage=copy", "--set", "config.model=/models/m.gguf",
              "--set", "model.copy.source.persistentVolumeClaim.claimName=models",
@@ -274,6 +276,7 @@ def test_rendered_config_is_a_valid_serveconfig(scenario, tmp_path):
         values = yaml.safe_load((CHART / "values-gpu.yaml").read_text())
         assert loaded.device == "cuda" and loaded.gpus_per_worker == 1.0
     assert loaded.kv_cache_dtype == ("int8" if scenario == "copy" else "auto")
+    assert (loaded.pool_tp_size("prefill"), loaded.pool_tp_size("decode")) == ((2, 1) if scenario == "tp" else (1, 1))
     if scenario == "colocated":
         assert loaded.colocated and loaded.decode_workers == 3 and loaded.prefill_workers == 0
     else:
