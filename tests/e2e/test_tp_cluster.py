@@ -1,10 +1,10 @@
 """Tensor-parallel workers in a real cluster (local Ray, gRPC on loopback, tcp KV hand-off):
-prefill TP 2 -> decode TP 1, 1 -> 2 and 2 -> 2 on a tiny Llama with 2 KV heads, 2 -> 1 and
-1 -> 2 on a tiny Qwen2, and 1 -> 2 on a Llama with 1 KV head (replicated on both decode
-ranks); each decode rank reads exactly its KV heads from the prefill ranks that hold them.
+prefill TP 2 -> decode TP 1, 1 -> 2 and 2 -> 2 on a tiny Llama and a tiny Qwen2 with 2 KV
+heads, and on a Llama with 1 KV head (replicated on both ranks of a TP 2 worker); each decode rank reads exactly its KV heads from the prefill ranks that hold them.
 Greedy tokens equal transformers `generate`; the bytes moved are the model's KV once per
 replica; the prefill node's leases all end (every rank's read done, then rank 0 notified);
-and a rank that dies takes its worker down, which comes back and serves again."""
+and a rank that dies (of a decode or a prefill worker) takes its worker down, which comes
+back and serves again."""
 from __future__ import annotations
 
 import asyncio
@@ -67,7 +67,9 @@ def _serve_and_compare(cluster: Cluster, model_dir, kv_heads: int, decode_tp: in
 
 
 @pytest.mark.parametrize("model,prefill_tp,decode_tp", [("llama", 2, 1), ("llama", 1, 2), ("llama", 2, 2),
-                                                        ("qwen2", 2, 1), ("qwen2", 1, 2), ("llama-1kv", 1, 2)])
+                                                        ("qwen2", 2, 1), ("qwen2", 1, 2), ("qwen2", 2, 2),
+                                                        ("llama-1kv", 1, 2), ("llama-1kv", 2, 1),
+                                                        ("llama-1kv", 2, 2)])
 def test_tp_mix_hands_off_and_matches_transformers(request, tmp_path_factory, model, prefill_tp, decode_tp):
     fixture, kv_heads = MODELS[model]
     model_dir = request.getfixturevalue(fixture)
@@ -78,7 +80,9 @@ def test_tp_mix_hands_off_and_matches_transformers(request, tmp_path_factory, mo
         assert infos["decode-0"].tensor_parallel_size == decode_tp
         _serve_and_compare(cluster, model_dir, kv_heads, decode_tp)
         if (model, decode_tp) == ("llama", 2) and prefill_tp == 1:
-            _a_dead_rank_takes_its_worker_down(cluster, model_dir)
+            _a_dead_rank_takes_its_worker_down(cluster, model_dir, "decode-0")
+        if (model, prefill_tp, decode_tp) == ("llama", 2, 1):
+            _a_dead_rank_takes_its_worker_down(cluster, model_dir, "prefill-0")
     finally:
         cluster.close()
 
@@ -95,26 +99,26 @@ def test_tp_hand_off_over_nixl(tiny_llama_dir, tmp_path_factory):
         cluster.close()
 
 
-def _a_dead_rank_takes_its_worker_down(cluster: Cluster, model_dir) -> None:
-    """Kill decode-0's rank 1: rank 0 exits too, Ray restarts both, the pool marks the worker
+def _a_dead_rank_takes_its_worker_down(cluster: Cluster, model_dir, worker: str) -> None:
+    """Kill ``worker``'s rank 1: rank 0 exits too, Ray restarts both, the pool marks the worker
     dead and routes to it again once it is back; it then serves tokens equal to transformers."""
     import ray
 
-    ref = cluster.backend.workers["decode-0"]
-    pid = cluster.call("decode-0", "ready").pid
+    ref = cluster.backend.workers[worker]
+    pid = cluster.call(worker, "ready").pid
     ray.kill(ref.placement.ranks[0], no_restart=False)
     deadline = time.monotonic() + 180
     while ref.alive:                       # rank 0 exits at once; the pool sees the stream break
-        assert time.monotonic() < deadline, "decode-0 was not reported dead after its rank 1 died"
+        assert time.monotonic() < deadline, f"{worker} was not reported dead after its rank 1 died"
         time.sleep(0.05)
     while True:
         try:
-            info = cluster.call("decode-0", "ready")
+            info = cluster.call(worker, "ready")
         except Exception:          # down, or restarting
             info = None
         if info is not None and info.pid != pid and ref.alive:
             break
-        assert time.monotonic() < deadline, "decode-0 did not come back with fresh ranks"
+        assert time.monotonic() < deadline, f"{worker} did not come back with fresh ranks"
         time.sleep(0.5)
     assert info.tensor_parallel_size == 2
     prompt = _prompts()[2]
