@@ -66,14 +66,7 @@ class RoleCosts:
         """Positions of the members whose index bit is set in ``mask`` (``ids``: the
         index's bit -> worker id list)."""
         if mask.bit_count() <= _FEW_BITS:
-            out, pos = [], self._pos
-            while mask:
-                low = mask & -mask
-                mask ^= low
-                i = pos.get(ids[low.bit_length() - 1])
-                if i is not None:
-                    out.append(i)
-            return out
+            return self._walk_bits(mask, ids)
         bit_pos = self._bit_positions(ids)
         n = len(bit_pos)
         bits = np.flatnonzero(np.unpackbits(np.frombuffer(mask.to_bytes((n + 7) // 8, "little"), dtype=np.uint8),
@@ -89,15 +82,19 @@ class RoleCosts:
         if got is None:
             if len(self._mask_pos) >= _CACHED_MASKS:
                 self._mask_pos.clear()
-            out, pos, m = [], self._pos, mask
-            while m:
-                low = m & -m
-                m ^= low
-                i = pos.get(ids[low.bit_length() - 1])
-                if i is not None:
-                    out.append(i)
-            got = self._mask_pos[mask] = tuple(out)
+            got = self._mask_pos[mask] = tuple(self._walk_bits(mask, ids))
         return got
+
+    def _walk_bits(self, mask: int, ids: Sequence[str]) -> list[int]:
+        """Positions of the members whose bit is set, lowest bit first (a Python walk: for few bits)."""
+        out, pos = [], self._pos
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            i = pos.get(ids[low.bit_length() - 1])
+            if i is not None:
+                out.append(i)
+        return out
 
     def _bit_positions(self, ids: Sequence[str]) -> np.ndarray:
         """bit -> position, extended to the index's current bits (bits are never reassigned)."""

@@ -81,3 +81,17 @@ def test_a_segment_past_the_block_is_refused():
     from kvtransfer.head_plan import Segment
     with pytest.raises(ValueError, match="reaches past a block"):
         segment_descriptors(lay, lay, [0], [1], [Segment(0, 32, 0, 64)])
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4, 8])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_head_shards_agree_with_the_engines_split(kv_heads, tp):
+    """kvtransfer and engine may not import each other, so the KV-head rule is stated in both:
+    head_shards (what a hand-off reads) must equal ShardLayout (what each rank's pool holds)."""
+    from engine.config import ModelConfig
+    from engine.parallel.sharding import ShardLayout
+    model = ModelConfig(architecture="llama", vocab_size=64, hidden_size=128, intermediate_size=64,
+                        num_layers=1, num_heads=8, num_kv_heads=kv_heads, head_dim=16)
+    engine_side = [ShardLayout.of(model, tp, r) for r in range(tp)]
+    assert [(s.first_head, s.num_heads) for s in head_shards(kv_heads, tp)] == \
+        [(e.kv_head_start, e.num_kv_heads) for e in engine_side]

@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 from cluster.router.index import MatchInfo, PrefixIndex
 from engine.block_hash import block_hashes
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
+from test_router_index_search import reference_match
 
 S, R, CL = KVEventKind.STORED, KVEventKind.REMOVED, KVEventKind.CLEARED
 TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
@@ -152,8 +153,8 @@ def test_many_workers_with_mixed_tiers_match_brute_force():
         tiers = [rng.choice(TIERS) for _ in range(n)]
         idx.apply(wid, [stored(i + 1, [h], t) for i, (h, t) in enumerate(zip(chain, tiers))])
         model[wid] = dict(zip(chain, tiers))
-    assert idx.match(chain) == _model_match(model, chain)
-    assert idx.match(chain[:17]) == _model_match(model, chain[:17])
+    assert idx.match(chain) == reference_match(model, chain)
+    assert idx.match(chain[:17]) == reference_match(model, chain[:17])
     for k in range(0, 150, 3):                     # demote, promote and drop after widening
         wid = f"w{k:03d}"
         h = chain[k % 5]
@@ -163,7 +164,7 @@ def test_many_workers_with_mixed_tiers_match_brute_force():
             model[wid][h] = tier
         idx.remove_worker(f"w{k + 1:03d}")
         model[f"w{k + 1:03d}"] = {}
-    assert idx.match(chain) == _model_match(model, chain)
+    assert idx.match(chain) == reference_match(model, chain)
 
 
 # ---- model-based property test ---------------------------------------------
@@ -181,18 +182,6 @@ op_st = st.one_of(
     st.tuples(st.just("event"), st.sampled_from(WORKERS), event_st),
     st.tuples(st.just("remove"), st.sampled_from(WORKERS), st.none()),
 )
-
-
-def _model_match(model, hashes):
-    out = {}
-    for w, blocks in model.items():
-        n = 0
-        while n < len(hashes) and hashes[n] in blocks:
-            n += 1
-        if n:
-            tiers = [blocks[h] for h in hashes[:n]]
-            out[w] = MatchInfo(tiers.count(Tier.DEVICE), tiers.count(Tier.HOST), tiers.count(Tier.DISK))
-    return out
 
 
 @settings(max_examples=300, deadline=None)
@@ -223,4 +212,4 @@ def test_index_equals_brute_force_model(ops, cut):
     assert idx.num_entries == sum(len(b) for b in model.values())
     assert idx.num_unique_blocks == len(set().union(*(b.keys() for b in model.values())))
     for prompt in (CHAIN[:6], OTHER[:6], CHAIN[cut:6]):
-        assert idx.match(prompt) == _model_match(model, prompt)
+        assert idx.match(prompt) == reference_match(model, prompt)
