@@ -11,6 +11,7 @@ import asyncio
 import random
 import time
 
+import grpc
 import pytest
 
 from cluster.cli.client import GenerationClient
@@ -122,7 +123,13 @@ def _a_dead_rank_takes_its_worker_down(cluster: Cluster, model_dir, worker: str)
         time.sleep(0.5)
     assert info.tensor_parallel_size == 2
     prompt = _prompts()[2]
-    got = asyncio.run(_complete(cluster.target, prompt))
+    while True:   # the actor answers before its first report reaches the router: UNAVAILABLE until then
+        try:
+            got = asyncio.run(_complete(cluster.target, prompt))
+            break
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
+            time.sleep(0.5)
     assert got.tokens == hf_greedy(load_hf_model(model_dir), prompt, MAX_NEW)
     cluster.wait_idle()
 
