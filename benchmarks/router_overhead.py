@@ -159,6 +159,18 @@ def index_bytes(log: list[tuple[str, list[KVEvent]]]) -> int:
     return used
 
 
+class VirtualClock:
+    """The router's clock: requests arrive ``--interval-s`` apart whatever the
+    machine's speed, so optimistic load and in-flight entries lapse at the same
+    decisions in every run (with the wall clock, a loaded machine changed them)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -179,6 +191,10 @@ def main() -> None:
     ap.add_argument("--policy", default="prefix_aware")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interval-s", type=float, default=0.0002,
+                    help="router clock time between two decisions (a virtual clock: runs are repeatable)")
+    ap.add_argument("--track-in-flight", type=int, choices=(0, 1), default=None,
+                    help="RouterConfig.track_in_flight (default: RouterConfig's default)")
     ap.add_argument("--compare-tree", default=None,
                     help="another checkout: run its router and this one side by side (see above)")
     ap.add_argument("--rounds", type=int, default=2, help="with --compare-tree: runs of each side")
@@ -190,8 +206,11 @@ def main() -> None:
         return
 
     rng = random.Random(args.seed)
-    router = Router(RouterConfig(policy=args.policy, policy_config=PolicyConfig(temperature=args.temperature)),
-                    rng=random.Random(args.seed + 1), clock=time.monotonic)
+    clock = VirtualClock()
+    in_flight = {} if args.track_in_flight is None else {"track_in_flight": bool(args.track_in_flight)}
+    router = Router(RouterConfig(policy=args.policy, policy_config=PolicyConfig(temperature=args.temperature),
+                                 **in_flight),
+                    rng=random.Random(args.seed + 1), clock=clock)
     n_prefill = int(args.workers * args.prefill_share)
     for i in range(args.workers):
         router.add_worker(f"w{i:03d}", "prefill" if i < n_prefill else "decode")
@@ -240,6 +259,7 @@ def main() -> None:
         d = router.route(req)
         t3 = time.perf_counter_ns()
         c3 = time.thread_time_ns()
+        clock.now += args.interval_s
         hash_us.append((t1 - t0) / 1e3)
         route_us.append((t3 - t2) / 1e3)
         route_cpu_us.append((c3 - c2) / 1e3)
@@ -263,7 +283,7 @@ def main() -> None:
         "events": world["events"], "index_mb": round(index_bytes(world.pop("log")) / 2**20, 1),
         "build_rss_delta_mb": world["index_rss_mb"],
         "decision_kinds": dict(kinds), "decisions_sha256": digest.hexdigest()[:16], "mean_prefill_hit_ratio": round(sum(cached) / len(cached), 3),
-        "target_p99_us": 30, **({"same_prompts_fast_vs_full_scan": full_scan} if full_scan else {}), "python": platform.python_version(), "machine": platform.machine(),
+        "target_p99_us": 30, "track_in_flight": router.config.track_in_flight, **({"same_prompts_fast_vs_full_scan": full_scan} if full_scan else {}), "python": platform.python_version(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     print(json.dumps(out))

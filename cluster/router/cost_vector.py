@@ -42,7 +42,10 @@ class RoleCosts:
         self._key = key
         self._pos = {v.worker_id: i for i, v in enumerate(self.views)}
         self.key_list = [key(v.load) for v in self.views]
-        self.keys = np.array(self.key_list, dtype=np.float64)
+        # the same keys as float64, for roles costed with numpy; a list-costed role
+        # builds it only when read (no numpy call per decision)
+        self._keys: np.ndarray | None = (np.array(self.key_list, dtype=np.float64)
+                                         if len(self.views) > LIST_MAX else None)
         self._mask_pos: dict[int, tuple[int, ...]] = {}
         self._bit_pos = np.zeros(0, dtype=np.int64)     # index bit -> position here, -1 if not a member
 
@@ -56,8 +59,16 @@ class RoleCosts:
             raise ValueError(f"worker {view.worker_id!r} is not in this RoleCosts: rebuild it when the "
                              "set of live workers changes")
         self.key_list[i] = k = self._key(view.load)
-        self.keys[i] = k
+        if self._keys is not None:
+            self._keys[i] = k
         self.views = views if isinstance(views, tuple) else tuple(views)
+
+    @property
+    def keys(self) -> np.ndarray:
+        """The load-only terms as a float64 array, in the members' order."""
+        if self._keys is None:
+            self._keys = np.array(self.key_list, dtype=np.float64)
+        return self._keys
 
     def position(self, worker_id: str) -> int | None:
         return self._pos.get(worker_id)
