@@ -60,7 +60,7 @@ from collections import Counter
 from functools import reduce
 from itertools import islice
 from operator import or_
-from typing import Iterable, Iterator, Mapping, Sequence, TypeVar, cast, overload
+from typing import Iterable, Iterator, Mapping, Sequence, TypeVar, overload
 
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
 
@@ -434,20 +434,19 @@ class PrefixIndex:
         vals: list[int | None] = []
         if special:
             vals = list(map(special.get, block_hashes[:segments[-1][0]]))
-            found = set(vals)                     # C speed; None: not special
-            found.discard(None)
-            kinds = cast("set[int]", found)
+            kinds = set(filter(None, vals))       # C speed; None: not special (a special value is never 0)
             if kinds and self._risky_after_first(vals, kinds, alive):
                 self._walk(out, block_hashes)       # a worker holding the first block may skip one
                 return out
-        self._emit_segments(out, segments, vals if kinds else [], kinds)
+        self._emit_segments(out, segments, vals, kinds)
         return out
 
     def _emit_segments(self, out: Matches, segments: list[tuple[int, int, int]],
                        vals: list[int | None], kinds: set[int]) -> None:
         """One group per segment and per (host, disk) count: ``vals`` holds the
         matched blocks' ``_special`` values, ``kinds`` the distinct ones."""
-        lane = self._lane
+        lane, cache = self._lane, self._match_cache
+        only = next(iter(kinds)) if len(kinds) == 1 else None   # the common case: one kind, counted
         parts: dict[tuple[int, int], int] = {}   # (host, disk) blocks so far -> workers with them
         pos = 0
         for end, holders, leaving in segments:
@@ -455,14 +454,14 @@ class PrefixIndex:
                 part = vals[pos:end] if pos or end < len(vals) else vals
                 for v in kinds:
                     o = v & holders
-                    if o:
-                        times = part.count(v)
+                    if o:                         # (count(None) is identity compares: fast)
+                        times = len(part) - part.count(None) if only is not None else part.count(v)
                         if times:
                             parts = _refine(parts, o, (v >> lane) & o, times)
             slow = 0
             for m in parts.values():
                 slow |= m
-            out.add(leaving & ~slow, self._device_match(end))
+            out.add(leaving & ~slow, cache[end] if end < len(cache) else self._device_match(end))
             for (host, disk), m in parts.items():
                 if m & leaving:
                     out.add(m & leaving, MatchInfo(end - host - disk, host, disk))
