@@ -159,6 +159,18 @@ def index_bytes(log: list[tuple[str, list[KVEvent]]]) -> int:
     return used
 
 
+def prehash(args, world: dict, rng: random.Random) -> list[tuple[list[int], tuple[int, ...], int, int]]:
+    """Every prompt and its hashes made before the first decision (``--prehash``):
+    route() then runs without the hashing's cache traffic just before it."""
+    out = []
+    for i in range(args.decisions):
+        prompt = make_prompt(args, world, rng, i)
+        t0 = time.perf_counter_ns()
+        hashes = tuple(block_hashes(prompt, args.block_size, None))
+        out.append((prompt, hashes, t0, time.perf_counter_ns()))
+    return out
+
+
 class VirtualClock:
     """The router's clock: requests arrive ``--interval-s`` apart whatever the
     machine's speed, so optimistic load and in-flight entries lapse at the same
@@ -193,6 +205,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interval-s", type=float, default=0.0002,
                     help="router clock time between two decisions (a virtual clock: runs are repeatable)")
+    ap.add_argument("--prehash", action="store_true",
+                    help="make every prompt and its hashes first, then route them (other decisions than without)")
     ap.add_argument("--track-in-flight", type=int, choices=(0, 1), default=None,
                     help="RouterConfig.track_in_flight (default: RouterConfig's default)")
     ap.add_argument("--compare-tree", default=None,
@@ -248,11 +262,15 @@ def main() -> None:
     route_us, route_cpu_us, hash_us, kinds, cached = [], [], [], Counter(), []
     digest = hashlib.sha256()                    # every decision: the same digest = the same choices
     load_before = os.getloadavg()[0]
+    hashed = prehash(args, world, rng) if args.prehash else None
     for i in range(args.decisions):
-        prompt = make_prompt(args, world, rng, i)
-        t0 = time.perf_counter_ns()
-        hashes = tuple(block_hashes(prompt, args.block_size, None))
-        t1 = time.perf_counter_ns()
+        if hashed is not None:
+            prompt, hashes, t0, t1 = hashed[i]
+        else:
+            prompt = make_prompt(args, world, rng, i)
+            t0 = time.perf_counter_ns()
+            hashes = tuple(block_hashes(prompt, args.block_size, None))
+            t1 = time.perf_counter_ns()
         req = RoutingRequest(f"r{i}", len(prompt), hashes, args.block_size)
         c2 = time.thread_time_ns()
         t2 = time.perf_counter_ns()
@@ -283,7 +301,7 @@ def main() -> None:
         "events": world["events"], "index_mb": round(index_bytes(world.pop("log")) / 2**20, 1),
         "build_rss_delta_mb": world["index_rss_mb"],
         "decision_kinds": dict(kinds), "decisions_sha256": digest.hexdigest()[:16], "mean_prefill_hit_ratio": round(sum(cached) / len(cached), 3),
-        "target_p99_us": 30, "track_in_flight": router.config.track_in_flight, **({"same_prompts_fast_vs_full_scan": full_scan} if full_scan else {}), "python": platform.python_version(), "machine": platform.machine(),
+        "target_p99_us": 30, "track_in_flight": router.config.track_in_flight, "prehash": args.prehash, **({"same_prompts_fast_vs_full_scan": full_scan} if full_scan else {}), "python": platform.python_version(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     print(json.dumps(out))
