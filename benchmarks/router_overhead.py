@@ -159,6 +159,30 @@ def index_bytes(log: list[tuple[str, list[KVEvent]]]) -> int:
     return used
 
 
+def prehash(args, world: dict, rng: random.Random) -> list[tuple[list[int], tuple[int, ...], int, int]]:
+    """Every prompt and its hashes made before the first decision (``--prehash``):
+    route() then runs without the hashing's cache traffic just before it."""
+    out = []
+    for i in range(args.decisions):
+        prompt = make_prompt(args, world, rng, i)
+        t0 = time.perf_counter_ns()
+        hashes = tuple(block_hashes(prompt, args.block_size, None))
+        out.append((prompt, hashes, t0, time.perf_counter_ns()))
+    return out
+
+
+class VirtualClock:
+    """The router's clock: requests arrive ``--interval-s`` apart whatever the
+    machine's speed, so optimistic load and in-flight entries lapse at the same
+    decisions in every run (with the wall clock, a loaded machine changed them)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -179,6 +203,12 @@ def main() -> None:
     ap.add_argument("--policy", default="prefix_aware")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interval-s", type=float, default=0.0002,
+                    help="router clock time between two decisions (a virtual clock: runs are repeatable)")
+    ap.add_argument("--prehash", action="store_true",
+                    help="make every prompt and its hashes first, then route them (other decisions than without)")
+    ap.add_argument("--track-in-flight", type=int, choices=(0, 1), default=None,
+                    help="RouterConfig.track_in_flight (default: RouterConfig's default)")
     ap.add_argument("--compare-tree", default=None,
                     help="another checkout: run its router and this one side by side (see above)")
     ap.add_argument("--rounds", type=int, default=2, help="with --compare-tree: runs of each side")
@@ -190,8 +220,11 @@ def main() -> None:
         return
 
     rng = random.Random(args.seed)
-    router = Router(RouterConfig(policy=args.policy, policy_config=PolicyConfig(temperature=args.temperature)),
-                    rng=random.Random(args.seed + 1), clock=time.monotonic)
+    clock = VirtualClock()
+    in_flight = {} if args.track_in_flight is None else {"track_in_flight": bool(args.track_in_flight)}
+    router = Router(RouterConfig(policy=args.policy, policy_config=PolicyConfig(temperature=args.temperature),
+                                 **in_flight),
+                    rng=random.Random(args.seed + 1), clock=clock)
     n_prefill = int(args.workers * args.prefill_share)
     for i in range(args.workers):
         router.add_worker(f"w{i:03d}", "prefill" if i < n_prefill else "decode")
@@ -229,17 +262,22 @@ def main() -> None:
     route_us, route_cpu_us, hash_us, kinds, cached = [], [], [], Counter(), []
     digest = hashlib.sha256()                    # every decision: the same digest = the same choices
     load_before = os.getloadavg()[0]
+    hashed = prehash(args, world, rng) if args.prehash else None
     for i in range(args.decisions):
-        prompt = make_prompt(args, world, rng, i)
-        t0 = time.perf_counter_ns()
-        hashes = tuple(block_hashes(prompt, args.block_size, None))
-        t1 = time.perf_counter_ns()
+        if hashed is not None:
+            prompt, hashes, t0, t1 = hashed[i]
+        else:
+            prompt = make_prompt(args, world, rng, i)
+            t0 = time.perf_counter_ns()
+            hashes = tuple(block_hashes(prompt, args.block_size, None))
+            t1 = time.perf_counter_ns()
         req = RoutingRequest(f"r{i}", len(prompt), hashes, args.block_size)
         c2 = time.thread_time_ns()
         t2 = time.perf_counter_ns()
         d = router.route(req)
         t3 = time.perf_counter_ns()
         c3 = time.thread_time_ns()
+        clock.now += args.interval_s
         hash_us.append((t1 - t0) / 1e3)
         route_us.append((t3 - t2) / 1e3)
         route_cpu_us.append((c3 - c2) / 1e3)
@@ -263,7 +301,7 @@ def main() -> None:
         "events": world["events"], "index_mb": round(index_bytes(world.pop("log")) / 2**20, 1),
         "build_rss_delta_mb": world["index_rss_mb"],
         "decision_kinds": dict(kinds), "decisions_sha256": digest.hexdigest()[:16], "mean_prefill_hit_ratio": round(sum(cached) / len(cached), 3),
-        "target_p99_us": 30, **({"same_prompts_fast_vs_full_scan": full_scan} if full_scan else {}), "python": platform.python_version(), "machine": platform.machine(),
+        "target_p99_us": 30, "track_in_flight": router.config.track_in_flight, "prehash": args.prehash, **({"same_prompts_fast_vs_full_scan": full_scan} if full_scan else {}), "python": platform.python_version(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     print(json.dumps(out))

@@ -42,8 +42,12 @@ class RoleCosts:
         self._key = key
         self._pos = {v.worker_id: i for i, v in enumerate(self.views)}
         self.key_list = [key(v.load) for v in self.views]
-        self.keys = np.array(self.key_list, dtype=np.float64)
+        # the same keys as float64, for roles costed with numpy; a list-costed role
+        # builds it only when read (no numpy call per decision)
+        self._keys: np.ndarray | None = (np.array(self.key_list, dtype=np.float64)
+                                         if len(self.views) > LIST_MAX else None)
         self._mask_pos: dict[int, tuple[int, ...]] = {}
+        self._bytes: list[dict[int, tuple[int, ...]]] = []  # byte index -> byte value -> positions
         self._bit_pos = np.zeros(0, dtype=np.int64)     # index bit -> position here, -1 if not a member
 
     def __len__(self) -> int:
@@ -56,8 +60,16 @@ class RoleCosts:
             raise ValueError(f"worker {view.worker_id!r} is not in this RoleCosts: rebuild it when the "
                              "set of live workers changes")
         self.key_list[i] = k = self._key(view.load)
-        self.keys[i] = k
+        if self._keys is not None:
+            self._keys[i] = k
         self.views = views if isinstance(views, tuple) else tuple(views)
+
+    @property
+    def keys(self) -> np.ndarray:
+        """The load-only terms as a float64 array, in the members' order."""
+        if self._keys is None:
+            self._keys = np.array(self.key_list, dtype=np.float64)
+        return self._keys
 
     def position(self, worker_id: str) -> int | None:
         return self._pos.get(worker_id)
@@ -82,8 +94,27 @@ class RoleCosts:
         if got is None:
             if len(self._mask_pos) >= _CACHED_MASKS:
                 self._mask_pos.clear()
-            got = self._mask_pos[mask] = tuple(self._walk_bits(mask, ids))
+            got = self._mask_pos[mask] = self._byte_positions(mask, ids)
         return got
+
+    def _byte_positions(self, mask: int, ids: Sequence[str]) -> tuple[int, ...]:
+        """``_walk_bits`` a byte of the mask at a time: each (byte index, byte value)
+        maps to its members' positions once (``_bytes``), so a mask of many bits
+        is a few lookups, not a Python step per bit. Same order: lowest bit first."""
+        out: list[int] = []
+        tables, j = self._bytes, 0
+        while mask:
+            b = mask & 255
+            if b:
+                while j >= len(tables):
+                    tables.append({})
+                got = tables[j].get(b)
+                if got is None:
+                    got = tables[j][b] = tuple(self._walk_bits(b << 8 * j, ids))
+                out += got
+            mask >>= 8
+            j += 1
+        return tuple(out)
 
     def _walk_bits(self, mask: int, ids: Sequence[str]) -> list[int]:
         """Positions of the members whose bit is set, lowest bit first (a Python walk: for few bits)."""

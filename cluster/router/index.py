@@ -60,14 +60,14 @@ from collections import Counter
 from functools import reduce
 from itertools import islice
 from operator import or_
-from typing import Iterable, Iterator, Mapping, Sequence, TypeVar, cast, overload
+from typing import Iterable, Iterator, Mapping, Sequence, TypeVar, overload
 
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
 
 _T = TypeVar("_T")
 
 _RESYNC_ORDER = (Tier.DISK, Tier.HOST, Tier.DEVICE)   # last write wins: the fastest tier
-_HINTS = 1 << 16                                        # segment-end hints kept (cleared whole when full)
+_HINTS = 1 << 17                                        # match-length hints kept (cleared whole when full)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +222,7 @@ class PrefixIndex:
         self._indices: dict[str, int] = {}     # worker id -> bit index, kept across removal
         self._ids: list[str] = []              # bit index -> worker id
         self._match_cache: list[MatchInfo] = []  # MatchInfo(k) for device-only matches
-        self._hints: dict[int, tuple[int, ...]] = {}   # first block -> segment ends last found
+        self._hints: dict[int, int] = {}       # block -> length of the match last found from it (a guess)
 
     # ---- events ---------------------------------------------------------
     def apply(self, worker_id: str, events: Iterable[KVEvent]) -> ApplyResult:
@@ -260,6 +260,8 @@ class PrefixIndex:
     def _apply_one(self, w: _Worker, ev: KVEvent) -> None:
         if ev.kind is KVEventKind.STORED:
             self._store(w, ev.block_hashes, ev.tier, ev.parent_hash)
+            if ev.parent_hash is not None and ev.block_hashes and ev.block_hashes[0] not in self._hints:
+                self._hint(ev.block_hashes[0], len(ev.block_hashes))   # a run: a match may end with it
         elif ev.kind is KVEventKind.REMOVED:
             self._remove(w, ev.block_hashes)
         elif ev.kind is KVEventKind.CLEARED:
@@ -432,20 +434,19 @@ class PrefixIndex:
         vals: list[int | None] = []
         if special:
             vals = list(map(special.get, block_hashes[:segments[-1][0]]))
-            found = set(vals)                     # C speed; None: not special
-            found.discard(None)
-            kinds = cast("set[int]", found)
+            kinds = set(filter(None, vals))       # C speed; None: not special (a special value is never 0)
             if kinds and self._risky_after_first(vals, kinds, alive):
                 self._walk(out, block_hashes)       # a worker holding the first block may skip one
                 return out
-        self._emit_segments(out, segments, vals if kinds else [], kinds)
+        self._emit_segments(out, segments, vals, kinds)
         return out
 
     def _emit_segments(self, out: Matches, segments: list[tuple[int, int, int]],
                        vals: list[int | None], kinds: set[int]) -> None:
         """One group per segment and per (host, disk) count: ``vals`` holds the
         matched blocks' ``_special`` values, ``kinds`` the distinct ones."""
-        lane = self._lane
+        lane, cache = self._lane, self._match_cache
+        only = next(iter(kinds)) if len(kinds) == 1 else None   # the common case: one kind, counted
         parts: dict[tuple[int, int], int] = {}   # (host, disk) blocks so far -> workers with them
         pos = 0
         for end, holders, leaving in segments:
@@ -453,14 +454,14 @@ class PrefixIndex:
                 part = vals[pos:end] if pos or end < len(vals) else vals
                 for v in kinds:
                     o = v & holders
-                    if o:
-                        times = part.count(v)
+                    if o:                         # (count(None) is identity compares: fast)
+                        times = len(part) - part.count(None) if only is not None else part.count(v)
                         if times:
                             parts = _refine(parts, o, (v >> lane) & o, times)
             slow = 0
             for m in parts.values():
                 slow |= m
-            out.add(leaving & ~slow, self._device_match(end))
+            out.add(leaving & ~slow, cache[end] if end < len(cache) else self._device_match(end))
             for (host, disk), m in parts.items():
                 if m & leaving:
                     out.add(m & leaving, MatchInfo(end - host - disk, host, disk))
@@ -480,17 +481,18 @@ class PrefixIndex:
         """Where each group of workers stops matching, read by binary search
         (right when each worker in ``alive`` holds a prefix of ``hashes``):
         ``(end, holders of hashes[:end], those of them ending there)`` per group.
-        The ends found for the last prompt with the same first block are tried
-        first (two lookups when they still hold: prompts sharing a prefix share them)."""
-        held = self._held.get
-        hints = self._hints.get(hashes[0], ())
+        A group starting at a block with a length hint (``_hints``: the length
+        last found from there, or of a STORED run starting there) tries that
+        end first: two lookups when it holds."""
+        held, hints = self._held.get, self._hints
         out: list[tuple[int, int, int]] = []
         n, pos = len(hashes), 0
         while True:
             lo, hi, at_hi = pos, n, 0             # all of alive holds hashes[lo]; hi: not all, or the end
-            k = len(out)
-            if k < len(hints) and pos < hints[k] <= n:
-                lo, hi, at_hi = self._try_end(hashes, alive, pos, hints[k])
+            start = hashes[pos]
+            guess = hints.get(start)
+            if guess is not None and pos + guess <= n:
+                lo, hi, at_hi = self._try_end(hashes, alive, pos, pos + guess)
             while hi - lo > 1:
                 mid = (lo + hi) >> 1
                 v = held(hashes[mid], 0)
@@ -498,18 +500,22 @@ class PrefixIndex:
                     lo = mid
                 else:
                     hi, at_hi = mid, v
+            if guess != hi - pos:
+                self._hint(start, hi - pos)
             if hi == n:
                 out.append((n, alive, alive))
-                break
+                return out
             m = at_hi & alive
             out.append((hi, alive, alive & ~m))
             if not m:
-                break
+                return out
             alive, pos = m, hi
-        if len(self._hints) >= _HINTS:
-            self._hints.clear()
-        self._hints[hashes[0]] = tuple(end for end, _, _ in out)
-        return out
+
+    def _hint(self, start: int, length: int) -> None:
+        hints = self._hints
+        if len(hints) >= _HINTS:
+            hints.clear()
+        hints[start] = length
 
     def _try_end(self, hashes: Sequence[int], alive: int, lo: int, end: int) -> tuple[int, int, int]:
         """Narrow ``_segments``' search with a guessed end: ``(lo, hi, hi's packed masks)``."""

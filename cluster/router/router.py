@@ -188,39 +188,47 @@ class Router:
             self.policy.sync(self._view)
         return self._view
 
-    def _refresh(self, slot: _Slot) -> None:
-        """Rebuild one worker's view; patch it into the cluster view in place
-        when its liveness is unchanged (the per-decision path), else rebuild."""
-        was_alive = slot.view.load.alive
-        slot.refresh()
-        pos = self._pos.get(slot.worker_id)
-        if self._view is None or pos is None or not was_alive or not slot.view.load.alive:
+    def _refresh(self, *slots: _Slot) -> None:
+        """Rebuild these workers' views; patch them into the cluster view in place
+        when their liveness is unchanged (the per-decision path: one new
+        ClusterView for both workers of a decision), else rebuild."""
+        view, patched = self._view, []
+        for slot in slots:
+            was_alive = slot.view.load.alive
+            slot.refresh()
+            pos = self._pos.get(slot.worker_id)
+            if view is None or pos is None or not was_alive or not slot.view.load.alive:
+                view = None
+            else:
+                patched.append((pos, slot.view))
+        if view is None:
             self._view = None
             return
-        role, i = pos
-        old = getattr(self._view, role)
-        views = old[:i] + (slot.view,) + old[i + 1:]
-        if role == "prefill":
-            self._view = ClusterView(views, self._view.decode)
-        else:
-            self._view = ClusterView(self._view.prefill, views)
-        self.policy.update(slot.view, self._view)
+        prefill, decode = view.prefill, view.decode
+        for (role, i), v in patched:
+            if role == "prefill":
+                prefill = prefill[:i] + (v,) + prefill[i + 1:]
+            else:
+                decode = decode[:i] + (v,) + decode[i + 1:]
+        self._view = view = ClusterView(prefill, decode)
+        for _, v in patched:
+            self.policy.update(v, view)
 
     def _account(self, req: RoutingRequest, d: RoutingDecision, now: float) -> None:
         until = now + self.config.pending_ttl_s
-        prefill_id = d.prefill_worker_id or d.decode_worker_id
-        self._add_pending(prefill_id, req.prompt_tokens - d.prefill_cached_tokens, 0, until)
-        self._add_pending(d.decode_worker_id, 0, 1, until)
+        prefill = self._slots[d.prefill_worker_id or d.decode_worker_id]
+        decode = self._slots[d.decode_worker_id]
+        prefill.pending_tokens += req.prompt_tokens - d.prefill_cached_tokens
+        decode.pending_running += 1
+        for slot in (prefill, decode):
+            if slot.pending_until is None:
+                slot.pending_until = until
+        if prefill is decode:
+            self._refresh(decode)
+        else:
+            self._refresh(prefill, decode)
         if self._next_expiry is None:
             self._next_expiry = until
-
-    def _add_pending(self, worker_id: str, tokens: int, running: int, until: float) -> None:
-        slot = self._slots[worker_id]
-        slot.pending_tokens += tokens
-        slot.pending_running += running
-        if slot.pending_until is None:
-            slot.pending_until = until
-        self._refresh(slot)
 
     def _expire(self, now: float) -> None:
         nxt = None

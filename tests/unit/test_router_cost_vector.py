@@ -140,3 +140,16 @@ def test_small_pools_use_the_python_scan():
     warm = _router(160, temperature=0.5)
     assert warm.view and warm.policy._synced is warm.view
     assert isinstance(big.policy._roles["decode"].keys, np.ndarray)
+
+
+def test_member_positions_by_byte_equal_the_bit_walk():
+    """Positions read a byte of the mask at a time (tables per byte) are the bit
+    walk's, in its order, for masks over many bytes and non-member bits."""
+    rng = random.Random(3)
+    ids = [f"w{i:03d}" for i in range(150)]
+    members = [WorkerView(w, "prefill", WorkerLoad(queued_prefill_tokens=i)) for i, w in enumerate(ids) if i % 3]
+    members.sort(key=lambda v: v.worker_id[::-1])         # positions in another order than bits
+    rc = RoleCosts(members, lambda load: float(load.queued_prefill_tokens))
+    for _ in range(300):
+        mask = rng.getrandbits(150) & rng.getrandbits(150) if rng.random() < 0.5 else 1 << rng.randrange(150)
+        assert rc.member_positions(mask, ids) == tuple(rc._walk_bits(mask, ids))

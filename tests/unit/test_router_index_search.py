@@ -156,3 +156,21 @@ def test_a_hole_in_an_engine_fed_chain_is_seen_and_refilling_it_clears_it():
     assert idx.match(chain) == {"a": MatchInfo(9, 1)}
     idx.apply("a", [KVEvent(4, CL)])
     assert not idx._risky and not idx._special and not idx._parent
+
+
+def test_length_hints_are_only_guesses():
+    """A group's match-length hint (learned, or seeded by a STORED run) that no
+    longer holds, or never did, changes nothing: the answer is the plain scan's."""
+    idx = PrefixIndex()
+    feed = _Feed(random.Random(0), idx, ["a", "b"])
+    chain = block_hashes(list(range(16 * 12)), 16)
+    feed.send("a", S, chain[:8], ROOT)                  # a run of 8: seeds the hint 8 at chain[0]
+    feed.send("b", S, chain[:3], ROOT)
+    for prompt in (chain, chain[:5], chain[:8], chain[:9]):
+        assert idx.match(prompt) == reference_match(feed.model, prompt)
+    feed.send("a", R, chain[5:8][::-1])                 # shorter than every hint now
+    feed.send("b", S, chain[3:10], chain[2], Tier.HOST)     # longer, partly off device
+    for start, length in ((0, 1), (0, 12), (3, 2), (3, 40)):
+        idx._hints[chain[start]] = length               # wrong on purpose
+        for prompt in (chain, chain[:4], chain[:7], chain[:10]):
+            assert idx.match(prompt) == reference_match(feed.model, prompt), (start, length, len(prompt))
