@@ -19,8 +19,8 @@ class NoRandom(random.Random):
 
 
 def test_prefill_cost_is_uncached_work_plus_queue():
-    assert prefill_cost(10, 0, BS, W) == 160.0
-    assert prefill_cost(10, 500, BS, W) == 660.0
+    assert prefill_cost(10, 0, BS, W) == 3 * 160.0          # a miss weighs 3 queued tokens (cost.py)
+    assert prefill_cost(10, 500, BS, W) == 3 * 160.0 + 500
     assert prefill_cost(0, 0, BS, W) == 0.0
     w = CostWeights(uncached_token=2.0, queued_token=0.5)
     assert prefill_cost(3, 100, 16, w) == 2.0 * 48 + 50

@@ -52,16 +52,17 @@ def test_prefill_node_with_the_prefix_wins():
     assert (d.kind, d.prefill_worker_id, d.decode_worker_id) == (DecisionKind.REMOTE_PREFILL, "p1", "d0")
     assert (d.prefill_cached_tokens, d.decode_cached_tokens) == (1600, 0)
     assert d.prefill_inputs.match == MatchInfo(100) and d.prefill_inputs.candidates == 2
-    assert d.prefill_inputs.cost == pytest.approx(400.0)
+    assert d.prefill_inputs.cost == pytest.approx(3 * 400.0)
     assert d.policy == "prefix_aware"
 
 
 def test_prefix_holder_loses_when_its_queue_is_much_longer():
+    # p1 holds 1600 of 2000 tokens: it keeps the request until its queue is 3 x 1600 longer than p0's
     view = ClusterView.of([w("p0", "prefill", queued_prefill_tokens=300),
-                           w("p1", "prefill", queued_prefill_tokens=5000), w("d0", "decode")])
+                           w("p1", "prefill", queued_prefill_tokens=5200), w("d0", "decode")])
     assert policy().route(req(), view, index(p1=100)).prefill_worker_id == "p0"
     view = ClusterView.of([w("p0", "prefill", queued_prefill_tokens=300),
-                           w("p1", "prefill", queued_prefill_tokens=1500), w("d0", "decode")])
+                           w("p1", "prefill", queued_prefill_tokens=5000), w("d0", "decode")])
     assert policy().route(req(), view, index(p1=100)).prefill_worker_id == "p1"
 
 
@@ -138,7 +139,7 @@ def test_colocated_picks_the_prefix_holder_unless_it_is_loaded():
     assert (d.kind, d.decode_worker_id, d.prefill_worker_id) == (DecisionKind.LOCAL_PREFILL, "c2", None)
     assert d.prefill_cached_tokens == 1600
     loaded = ClusterView.of([w("c0", "colocated"), w("c1", "colocated"),
-                             w("c2", "colocated", running=40, queued_prefill_tokens=1000)])
+                             w("c2", "colocated", running=40, queued_prefill_tokens=4000)])
     assert policy(colocated=True).route(req(), loaded, index(c2=100)).decode_worker_id == "c0"
 
 
