@@ -40,6 +40,7 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -49,6 +50,7 @@ from cluster.tools.bench import arrivals, datasets as ds  # noqa: E402
 from cluster.tools.bench.report import summarize  # noqa: E402
 from cluster.tools.bench.runner import RunnerConfig, run_load  # noqa: E402
 from cluster.config import ServeConfig  # noqa: E402
+from cluster.router import CostWeights  # noqa: E402
 from cluster.server_stack import start_stack  # noqa: E402
 from disagg_vs_colocated import free_port, machine  # noqa: E402
 from routing_workloads import DEFAULT_TRACE, MooncakeSample, mooncake_dataset  # noqa: E402
@@ -172,7 +174,7 @@ async def main_async(args) -> dict:
 
 def workload_info(args, n: int) -> dict:
     shape = {"requests": n, "prefill_workers": args.prefill_workers, "decode_workers": 1,
-             "router_track_in_flight": args.track_in_flight,
+             "router_track_in_flight": args.track_in_flight, "cost_weights": asdict(CostWeights()),
              "kv_blocks_per_worker": args.kv_blocks, "output_len": args.output_len}
     if args.workload == "mooncake":
         return {"name": "mooncake", "trace": Path(args.trace_path).name, "conversations": args.conversations,
