@@ -9,6 +9,10 @@ conversations sampled from it, lengths scaled by --trace-block-len / 512 and
 times by --trace-time-scale (benchmarks/routing_workloads.py). Conditional disaggregation is off for both
 (local_prefill_threshold=0, local_prefill_hit_ratio=1.0), so every prompt is
 prefilled by a prefill worker and the policies differ only in which one.
+The router counts prefixes it has sent before their KV events arrive
+(--no-track-in-flight: only reported ones); the JSON records that and the
+cost weights. benchmarks/routing_sim.py runs the same workloads in the
+simulator, over many loads and samples in seconds.
 
 Reported per policy: the prefill pool's prefix-cache hit rate (hit / queried
 prompt tokens on the prefill workers, from their counters) beside the ideal

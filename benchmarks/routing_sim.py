@@ -118,6 +118,7 @@ def main() -> None:
     p.add_argument("--weights", type=floats, default=[1.0, 3.0, 4.0, 6.0, 8.0])
     p.add_argument("--loads", type=floats, default=[2.0, 4.0, 6.0])
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
+    p.add_argument("--workloads", default="shared-prefix,mooncake")
     p.add_argument("--prefill-workers", type=int, default=4)
     p.add_argument("--kv-blocks", type=int, default=0, help="per node (0: 128 shared-prefix, 512 Mooncake)")
     p.add_argument("--groups", type=int, default=8)
@@ -134,6 +135,8 @@ def main() -> None:
             ("shared-prefix", lambda seed: shared_prefix(args.groups, args.per_group, 384, 32, args.rate, seed),
              kv or 128),
             ("mooncake", lambda seed: mooncake(args.conversations, args.trace_time_scale, 1020, seed), kv or 512)):
+        if name not in args.workloads.split(","):
+            continue
         args.kv_blocks = blocks
         runs, summary = sweep(name, make, args)
         out["runs"] += runs
