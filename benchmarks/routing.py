@@ -9,6 +9,10 @@ conversations sampled from it, lengths scaled by --trace-block-len / 512 and
 times by --trace-time-scale (benchmarks/routing_workloads.py). Conditional disaggregation is off for both
 (local_prefill_threshold=0, local_prefill_hit_ratio=1.0), so every prompt is
 prefilled by a prefill worker and the policies differ only in which one.
+The router counts prefixes it has sent before their KV events arrive
+(--no-track-in-flight: only reported ones); the JSON records that and the
+cost weights. benchmarks/routing_sim.py runs the same workloads in the
+simulator, over many loads and samples in seconds.
 
 Reported per policy: the prefill pool's prefix-cache hit rate (hit / queried
 prompt tokens on the prefill workers, from their counters) beside the ideal
@@ -40,6 +44,7 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -49,6 +54,7 @@ from cluster.tools.bench import arrivals, datasets as ds  # noqa: E402
 from cluster.tools.bench.report import summarize  # noqa: E402
 from cluster.tools.bench.runner import RunnerConfig, run_load  # noqa: E402
 from cluster.config import ServeConfig  # noqa: E402
+from cluster.router import CostWeights  # noqa: E402
 from cluster.server_stack import start_stack  # noqa: E402
 from disagg_vs_colocated import free_port, machine  # noqa: E402
 from routing_workloads import DEFAULT_TRACE, MooncakeSample, mooncake_dataset  # noqa: E402
@@ -146,6 +152,7 @@ async def main_async(args) -> dict:
                 cpus_per_worker=1.0, prefill_workers=args.prefill_workers, decode_workers=1,
                 num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len,
                 local_prefill_threshold=0, local_prefill_hit_ratio=1.0, log_level="WARNING",
+                router_track_in_flight=args.track_in_flight,
                 ray_temp_dir=tempfile.mkdtemp(prefix="pdserve-bench-ray-"))
     out: dict = {}
     try:
@@ -171,6 +178,7 @@ async def main_async(args) -> dict:
 
 def workload_info(args, n: int) -> dict:
     shape = {"requests": n, "prefill_workers": args.prefill_workers, "decode_workers": 1,
+             "router_track_in_flight": args.track_in_flight, "cost_weights": asdict(CostWeights()),
              "kv_blocks_per_worker": args.kv_blocks, "output_len": args.output_len}
     if args.workload == "mooncake":
         return {"name": "mooncake", "trace": Path(args.trace_path).name, "conversations": args.conversations,
@@ -199,6 +207,8 @@ def main() -> None:
     p.add_argument("--kv-blocks", type=int, default=128, help="KV blocks per worker (default 128: fewer "
                    "than all groups' system prompts need, so where a group goes decides what stays cached)")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--track-in-flight", action=argparse.BooleanOptionalAction, default=True,
+                   help="the router counts prefixes it sent before their KV events arrive (the default)")
     args = p.parse_args()
     if args.prefill_workers < 1:
         p.error("--prefill-workers must be >= 1")

@@ -99,7 +99,7 @@ class ServeConfig:
     router_temperature: float = 0.0       # 0 = pick the minimum cost
     local_prefill_threshold: int = 64     # uncached prompt tokens at or below: decode prefills itself
     local_prefill_hit_ratio: float = 0.8  # decode holds >= this share of the prefix: prefill locally
-    router_track_in_flight: bool = False  # count prefixes sent to a node before it reports them
+    router_track_in_flight: bool = True   # count prefixes sent to a node before it reports them
     # transfer and leases
     transfer_backend: str = "auto"
     lease_ttl: float = 30.0               # seconds a prefill node pins handed-off blocks

@@ -72,7 +72,7 @@ HELP = {
     "router_temperature": "softmax temperature among near-equal nodes (0 = cheapest)",
     "local_prefill_threshold": "uncached prompt tokens at or below which the decode node prefills itself",
     "local_prefill_hit_ratio": "share of the prompt the decode node holds above which it prefills itself",
-    "router_track_in_flight": "count prefixes already sent to a node before its KV events arrive (experimental)",
+    "router_track_in_flight": "count prefixes already sent to a node before its KV events arrive (--no-router-track-in-flight: only reported ones)",
     "transfer_backend": "KV transfer backend: auto, nixl, ucxx or tcp",
     "lease_ttl": "seconds a prefill node keeps handed-off blocks pinned for the reader",
     "transfer_timeout": "seconds a KV pull may take before the decode node recomputes",

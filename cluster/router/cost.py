@@ -4,7 +4,20 @@ Every cost is in the same unit, *token-equivalents of prefill work*, so that
 prefill and decode terms can be added (colocated mode) and compared:
 
 - a prefill node costs its uncached prompt tokens (the work this request adds)
-  plus the tokens already queued for prefill on it (the wait before it starts);
+  plus the tokens already queued for prefill on it (the wait before it starts).
+  An uncached token weighs ``uncached_token`` = 6 queued tokens, not 1. A
+  miss is computed now; it then sits in that node's queue ahead of every
+  later request (near capacity each of those waits about as long again), and
+  its blocks evict prefixes other requests would hit. A node's reported queue
+  also counts waiting requests' whole prompts, hits included, so it overstates
+  the wait at a prefix holder. At 1 : 1 the router left a busy holder as soon
+  as its queue passed the prefix's length and recomputed the prefix
+  elsewhere, which under load fed the queues it was avoiding (0.75 / 0.59 of
+  the ideal hit rate in benchmarks/routing.py). At 6 a holder keeps its
+  group until its queue is six prefixes longer than another node's; 3 to 8
+  keep the shared-prefix workload at its ideal hit rate in the simulator,
+  6 and 8 also the Mooncake replay (>= 0.95 of ideal in 11 of 12 runs;
+  sweep in docs/benchmarks.md);
 - a decode node costs its running sequences and KV usage, each scaled to
   token-equivalents by a weight, plus the blocks it would have to pull.
 
@@ -24,7 +37,7 @@ from typing import Sequence
 
 @dataclass(frozen=True, slots=True)
 class CostWeights:
-    uncached_token: float = 1.0    # per prompt token a node must compute
+    uncached_token: float = 6.0    # per prompt token a node must compute (a miss: see the module doc)
     queued_token: float = 1.0      # per token already queued for prefill on that node
     running: float = 32.0          # token-equivalents per running decode sequence
     kv_usage: float = 512.0        # token-equivalents at 100% KV usage (linear)

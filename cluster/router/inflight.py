@@ -103,12 +103,13 @@ class InFlightPrefixes:
 
 
 class NoInFlightPrefixes:
-    """The null tracker (the default): prefixes count only once a worker reports them.
+    """The null tracker (``track_in_flight=False``): prefixes count only once a worker reports them.
 
-    Tracking sent prefixes helps only if an engine makes a request wait for a
-    prefix another running request is still computing; pdserve's scheduler does
-    not (yet), so a burst sent to the same node recomputes the prefix there and
-    piles load on it (benchmarks/routing.py measured a worse TTFT p90 with it on)."""
+    Tracking sent prefixes (the default) pays because the engine makes a request
+    wait for a prefix another running request on the node is computing
+    (engine/prefix_wait.py); without it a group's second request, sent before
+    the first one's KV events arrive, sees no holder and recomputes the prefix
+    on another node (benchmarks/routing.py, docs/benchmarks.md)."""
 
     def record(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
         return None

@@ -32,7 +32,7 @@ class RouterConfig:
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     pending_ttl_s: float = 5.0             # optimistic additions lapse without a load report
     in_flight_ttl_s: float = 10.0          # a prefix sent to a node counts there until reported, or this long
-    track_in_flight: bool = False          # count sent-but-unreported prefixes (see NoInFlightPrefixes)
+    track_in_flight: bool = True           # count sent-but-unreported prefixes (False: NoInFlightPrefixes)
 
     def __post_init__(self) -> None:
         if self.pending_ttl_s <= 0 or self.in_flight_ttl_s <= 0:

@@ -7,6 +7,7 @@ from cluster.router.cost import (CostWeights, decode_cost, decode_node_cost, eff
                                  prefill_cost, select, should_prefill_locally, transfer_cost)
 
 W = CostWeights()
+MISS = W.uncached_token          # queued tokens one uncached token weighs (6: cost.py's module doc)
 BS = 16
 
 
@@ -19,8 +20,9 @@ class NoRandom(random.Random):
 
 
 def test_prefill_cost_is_uncached_work_plus_queue():
-    assert prefill_cost(10, 0, BS, W) == 160.0
-    assert prefill_cost(10, 500, BS, W) == 660.0
+    assert MISS == 6.0
+    assert prefill_cost(10, 0, BS, W) == MISS * 160.0
+    assert prefill_cost(10, 500, BS, W) == MISS * 160.0 + 500
     assert prefill_cost(0, 0, BS, W) == 0.0
     w = CostWeights(uncached_token=2.0, queued_token=0.5)
     assert prefill_cost(3, 100, 16, w) == 2.0 * 48 + 50
@@ -79,8 +81,9 @@ def test_prefix_holder_still_wins_with_a_somewhat_longer_queue():
 
 
 def test_prefix_holder_loses_when_its_queue_is_much_longer():
-    # a 5000-token queue costs more than the 1600 tokens the prefix saves
-    assert _prefill_choice(2000, [(0, 0), (100, 5000)]) == 0
+    # the holder saves 1600 uncached tokens: it loses once its queue is MISS x 1600 longer
+    assert _prefill_choice(2000, [(0, 0), (100, int(MISS * 1600) + 1)]) == 0
+    assert _prefill_choice(2000, [(0, 0), (100, int(MISS * 1600) - 1)]) == 1
 
 
 def test_temperature_zero_is_argmin_with_first_index_tie_break():

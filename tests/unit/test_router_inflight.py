@@ -95,13 +95,14 @@ def test_ttl_must_be_positive():
 # ---- the cost of an in-flight prefix ----------------------------------------
 def test_in_flight_blocks_count_as_cached_and_offset_the_queue_computing_them():
     w = CostWeights()
+    miss = w.uncached_token
     assert C.effective_cached_blocks(0, 0, 0, w, 24) == pytest.approx(0.9 * 24)
     # 26-block prompt, 24 blocks in flight on a node queueing 416 tokens (the request computing them)
-    assert C.prefill_cost(26 - 0.9 * 24, 416, BS, w, 24) == pytest.approx((26 - 21.6) * 16 + 32)
+    assert C.prefill_cost(26 - 0.9 * 24, 416, BS, w, 24) == pytest.approx(miss * (26 - 21.6) * 16 + 32)
     # more in flight than queued: the queue term does not go negative
-    assert C.prefill_cost(2, 100, BS, w, 24) == pytest.approx(32)
+    assert C.prefill_cost(2, 100, BS, w, 24) == pytest.approx(miss * 32)
     # without in-flight blocks the whole queue counts, as before
-    assert C.prefill_cost(2, 416, BS, w) == pytest.approx(32 + 416)
+    assert C.prefill_cost(2, 416, BS, w) == pytest.approx(miss * 32 + 416)
     with pytest.raises(ValueError):
         C.prefill_cost(2, 0, BS, w, -1)
     with pytest.raises(ValueError, match="in_flight_hit"):
@@ -126,10 +127,11 @@ def test_the_burst_spills_once_the_queue_is_too_costly():
     assert r.route(group_req(0)).prefill_worker_id == "p0"
     r.update_load("p0", WorkerLoad(queued_prefill_tokens=3000))     # much more queued than the prefix
     assert r.route(group_req(1)).prefill_worker_id == "p1"
-    # each follower adds its 32 uncached tokens to p0's queue: after a long burst, p1 is cheaper
+    # each follower adds its 32 uncached tokens to p0's queue: once that queue outweighs computing
+    # the whole prompt on p1 (6 x 416), p1 is cheaper: p0 costs 6 x 4.4 x 16 + 32 k after k followers
     r = router()
-    chosen = [r.route(group_req(i)).prefill_worker_id for i in range(14)]
-    assert chosen[:10] == ["p0"] * 10 and "p1" in chosen
+    chosen = [r.route(group_req(i)).prefill_worker_id for i in range(80)]
+    assert chosen[:65] == ["p0"] * 65 and chosen[65] == "p1"
 
 
 def test_in_flight_entries_lapse_and_die_with_the_worker():
@@ -175,8 +177,9 @@ def test_round_robin_ignores_in_flight_prefixes():
     assert [r.route(group_req(i)).prefill_worker_id for i in range(4)] == ["p0", "p1", "p0", "p1"]
 
 
-def test_in_flight_tracking_is_off_by_default():
-    r = Router(RouterConfig(), rng=random.Random(0), clock=Clock())
+def test_in_flight_tracking_is_on_by_default_and_can_be_turned_off():
+    assert isinstance(Router(RouterConfig(), rng=random.Random(0), clock=Clock()).in_flight, InFlightPrefixes)
+    r = Router(RouterConfig(track_in_flight=False), rng=random.Random(0), clock=Clock())
     assert isinstance(r.in_flight, NoInFlightPrefixes)
     r.in_flight.record("p0", [1, 2, 3], 0.0)
     assert r.in_flight.match([1, 2, 3], 0.0) is None and len(r.in_flight) == 0

@@ -7,7 +7,7 @@ import pytest
 from cluster.config import ROUTER_POLICIES, ServeConfig
 from cluster.observability.metrics import WorkerStats
 from cluster.orchestration.router_config import router_config
-from cluster.router import (POLICIES, ClusterView, DecisionKind, MatchInfo, NoWorkerAvailable,
+from cluster.router import (POLICIES, ClusterView, CostWeights, DecisionKind, MatchInfo, NoWorkerAvailable,
                             PolicyConfig, PrefixIndex, Router, RouterConfig, RoutingRequest,
                             WorkerLoad, WorkerView, make_policy)
 from engine.block_hash import block_hashes
@@ -43,6 +43,7 @@ def policy(name="prefix_aware", seed=0, **cfg):
     return make_policy(name, PolicyConfig(**cfg), random.Random(seed))
 
 
+MISS = CostWeights().uncached_token     # queued tokens one uncached token weighs
 TWO_BY_TWO = ClusterView.of([w("p0", "prefill"), w("p1", "prefill"), w("d0", "decode"), w("d1", "decode")])
 
 
@@ -52,17 +53,31 @@ def test_prefill_node_with_the_prefix_wins():
     assert (d.kind, d.prefill_worker_id, d.decode_worker_id) == (DecisionKind.REMOTE_PREFILL, "p1", "d0")
     assert (d.prefill_cached_tokens, d.decode_cached_tokens) == (1600, 0)
     assert d.prefill_inputs.match == MatchInfo(100) and d.prefill_inputs.candidates == 2
-    assert d.prefill_inputs.cost == pytest.approx(400.0)
+    assert d.prefill_inputs.cost == pytest.approx(MISS * 400.0)
     assert d.policy == "prefix_aware"
 
 
 def test_prefix_holder_loses_when_its_queue_is_much_longer():
+    # p1 holds 1600 of 2000 tokens: it keeps the request until its queue is MISS x 1600 longer than p0's
     view = ClusterView.of([w("p0", "prefill", queued_prefill_tokens=300),
-                           w("p1", "prefill", queued_prefill_tokens=5000), w("d0", "decode")])
+                           w("p1", "prefill", queued_prefill_tokens=300 + int(MISS * 1600) + 100), w("d0", "decode")])
     assert policy().route(req(), view, index(p1=100)).prefill_worker_id == "p0"
     view = ClusterView.of([w("p0", "prefill", queued_prefill_tokens=300),
-                           w("p1", "prefill", queued_prefill_tokens=1500), w("d0", "decode")])
+                           w("p1", "prefill", queued_prefill_tokens=300 + int(MISS * 1600) - 100), w("d0", "decode")])
     assert policy().route(req(), view, index(p1=100)).prefill_worker_id == "p1"
+
+
+def test_a_holder_with_a_few_waiting_followers_keeps_its_group():
+    """The case benchmarks/routing.py measured: a holder's report counts waiting requests'
+    whole prompts (hits included). Two followers waiting on p1 (2 x 2000 tokens) must not
+    send the third to p0, which would recompute 1600 tokens and cache them a second time."""
+    view = ClusterView.of([w("p0", "prefill"), w("p1", "prefill", queued_prefill_tokens=4000),
+                           w("d0", "decode")])
+    d = policy().route(req(), view, index(p1=100))
+    assert d.prefill_worker_id == "p1"
+    assert d.prefill_inputs.cost == pytest.approx(MISS * 400 + 4000)
+    # at the old 1 : 1 weighting the same view sent it away
+    assert policy(weights=CostWeights(uncached_token=1.0)).route(req(), view, index(p1=100)).prefill_worker_id == "p0"
 
 
 def test_device_hit_beats_an_equal_host_hit():
@@ -138,7 +153,7 @@ def test_colocated_picks_the_prefix_holder_unless_it_is_loaded():
     assert (d.kind, d.decode_worker_id, d.prefill_worker_id) == (DecisionKind.LOCAL_PREFILL, "c2", None)
     assert d.prefill_cached_tokens == 1600
     loaded = ClusterView.of([w("c0", "colocated"), w("c1", "colocated"),
-                             w("c2", "colocated", running=40, queued_prefill_tokens=1000)])
+                             w("c2", "colocated", running=40, queued_prefill_tokens=int(MISS * 1600))])
     assert policy(colocated=True).route(req(), loaded, index(c2=100)).decode_worker_id == "c0"
 
 

@@ -1,0 +1,148 @@
+"""benchmarks/routing.py's workloads in the fleet simulator: a sweep of the miss weight.
+
+The simulator (cluster/tools/sim) drives pdserve's own Router, schedulers and
+prefix caches on a virtual clock with the CPU cost profile, so a routing rule
+can be compared over many loads and samples in seconds where one real run of
+routing.py takes minutes. Same shape as routing.py: --prefill-workers prefill
+nodes + 1 decode node, block size 16, --kv-blocks per node, conditional
+disaggregation off, at most 4 output tokens, in-flight prefix tracking on
+(the Router's default, as in the cluster); prefix_aware with each --weights
+value as CostWeights.uncached_token against round_robin, for each --loads factor (arrival times divided by it: 1 = the
+real run's schedule on an idle CPU; the shared 2-core box runs 4 prefill
+workers at a fraction of that speed) and each --seeds sample (the
+shared-prefix shuffle and Poisson arrivals, or which Mooncake conversations).
+
+    .venv/bin/python benchmarks/routing_sim.py [--weights 1,3,4,6,8 --loads 2,4,6 --seeds 0,1,2]
+
+Prints one JSON line: every run (simulated), and per workload and weight the
+mean and minimum prefix-aware hit rate over the ideal and the median TTFT p90
+ratio round-robin / prefix-aware. Simulated figures, not measurements.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from dataclasses import replace
+
+from cluster.router import CostWeights, PolicyConfig
+from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
+from cluster.tools.sim.cost_model import load_cost_model
+from cluster.tools.sim.workload import PromptBuilder, TraceRequest
+from routing_workloads import DEFAULT_TRACE, conversations, read_rows
+
+BLOCK = 16
+
+
+def shared_prefix(groups: int, per_group: int, system_len: int, question_len: int, rate: float,
+                  seed: int) -> list[TraceRequest]:
+    """routing.py's shared-prefix workload as hash ids of 16 tokens: shuffled, Poisson arrivals."""
+    sys_ids, q_ids = system_len // BLOCK, max(1, question_len // BLOCK)
+    prompts, uid = [], 10 ** 9
+    for g in range(groups):
+        for _ in range(per_group):
+            prompts.append(tuple(g * 10_000 + k for k in range(sys_ids)) + tuple(range(uid, uid + q_ids)))
+            uid += q_ids
+    rng, t, out = random.Random(seed), 0.0, []
+    rng.shuffle(prompts)
+    for n, ids in enumerate(prompts):
+        t += rng.expovariate(rate)
+        out.append(TraceRequest(f"r{n}", t, len(ids) * BLOCK, 4, ids))
+    return out
+
+
+def mooncake(n_conversations: int, time_scale: float, max_len: int, seed: int) -> list[TraceRequest]:
+    """routing_workloads.mooncake_dataset's sample (the same conversations for a seed), as hash ids."""
+    rows = read_rows(str(DEFAULT_TRACE))
+    picked = sorted(i for c in random.Random(seed).sample(conversations(rows), n_conversations) for i in c)
+    t0, out = float(rows[picked[0]]["timestamp"]), []
+    for i in picked:
+        row = rows[i]
+        length = min(max(1, round(int(row["input_length"]) * BLOCK / 512)), max_len)
+        need = -(-length // BLOCK)
+        ids = tuple(int(h) for h in row["hash_ids"])
+        ids += tuple(-(i * 1000 + k + 2) for k in range(need - len(ids)))     # row-unique padding
+        out.append(TraceRequest(f"r{i}", (float(row["timestamp"]) - t0) / 1000.0 * time_scale, length, 4,
+                                ids[:need]))
+    return out
+
+
+def ideal_hit_rate(reqs: list[TraceRequest]) -> float:
+    """One infinite cache, requests in order (the last token of a prompt is always computed)."""
+    seen: set[tuple[int, ...]] = set()
+    cached = total = 0
+    for r in reqs:
+        total += r.input_length
+        missed = False
+        for k in range((r.input_length - 1) // BLOCK):
+            key = r.hash_ids[:k + 1]
+            missed = missed or key not in seen
+            cached += 0 if missed else BLOCK
+            seen.add(key)
+    return cached / total
+
+
+def simulate(reqs: list[TraceRequest], policy: str, weight: float, args) -> dict:
+    pc = PolicyConfig(0.0, 0, 1.0, weights=CostWeights(uncached_token=weight))
+    cfg = SimConfig(args.prefill_workers, 1, policy=policy, policy_config=pc, block_size=BLOCK,
+                    num_blocks=args.kv_blocks, max_num_batched_tokens=512, max_num_seqs=64)
+    s = ClusterSim(cfg, load_cost_model("cpu"), reqs, PromptBuilder(BLOCK, BLOCK)).run()
+    return {"hit_rate": round(s["hit_rate_tokens"], 4),
+            **{f"ttft_{q}_s": round(s["ttft_s"][q], 3) for q in ("p50", "p90", "mean")}}
+
+
+def sweep(name: str, make, args) -> tuple[list[dict], dict]:
+    runs, by_weight = [], {w: [] for w in args.weights}
+    for load in args.loads:
+        for seed in args.seeds:
+            reqs = [replace(r, arrival_s=r.arrival_s / load) for r in make(seed)]
+            ideal, rr = ideal_hit_rate(reqs), simulate(reqs, "round_robin", 1.0, args)
+            runs.append({"workload": name, "load": load, "seed": seed, "ideal_hit_rate": round(ideal, 4),
+                         "policy": "round_robin", **rr})
+            for w in args.weights:
+                pa = simulate(reqs, "prefix_aware", w, args)
+                runs.append({"workload": name, "load": load, "seed": seed, "policy": "prefix_aware",
+                             "uncached_token": w, **pa})
+                by_weight[w].append((pa["hit_rate"] / ideal, rr["ttft_p90_s"] / pa["ttft_p90_s"]))
+    summary = {str(w): {"hit_over_ideal_mean": round(statistics.mean(h for h, _ in v), 3),
+                        "hit_over_ideal_min": round(min(h for h, _ in v), 3),
+                        "ttft_p90_ratio_median": round(statistics.median(r for _, r in v), 2)}
+               for w, v in by_weight.items()}
+    return runs, summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    floats = lambda s: [float(x) for x in s.split(",")]   # noqa: E731
+    p.add_argument("--weights", type=floats, default=[1.0, 3.0, 4.0, 6.0, 8.0])
+    p.add_argument("--loads", type=floats, default=[2.0, 4.0, 6.0])
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
+    p.add_argument("--workloads", default="shared-prefix,mooncake")
+    p.add_argument("--prefill-workers", type=int, default=4)
+    p.add_argument("--kv-blocks", type=int, default=0, help="per node (0: 128 shared-prefix, 512 Mooncake)")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--per-group", type=int, default=12)
+    p.add_argument("--rate", type=float, default=1.5)
+    p.add_argument("--conversations", type=int, default=60)
+    p.add_argument("--trace-time-scale", type=float, default=0.0333)
+    args = p.parse_args()
+    out: dict = {"benchmark": "routing_sim", "simulated": True, "profile": "cpu",
+                 "prefill_workers": args.prefill_workers, "weights": args.weights, "loads": args.loads,
+                 "seeds": args.seeds, "runs": [], "summary": {}}
+    kv = args.kv_blocks
+    for name, make, blocks in (
+            ("shared-prefix", lambda seed: shared_prefix(args.groups, args.per_group, 384, 32, args.rate, seed),
+             kv or 128),
+            ("mooncake", lambda seed: mooncake(args.conversations, args.trace_time_scale, 1020, seed), kv or 512)):
+        if name not in args.workloads.split(","):
+            continue
+        args.kv_blocks = blocks
+        runs, summary = sweep(name, make, args)
+        out["runs"] += runs
+        out["summary"][name] = {"kv_blocks": blocks, "by_uncached_token": summary}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
