@@ -128,11 +128,12 @@ def should_prefill_locally(uncached_tokens_on_decode: int, prompt_tokens: int,
     return uncached_tokens_on_decode <= threshold or decode_hit_ratio >= hit_ratio
 
 
-def select(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
+def select(costs: Sequence[float], temperature: float, rng: random.Random, start: int = 0) -> int:
     """Index of the chosen candidate.
 
-    Temperature 0: the lowest cost, ties to the lowest index (no randomness
-    used). Above 0: softmax over costs normalised to [0, 1] by their range, so
+    Temperature 0: the lowest cost, ties to the first index at or after
+    ``start``, wrapping round (no randomness used; ``start`` 0: the lowest
+    index). Above 0: softmax over costs normalised to [0, 1] by their range, so
     the temperature means the same thing whatever the cost scale; p_i is
     proportional to exp(-(c_i - min) / (range * temperature)).
     """
@@ -142,7 +143,13 @@ def select(costs: Sequence[float], temperature: float, rng: random.Random) -> in
         raise ValueError(f"temperature must be >= 0 (0 = argmin), got {temperature}")
     lo = min(costs)
     if temperature == 0:
-        return costs.index(lo)
+        seq = costs if isinstance(costs, list) else list(costs)
+        if 0 < start < len(seq):
+            try:
+                return seq.index(lo, start)
+            except ValueError:
+                pass
+        return seq.index(lo)
     span = max(costs) - lo
     if span <= 0:
         return rng.randrange(len(costs))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import random
+import zlib
 from dataclasses import dataclass, field
 from enum import Enum
 from operator import add
@@ -212,8 +213,8 @@ class RoutingPolicy(abc.ABC):
     def pick_colocated(self, req: RoutingRequest, workers: Sequence[WorkerView],
                        matches: Mapping[str, MatchInfo]) -> Pick: ...
 
-    def _select(self, workers: Sequence[WorkerView], costs: list[float]) -> Pick:
-        i = C.select(costs, self.config.temperature, self.rng)
+    def _select(self, workers: Sequence[WorkerView], costs: list[float], start: int = 0) -> Pick:
+        i = C.select(costs, self.config.temperature, self.rng, start)
         return workers[i], costs[i]
 
 
@@ -269,11 +270,13 @@ class PrefixAwarePolicy(RoutingPolicy):
             return None
         return self._roles[role]
 
-    def _select_array(self, workers: Sequence[WorkerView], costs: np.ndarray) -> Pick:
-        """``_select`` over an array of costs: the first minimum at temperature 0
-        (as ``C.select``), else ``C.select`` itself on the same values."""
+    def _select_array(self, workers: Sequence[WorkerView], costs: np.ndarray, start: int = 0) -> Pick:
+        """``_select`` over an array of costs: at temperature 0 the first minimum at
+        or after ``start`` (as ``C.select``), else ``C.select`` itself on the same values."""
         if self.config.temperature == 0:
             i = int(np.argmin(costs))
+            if start > i and costs[i] == costs[start:].min():
+                i = start + int(np.argmin(costs[start:]))
         else:
             i = C.select(costs.tolist(), self.config.temperature, self.rng)
         return workers[i], float(costs[i])
@@ -370,12 +373,16 @@ class PrefixAwarePolicy(RoutingPolicy):
                 slow.pop(i, None)
 
     def pick_prefill(self, req, workers, matches) -> Pick:
-        rc = self._vector(workers, "prefill", matches)
+        """Ties (equal cost: often an idle pool and a prefix nobody holds) go to the
+        first tied node at or after one chosen by the prompt's first block, so new
+        prefixes spread over the pool while one prefix keeps one home; ties to the
+        lowest index piled every new conversation onto the first worker."""
+        rc, start = self._vector(workers, "prefill", matches), _tie_start(req, len(workers))
         if rc is None:
-            return self._select(workers, self._prefill_costs(req, workers, matches))
+            return self._select(workers, self._prefill_costs(req, workers, matches), start)
         if len(rc) <= LIST_MAX:
-            return self._select(workers, self._prefill_cost_list(req, rc, matches))
-        return self._select_array(workers, self._prefill_cost_array(req, rc, matches))
+            return self._select(workers, self._prefill_cost_list(req, rc, matches), start)
+        return self._select_array(workers, self._prefill_cost_array(req, rc, matches), start)
 
     def pick_decode(self, req, workers, matches) -> Pick:
         wt, n_full = self.config.weights.transfer_block, len(req.block_hashes)
@@ -405,6 +412,15 @@ class PrefixAwarePolicy(RoutingPolicy):
         costs = self._prefill_costs(req, workers, matches)
         costs = [c + C.decode_cost(x.load.running, x.load.kv_usage, w) for c, x in zip(costs, workers)]
         return self._select(workers, costs)
+
+
+def _tie_start(req: RoutingRequest, n: int) -> int:
+    """Where a prefill tie starts looking: the prompt's first block hash (the
+    request id's CRC without one) modulo the pool size."""
+    if n <= 1:
+        return 0
+    key = req.block_hashes[0] if req.block_hashes else zlib.crc32(req.request_id.encode())
+    return key % n
 
 
 class LeastLoadedPolicy(RoutingPolicy):

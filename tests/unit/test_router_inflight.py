@@ -110,64 +110,68 @@ def test_in_flight_blocks_count_as_cached_and_offset_the_queue_computing_them():
 
 
 # ---- the Router --------------------------------------------------------------
+# an idle pool ties: the group's first block hash picks where the tie starts (policy._tie_start)
+HOME, AWAY = ("p0", "p1") if group_req(0).block_hashes[0] % 2 == 0 else ("p1", "p0")
+
+
 def test_a_burst_of_same_prefix_requests_stays_on_one_prefill_node():
     r = router()
     chosen = [r.route(group_req(i)).prefill_worker_id for i in range(8)]
-    assert chosen == ["p0"] * 8
+    assert chosen == [HOME] * 8
     second = r.route(group_req(8))
     assert second.prefill_inputs.match == MatchInfo(0, 0, 0, 24)
     assert second.prefill_cached_tokens == 24 * BS
-    # a different group goes to the other node: p0's queue holds the first group's work
+    # a different group goes to the other node: HOME's queue holds the first group's work
     other = group_req(0, system=list(range(50_000, 50_384)))
-    assert r.route(other).prefill_worker_id == "p1"
+    assert r.route(other).prefill_worker_id == AWAY
 
 
 def test_the_burst_spills_once_the_queue_is_too_costly():
     r = router()
-    assert r.route(group_req(0)).prefill_worker_id == "p0"
-    r.update_load("p0", WorkerLoad(queued_prefill_tokens=3000))     # much more queued than the prefix
-    assert r.route(group_req(1)).prefill_worker_id == "p1"
+    assert r.route(group_req(0)).prefill_worker_id == HOME
+    r.update_load(HOME, WorkerLoad(queued_prefill_tokens=3000))     # much more queued than the prefix
+    assert r.route(group_req(1)).prefill_worker_id == AWAY
     # each follower adds its 32 uncached tokens to p0's queue: once that queue outweighs computing
-    # the whole prompt on p1 (6 x 416), p1 is cheaper: p0 costs 6 x 4.4 x 16 + 32 k after k followers
+    # the whole prompt on AWAY (6 x 416), AWAY is cheaper: HOME costs 6 x 4.4 x 16 + 32 k after k followers
     r = router()
     chosen = [r.route(group_req(i)).prefill_worker_id for i in range(80)]
-    assert chosen[:65] == ["p0"] * 65 and chosen[65] == "p1"
+    assert chosen[:65] == [HOME] * 65 and chosen[65] == AWAY
 
 
 def test_in_flight_entries_lapse_and_die_with_the_worker():
     clock = Clock()
     r = router(clock=clock, ttl=2.0)
-    assert r.route(group_req(0)).prefill_worker_id == "p0"
-    r.update_load("p0", WorkerLoad(queued_prefill_tokens=416))
+    assert r.route(group_req(0)).prefill_worker_id == HOME
+    r.update_load(HOME, WorkerLoad(queued_prefill_tokens=416))
     clock.t += 2.5                                                  # nothing reported: the entry lapsed
-    assert r.route(group_req(1)).prefill_worker_id == "p1"
-    r.update_load("p1", WorkerLoad(queued_prefill_tokens=416))
-    r.on_worker_dead("p1")
-    r.update_load("p1", WorkerLoad(queued_prefill_tokens=416))      # back, but it holds nothing
-    r.update_load("p0", WorkerLoad(queued_prefill_tokens=400))
-    assert r.route(group_req(2)).prefill_worker_id == "p0"
+    assert r.route(group_req(1)).prefill_worker_id == AWAY
+    r.update_load(AWAY, WorkerLoad(queued_prefill_tokens=416))
+    r.on_worker_dead(AWAY)
+    r.update_load(AWAY, WorkerLoad(queued_prefill_tokens=416))      # back, but it holds nothing
+    r.update_load(HOME, WorkerLoad(queued_prefill_tokens=400))
+    assert r.route(group_req(2)).prefill_worker_id == HOME
 
 
 def test_events_supersede_in_flight_entries():
     r = router()
     first = group_req(0)
-    assert r.route(first).prefill_worker_id == "p0"
+    assert r.route(first).prefill_worker_id == HOME
     # p0 reports the prefix: indexed blocks count fully, the rest stays in flight
-    r.on_events("p0", [KVEvent(1, KVEventKind.STORED, first.block_hashes[:20])])
+    r.on_events(HOME, [KVEvent(1, KVEventKind.STORED, first.block_hashes[:20])])
     d = r.route(group_req(1))
-    assert (d.prefill_worker_id, d.prefill_inputs.match) == ("p0", MatchInfo(20, 0, 0, 4))
+    assert (d.prefill_worker_id, d.prefill_inputs.match) == (HOME, MatchInfo(20, 0, 0, 4))
     # p0 evicts everything: nothing is expected there any more
-    r.on_events("p0", [KVEvent(2, KVEventKind.CLEARED)])
-    r.update_load("p0", WorkerLoad(queued_prefill_tokens=100))
-    assert r.route(group_req(2)).prefill_worker_id == "p1"
+    r.on_events(HOME, [KVEvent(2, KVEventKind.CLEARED)])
+    r.update_load(HOME, WorkerLoad(queued_prefill_tokens=100))
+    assert r.route(group_req(2)).prefill_worker_id == AWAY
 
 
 def test_removed_blocks_are_no_longer_expected():
     r = router()
     first = group_req(0)
     r.route(first)
-    r.on_events("p0", [KVEvent(1, KVEventKind.REMOVED, first.block_hashes[4:])])
-    assert r.in_flight.match(group_req(1).block_hashes, 100.0) == InFlightMatch("p0", 4)
+    r.on_events(HOME, [KVEvent(1, KVEventKind.REMOVED, first.block_hashes[4:])])
+    assert r.in_flight.match(group_req(1).block_hashes, 100.0) == InFlightMatch(HOME, 4)
 
 
 def test_round_robin_ignores_in_flight_prefixes():
@@ -183,3 +187,33 @@ def test_in_flight_tracking_is_on_by_default_and_can_be_turned_off():
     assert isinstance(r.in_flight, NoInFlightPrefixes)
     r.in_flight.record("p0", [1, 2, 3], 0.0)
     assert r.in_flight.match([1, 2, 3], 0.0) is None and len(r.in_flight) == 0
+
+
+def test_new_prefixes_spread_over_an_idle_pool_and_keep_one_home():
+    """Ties go where the prompt's first block points: 40 new conversations on an idle pool of
+    four land on every node (ties to the lowest index sent them all to the first), and a
+    prefix sent again to an idle pool goes back to the same node."""
+    r = Router(RouterConfig(track_in_flight=False, policy_config=PolicyConfig(
+        local_prefill_threshold=0, local_prefill_hit_ratio=1.0)), rng=random.Random(0), clock=Clock())
+    for wid, pool in [(f"p{i}", "prefill") for i in range(4)] + [("d0", "decode")]:
+        r.add_worker(wid, pool)
+    homes = {}
+    for i in range(40):
+        req = group_req(0, system=list(range(10_000 * (i + 1), 10_000 * (i + 1) + 64)))
+        homes[i] = r.route(req).prefill_worker_id
+        for w in ("p0", "p1", "p2", "p3"):
+            r.update_load(w, WorkerLoad())                    # idle again: every choice is a tie
+    assert set(homes.values()) == {"p0", "p1", "p2", "p3"}
+    for i in (0, 7, 19):
+        again = group_req(1, system=list(range(10_000 * (i + 1), 10_000 * (i + 1) + 64)))
+        assert r.route(again).prefill_worker_id == homes[i]
+        for w in ("p0", "p1", "p2", "p3"):
+            r.update_load(w, WorkerLoad())
+
+
+def test_select_breaks_ties_from_the_start_index_wrapping_round():
+    rng = random.Random(0)
+    assert C.select([3.0, 1.0, 2.0, 1.0], 0.0, rng) == 1
+    assert C.select([3.0, 1.0, 2.0, 1.0], 0.0, rng, start=2) == 3
+    assert C.select([3.0, 1.0, 2.0, 1.0], 0.0, rng, start=3) == 3
+    assert C.select([1.0, 5.0, 2.0, 4.0], 0.0, rng, start=2) == 0     # no minimum after it: wraps
