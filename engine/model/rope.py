@@ -64,8 +64,12 @@ class RotaryEmbedding:
                 self.signed_sin.index_select(0, positions).unsqueeze(1))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by the per-token tables ``[T, 1, head_dim]``."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by the per-token tables ``[T, 1, head_dim]``
+    (into ``out`` when given)."""
     half = x.shape[-1] // 2
     swapped = torch.roll(x, shifts=half, dims=-1)
-    return torch.addcmul(x * cos, swapped, signed_sin)
+    if out is None:
+        return torch.addcmul(x * cos, swapped, signed_sin)
+    return torch.addcmul(x * cos, swapped, signed_sin, out=out)
