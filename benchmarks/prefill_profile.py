@@ -7,7 +7,7 @@ Variants (``--row-chunk``: the model's ``row_chunk``, 0 = layers unsliced; ``--b
 the scheduler's ``max_num_batched_tokens``) run on the same engine, alternating, for
 ``--rounds`` rounds; each figure is the best round (the median is also printed).
 
-With ``--parts`` the first variant's last round is cut into parts by timing the engine's
+With ``--parts`` one more prefill per variant is cut into parts by timing the engine's
 own calls (wrapped on the instance): ``gemm`` (every projection: ``FusedLinear.forward``),
 ``rmsnorm``, ``attention`` (the backend's per-layer calls) and ``attention_plan``,
 ``lm_head`` (``model.logits``: the sampled rows only), ``inputs`` (``build_inputs``),
@@ -137,9 +137,11 @@ def main() -> None:
         "variants": {v: {w: {"best": max(r), "median": round(statistics.median(r), 1), "rounds": r}
                          for w, r in rows.items()} for v, rows in results.items()}}
     if args.parts:
-        set_variant(engine, *variants[0])
-        report["parts"] = {f"{n}x{length}": parts(engine, rng, n, length) for n, length in workloads}
-        report["parts_variant"] = f"row_chunk={variants[0][0]},budget={variants[0][1]}"
+        report["parts"] = {}
+        for chunk, budget in variants:
+            set_variant(engine, chunk, budget)
+            report["parts"][f"row_chunk={chunk},budget={budget}"] = {
+                f"{n}x{length}": parts(engine, rng, n, length) for n, length in workloads}
     print(json.dumps(report))
 
 
