@@ -5,8 +5,8 @@ o 576->576, gate_up 576->3072, down 1536->576) as ``F.linear`` on the plain weig
 ``torch.mm`` on a pre-transposed weight, and oneDNN's ``_linear_pointwise`` on a weight
 packed with batch hint 32 (engine/model/packed_linear.py), 256 and M. Each figure is the
 best of ``--repeats`` timings (this host is shared), as ms for the four and GFLOP/s.
-Prints one JSON line. It is the measurement behind the model's ``row_chunk`` (a long
-prefill's token-wise work in slices of 256 rows).
+Prints one JSON line. It answers whether a long prefill's 2048-row GEMMs on weights packed
+for 32 rows are slower than smaller slices would be (docs/benchmarks.md: they are not).
 
   python benchmarks/prefill_gemm.py --rows 1 32 256 512 2048
 """

@@ -3,9 +3,9 @@
 One engine (SmolLM2 fp32 or --model) in this process; for each workload (``--rows``:
 prompts x prompt tokens, default 32x512 and 48x128) it adds fresh seeded random prompts
 with ``max_tokens=1`` and times ``LLMEngine.step()`` until they finish: prompt tok/s.
-Variants (``--row-chunk``: the model's ``row_chunk``, 0 = layers unsliced; ``--budget``:
-the scheduler's ``max_num_batched_tokens``) run on the same engine, alternating, for
-``--rounds`` rounds; each figure is the best round (the median is also printed).
+Variants (``--budget``: the scheduler's ``max_num_batched_tokens``) run on the same engine,
+alternating, for ``--rounds`` rounds; each figure is the best round (the median is also
+printed). Another engine tree is measured by running this script with its PYTHONPATH.
 
 With ``--parts`` one more prefill per variant is cut into parts by timing the engine's
 own calls (wrapped on the instance): ``gemm`` (every projection: ``FusedLinear.forward``),
@@ -14,14 +14,13 @@ own calls (wrapped on the instance): ``gemm`` (every projection: ``FusedLinear.f
 ``other_model`` (the rest of the forward: embedding, RoPE, SiLU*mul, residual adds, slicing),
 ``engine`` (the rest of ``step()``). Prints one JSON line.
 
-  python benchmarks/prefill_profile.py --row-chunk 0 256 512 --parts
+  python benchmarks/prefill_profile.py --rows 8x512 16x128 --parts
   python benchmarks/prefill_profile.py --budget 2048 4096 --rows 32x512
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import random
 import statistics
@@ -67,8 +66,7 @@ def run_prefill(engine: LLMEngine, rng: random.Random, n: int, length: int, tag:
     return time.perf_counter() - t0, steps
 
 
-def set_variant(engine: LLMEngine, row_chunk: int, budget: int) -> None:
-    engine.runner.model.row_chunk = row_chunk
+def set_variant(engine: LLMEngine, budget: int) -> None:
     sched = engine.scheduler
     sched.config = dataclasses.replace(sched.config, max_num_batched_tokens=budget)
 
@@ -109,7 +107,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--rows", nargs="+", default=["32x512", "48x128"], help="PROMPTSxTOKENS workloads")
-    ap.add_argument("--row-chunk", type=int, nargs="+", default=None, help="variants (default: the model's)")
     ap.add_argument("--budget", type=int, nargs="+", default=[2048], help="max_num_batched_tokens variants")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
@@ -119,18 +116,17 @@ def main() -> None:
                           cache=CacheConfig(kv_cache_memory_bytes=2 << 30),
                           scheduler=SchedulerConfig(max_num_seqs=64, max_model_len=2048))
     engine = LLMEngine(config)
-    chunks = args.row_chunk if args.row_chunk is not None else [engine.runner.model.row_chunk]
-    variants = list(itertools.product(chunks, args.budget))
+    variants = list(args.budget)
     rng = random.Random(0)
     run_prefill(engine, rng, 2, 64, "warm")
     workloads = [tuple(int(x) for x in r.split("x")) for r in args.rows]
     results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for rnd in range(args.rounds):
-        for chunk, budget in (variants if rnd % 2 == 0 else variants[::-1]):
-            set_variant(engine, chunk, budget)
+        for budget in (variants if rnd % 2 == 0 else variants[::-1]):
+            set_variant(engine, budget)
             for n, length in workloads:
                 dt, _ = run_prefill(engine, rng, n, length, f"r{rnd}")
-                results[f"row_chunk={chunk},budget={budget}"][f"{n}x{length}"].append(round(n * length / dt, 1))
+                results[f"budget={budget}"][f"{n}x{length}"].append(round(n * length / dt, 1))
     report: dict[str, Any] = {
         "benchmark": "prefill_profile", "dtype": args.dtype, "threads": torch.get_num_threads(),
         "isa": torch.backends.cpu.get_cpu_capability(), "rounds": args.rounds, "metric": "prompt tok/s",
@@ -138,9 +134,9 @@ def main() -> None:
                          for w, r in rows.items()} for v, rows in results.items()}}
     if args.parts:
         report["parts"] = {}
-        for chunk, budget in variants:
-            set_variant(engine, chunk, budget)
-            report["parts"][f"row_chunk={chunk},budget={budget}"] = {
+        for budget in variants:
+            set_variant(engine, budget)
+            report["parts"][f"budget={budget}"] = {
                 f"{n}x{length}": parts(engine, rng, n, length) for n, length in workloads}
     print(json.dumps(report))
 

@@ -8,9 +8,6 @@ from torch import nn
 from engine.model.packed_linear import pack_weight, packed_linear
 
 
-_FUSED_NORM_ROWS = 32     # F.rms_norm up to this many rows (fastest there), HF's formula above
-
-
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -23,12 +20,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            if x.shape[0] <= _FUSED_NORM_ROWS:
-                return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-            # HF's own formula, two results written in place: bit-identical to F.rms_norm, whose
-            # CPU composite also copies the input and was several times slower at 64-2048 rows
-            var = x.pow(2).mean(-1, keepdim=True)
-            return torch.mul(x, var.add_(self.eps).rsqrt_()).mul_(self.weight)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # as HF: normalise in float32, cast back, then scale in the model dtype
         return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype) * self.weight
 

@@ -20,9 +20,6 @@ from engine.model.packed_linear import pack_weight, packed_linear
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
 
-ROW_CHUNK = 256     # tokens per slice of a layer's token-wise work (0: never slice); see DecoderLayer
-
-
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -43,10 +40,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, index: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                attention: AttentionBackend, plan: object, row_chunk: int = 0) -> torch.Tensor:
-        """``row_chunk`` > 0: the token-wise parts run over at most that many rows at a time."""
-        if 0 < row_chunk < h.shape[0]:
-            return self._forward_in_rows(index, h, rope, attention, plan, row_chunk)
+                attention: AttentionBackend, plan: object) -> torch.Tensor:
         t = h.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(self.input_layernorm(h))
@@ -55,30 +49,6 @@ class DecoderLayer(nn.Module):
         attn = attention.forward(plan, index, qk[:, :nh], qk[:, nh:], v)
         h = h + self.reduce(self.o_proj(attn))
         return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
-
-    def _forward_in_rows(self, index: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                         attention: AttentionBackend, plan: object, rows: int) -> torch.Tensor:
-        """The same layer with norm, projections, RoPE and MLP over ``rows``-token slices:
-        a long prefill's GEMMs and elementwise ops then work on slices that stay in cache
-        (oneDNN's fp32 GEMM ran at ~214 GFLOP/s at 512 rows, ~110 at 2048 here). Attention
-        still sees every token at once. Each row's arithmetic is the same as unsliced."""
-        t = h.shape[0]
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = rope
-        qk = h.new_empty(t, nh + nkv, hd)
-        v = h.new_empty(t, nkv, hd)
-        for s in range(0, t, rows):
-            e = min(t, s + rows)
-            qkv = self.qkv_proj(self.input_layernorm(h[s:e]))
-            apply_rotary(qkv[:, :(nh + nkv) * hd].view(e - s, nh + nkv, hd), cos[s:e], sin[s:e], out=qk[s:e])
-            v[s:e].copy_(qkv[:, (nh + nkv) * hd:].view(e - s, nkv, hd))
-        attn = attention.forward(plan, index, qk[:, :nh], qk[:, nh:], v)
-        out = torch.empty_like(h)
-        for s in range(0, t, rows):
-            e = min(t, s + rows)
-            hs = h[s:e] + self.reduce(self.o_proj(attn[s:e]))
-            torch.add(hs, self.reduce(self.mlp(self.post_attention_layernorm(hs))), out=out[s:e])
-        return out
 
     def load_hf(self, sd: dict[str, torch.Tensor], prefix: str) -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
@@ -104,7 +74,6 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.lm_head_packed: torch.Tensor | None = None
-        self.row_chunk = ROW_CHUNK
         self.to(device=device, dtype=dtype)
         scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
@@ -120,7 +89,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope.tables(batch.positions)
         h = self.embed(batch.input_ids)
         for i, layer in enumerate(self.layers):
-            h = layer(i, h, rope, self.attention, plan, self.row_chunk)
+            h = layer(i, h, rope, self.attention, plan)
         return h
 
     def forward(self, batch: BatchInput, kv_pool: torch.Tensor) -> torch.Tensor:

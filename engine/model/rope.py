@@ -64,12 +64,8 @@ class RotaryEmbedding:
                 self.signed_sin.index_select(0, positions).unsqueeze(1))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by the per-token tables ``[T, 1, head_dim]``
-    (into ``out`` when given)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by the per-token tables ``[T, 1, head_dim]``."""
     half = x.shape[-1] // 2
     swapped = torch.roll(x, shifts=half, dims=-1)
-    if out is None:
-        return torch.addcmul(x * cos, swapped, signed_sin)
-    return torch.addcmul(x * cos, swapped, signed_sin, out=out)
+    return torch.addcmul(x * cos, swapped, signed_sin)
