@@ -10,6 +10,9 @@ for --rounds rounds (at least two):
 - ``b1_decode``: one 128-token prompt, 64 tokens after the first: decode tok/s
   (``64 / (t(65 tokens) - t(1 token))``, two different prompts so no prefix is cached).
 
+``--prefill-only`` runs the two batched rows with ``max_tokens=1`` and reports them as
+prompt tok/s (prefill throughput, one sampled token per prompt); ``b1_decode`` is unchanged.
+
 Token-id prompts (seeded random ids), greedy, ignore_eos, 2 GiB of KV and 64 sequences
 in both engines, SmolLM2-135M-Instruct as a Hugging Face directory (without --model the
 bundled GGUF is converted once into a plain fp32 LlamaForCausalLM directory, in this venv).
@@ -24,7 +27,7 @@ pdserve and each vLLM mode, sequence by sequence. Prints one JSON line: the ISA 
 pdserve / vLLM per row and mode, and the agreement. Without --vllm-python it prints one
 line saying so and exits 0.
 
-    .venv/bin/python benchmarks/vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python [--rounds 2]
+    .venv/bin/python benchmarks/vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python [--rounds 2] [--prefill-only]
 """
 from __future__ import annotations
 
@@ -60,7 +63,10 @@ def _run_workloads(spec: dict, generate) -> dict:
     for name, prompts in spec["workloads"].items():
         dt, tokens = _timed(generate, prompts, spec["max_tokens"])
         n = sum(len(t) for t in tokens)
-        out[name] = {"tok_s": round(n / dt, 2), "seconds": round(dt, 3), "output_tokens": n, "tokens": tokens}
+        n_in = sum(len(p) for p in prompts)
+        rate = n_in if spec.get("prefill_only") else n      # prompt tok/s in --prefill-only mode
+        out[name] = {"tok_s": round(rate / dt, 2), "seconds": round(dt, 3), "output_tokens": n,
+                     "prompt_tokens": n_in, "tokens": tokens}
     p_first, p_decode = spec["b1_prompts"]
     t1, _ = _timed(generate, [p_first], 1)
     t65, tokens = _timed(generate, [p_decode], B1_TOKENS + 1)
@@ -152,7 +158,8 @@ def make_spec(args, model_dir: Path, vocab: int) -> dict:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(n)]
     return {"model": str(model_dir), "dtype": args.dtype, "max_model_len": args.max_model_len,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "max_tokens": 128,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_tokens": 1 if args.prefill_only else 128, "prefill_only": args.prefill_only,
             "warmup": prompt(16),
             "workloads": {name: [prompt(n_in) for _ in range(n)] for name, n, n_in, _ in WORKLOADS},
             "b1_prompts": [prompt(B1_PROMPT), prompt(B1_PROMPT)]}
@@ -222,6 +229,8 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="pdserve's (vLLM keeps its default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-only", action="store_true", help="the two batched rows with max_tokens=1, "
+                   "reported as prompt tok/s (prefill throughput); b1_decode as always (decode only)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine process")
     args = p.parse_args()
     if not args.vllm_python:
@@ -255,7 +264,9 @@ def main() -> int:
         "vllm_version": next((first[m]["vllm"] for m in vl_modes), None),
         "vllm_modes": {m: ("enforce_eager" if m == "vllm_eager" else "torch.compile (default)") for m in vl_modes},
         "model": str(model_dir), "dtype": args.dtype, "rounds": args.rounds,
-        "workload": {"rows": {w[0]: {"prompts": w[1], "input_len": w[2], "output_len": w[3]} for w in WORKLOADS}
+        "row_metric": "prompt tok/s (max_tokens=1), b1_decode: decode tok/s" if args.prefill_only
+        else "output tok/s, b1_decode: decode tok/s",
+        "workload": {"rows": {w[0]: {"prompts": w[1], "input_len": w[2], "output_len": 1 if args.prefill_only else w[3]} for w in WORKLOADS}
                      | {"b1_decode": {"prompts": 1, "input_len": B1_PROMPT, "decode_tokens": B1_TOKENS}},
                      "greedy": True, "ignore_eos": True, "kv_gib": KV_GIB, "max_num_seqs": MAX_SEQS},
         "rows": rows, "pdserve_over_vllm": ratios, "greedy_agreement": agree, "logs": str(work)}))

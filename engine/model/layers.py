@@ -70,4 +70,4 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)
         gate, up = gu[..., :self.intermediate_size], gu[..., self.intermediate_size:]
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate).mul_(up))
