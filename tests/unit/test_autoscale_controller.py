@@ -276,17 +276,6 @@ def test_scale_in_goes_no_lower_than_the_hold_window_needed():
     assert [d.decode.target for d in out if d.decode.delta] == [5]
 
 
-def test_decode_does_not_shrink_while_requests_wait_for_room():
-    # the load fits 2 of 6 workers on average, but a hand-off waits for room (the fullest
-    # worker is full): no scale-in while any waits; once none waits it shrinks after the hold
-    cfg = config(scale_in_hold_s=10.0)
-    waiting = [({"rate": 1000}, {"running": 40, "waiting": 1 if i % 3 == 0 else 0, "kv": 0.3}) for i in range(12)]
-    out = replay(cfg, waiting, d0=6)
-    assert all(d.decode.target == 6 for d in out)
-    out = replay(cfg, [({"rate": 1000}, {"running": 40, "waiting": 0, "kv": 0.3})] * 12, d0=6)
-    assert min(d.decode.target for d in out) < 6
-
-
 def test_fleet_cap_counts_draining_workers():
     # 3 + 3 serving and 4 draining (still held, still paid for) under a cap of 10: no room to grow
     # until the drains end, however hard both pools ask

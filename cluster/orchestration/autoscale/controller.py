@@ -62,12 +62,15 @@ fits in fewer workers.
 Against flapping: a hysteresis band (scale out above ``target_utilization``,
 scale in only when the load fits at ``scale_in_utilization`` in fewer workers
 and the SLO p90 is under ``slo_scale_in_margin`` of target, and only after that
-held for ``scale_in_hold_s``), cool-downs (no further scale-out for ``cooldown_out_s`` after one, no
+held for ``scale_in_hold_s``; a shrink goes no lower than the most workers the
+load needed at any interval of that hold, so a bursty load's quiet sample does
+not set the size), cool-downs (no further scale-out for ``cooldown_out_s`` after one, no
 scale-in for ``cooldown_in_s`` after any change), step limits, and bounds (per
 pool, and optionally for both pools together: growth shared by the asks, or
 with ``decode_first_under_cap`` decode's first, displacing prefill workers if it
 must, since a decode pool without KV room is a cliff and a short prefill pool
-only queues).
+only queues). Workers still draining (``FleetSignals.draining``) count against
+the fleet cap: they hold a GPU until they leave.
 """
 from __future__ import annotations
 
@@ -258,10 +261,8 @@ def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
     ratio = c.scale_in_utilization / c.target_utilization
     fits_in = max(_ceil(seqs_in / (spw * c.scale_in_utilization)),
                   _ceil(kv_workers / (c.target_kv_usage * ratio)))
-    # a request waiting for a batch slot or KV room means some worker is already short of room
-    # (the mean KV use hides the fullest worker): no scale-in while any waits
-    may_shrink = s.waiting == 0 and _under_margin(s.itl_p90_ms, c.slo_itl_ms, c)
-    return _Want(out, reason, fits_in, may_shrink, seqs_out, s.seqs_per_worker * c.target_utilization)
+    return _Want(out, reason, fits_in, _under_margin(s.itl_p90_ms, c.slo_itl_ms, c), seqs_out,
+                 s.seqs_per_worker * c.target_utilization)
 
 
 def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c: AutoscaleConfig,
