@@ -49,7 +49,6 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
             slo_ttft_ms=args.slo_ttft_ms * args.steer, slo_itl_ms=args.slo_itl_ms * args.steer,
             prefill=PoolBounds(max(1, n // 20), n), decode=PoolBounds(max(1, n // 20), n),
             max_total_workers=n if args.fleet_cap else None, decode_first_under_cap=args.decode_first,
-            trade_at_cap=args.trade_at_cap,
             ttft_miss_budget=args.ttft_miss_budget if args.ttft_miss_budget > 0 else 0.002,
             predict_ahead_s=args.startup_delay, cooldown_out_s=max(args.startup_delay, args.interval))
         scale = SimAutoscale(config, interval_s=args.interval, window_s=args.window, startup_s=args.startup_delay,
@@ -99,8 +98,6 @@ def main() -> None:
     ap.add_argument("--fleet-cap", action="store_true", help="cap both autoscaled pools together at N")
     ap.add_argument("--decode-first", action="store_true",
                     help="at the fleet cap, decode's growth first (it may displace prefill workers)")
-    ap.add_argument("--trade-at-cap", action="store_true",
-                    help="at the fleet cap, a pool asking to grow takes the other pool's surplus at once")
     ap.add_argument("--start", choices=("planner", "half"), default="planner",
                     help="the autoscaled run's starting split: the planner's ratio of N, or N/2 : N/2")
     ap.add_argument("--ttft-miss-budget", type=float, default=0.002,
@@ -126,7 +123,6 @@ def main() -> None:
         rows = list(pool.map(one, *zip(*[(args, *j) for j in jobs])))
     out = {"slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}, "steer": args.steer,
            "profile": args.profile, "fleet_cap": args.fleet_cap, "decode_first": args.decode_first,
-           "trade_at_cap": args.trade_at_cap,
            "start": args.start, "ttft_miss_budget": args.ttft_miss_budget,
            "startup_delay_s": args.startup_delay, "interval_s": args.interval, "fleets": {}}
     for f in fleets:

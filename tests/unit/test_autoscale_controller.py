@@ -287,24 +287,3 @@ def test_fleet_cap_counts_draining_workers():
     assert dec.prefill.target + dec.decode.target == 8
     with pytest.raises(ValueError, match="draining"):
         FleetSignals(prefill(3, 1000), decode(3, 10), draining=-1)
-
-
-def test_trade_at_cap_moves_only_the_givers_surplus():
-    # a fleet of 10 at its cap: prefill (4) misses by waiting (5% of requests, budget 0.2%) and
-    # asks for +2; decode (6) holds 60 sequences, which its model fits in 2 workers at 0.8
-    cfg = config(max_total_workers=10, trade_at_cap=True, cooldown_in_s=0.0)
-    short = replace(prefill(4, 30_000), ttft_wait_miss_fraction=0.05)
-    dec, st = decide(cfg, FleetSignals(short, decode(6, 60)), ControllerState(), 0.0)
-    # decode yields at once (no scale-in hold), at most a step (floor(6 x 0.2) = 1), and prefill
-    # takes the room
-    assert (dec.prefill.target, dec.decode.target) == (5, 5)
-    assert dec.decode.reason is Reason.IDLE and st.decode.last_change_t == 0.0
-    # without the trade: decode waits out its hold and prefill stays at the cap
-    dec, _ = decide(replace(cfg, trade_at_cap=False), FleetSignals(short, decode(6, 60)), ControllerState(), 0.0)
-    assert (dec.prefill.target, dec.decode.target) == (4, 6) and dec.prefill.reason is Reason.AT_MAX
-    # a decode pool whose load needs all 6 (200 sequences: ceil(200 / 32) = 7) gives nothing
-    dec, _ = decide(cfg, FleetSignals(short, decode(6, 200)), ControllerState(), 0.0)
-    assert dec.decode.target >= 6 and dec.prefill.target + dec.decode.target <= 10
-    # nor one missing its own SLO (ITL p90 over the margin)
-    dec, _ = decide(cfg, FleetSignals(short, decode(6, 60, itl=90.0)), ControllerState(), 0.0)
-    assert dec.decode.target == 6

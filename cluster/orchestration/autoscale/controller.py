@@ -331,27 +331,6 @@ def _fleet_cap(p: PoolDecision, d: PoolDecision, cap: int | None, decode_first: 
     return out[0], out[1]
 
 
-def _trade(taker: PoolDecision, giver: PoolDecision, want: _Want, st: PoolState, bounds: PoolBounds,
-           c: AutoscaleConfig, draining: int, now: float) -> tuple[PoolDecision, PoolState]:
-    """At the fleet cap, ``giver`` yields to ``taker``'s growth the workers its own load does not
-    need at the target utilisation (``want.out``, KV included), at most a scale-in step and what
-    the cap withholds, while its SLO holds with margin and not within its scale-in cool-down.
-    Never more: a moved worker costs a drain here and a start-up there, so only workers the
-    giver's model calls idle are worth it. The giver's scale-in hold is skipped (the taker is
-    short now); the cap's other rules still apply."""
-    cap = c.max_total_workers
-    if cap is None or not c.trade_at_cap or taker.target <= taker.current or taker.reason not in GROW \
-            or giver.target > giver.current or not want.may_shrink or now - st.last_change_t < c.cooldown_in_s:
-        return giver, st
-    over = taker.target + giver.target + draining - cap
-    surplus = giver.target - max(want.out, bounds.min_workers)
-    give = min(over, surplus, max(1, math.floor(giver.current * c.max_step_down)))
-    if give <= 0:
-        return giver, st
-    return (replace(giver, target=giver.target - give, reason=Reason.IDLE),
-            replace(st, last_change_t=now, below_since=None, needs=()))
-
-
 def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerState,
            now: float) -> tuple[FleetDecision, ControllerState]:
     """One interval: the target size of each pool, with its reason, and the new state."""
@@ -364,8 +343,6 @@ def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerStat
     ds = _learn(ds, wd, signals.decode.workers, dt_d, config)
     p, ps = _pool("prefill", signals.prefill.workers, wp, ps, config.prefill, config, now)
     d, ds = _pool("decode", signals.decode.workers, wd, ds, config.decode, config, now)
-    d, ds = _trade(p, d, wd, ds, config.decode, config, signals.draining, now)
-    p, ps = _trade(d, p, wp, ps, config.prefill, config, signals.draining, now)
     p2, d2 = _fleet_cap(p, d, config.max_total_workers, config.decode_first_under_cap, config.prefill.min_workers,
                         signals.draining)
     # a trimmed scale-out that ended at no change must not start the scale-out cool-down

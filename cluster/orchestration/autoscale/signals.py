@@ -130,9 +130,6 @@ class AutoscaleConfig:
     decode: PoolBounds
     max_total_workers: int | None = None   # both pools together (a fleet cap); None: none
     decode_first_under_cap: bool = False   # at the cap, decode's growth first (else shared by the asks)
-    # at the cap, a pool asking to grow takes workers the other pool's own model says it does not
-    # need at target utilisation (without that pool's scale-in hold); off: only scale-ins make room
-    trade_at_cap: bool = False
     target_utilization: float = 0.8
     scale_in_utilization: float = 0.45
     queue_drain_fraction: float = 0.5      # drain the prefill queue within this part of the TTFT target
