@@ -77,6 +77,8 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
                    prefill_tokens_per_s_per_worker=a["prefill_tokens_per_s_per_worker"],
                    decode_seqs_per_worker=a["decode_seqs_per_worker"])
     print(json.dumps({"run": row}), file=sys.stderr, flush=True)
+    if autoscale:
+        row["intervals"] = s["autoscale"]["intervals"]      # in --output only: one row per controller interval
     return row
 
 

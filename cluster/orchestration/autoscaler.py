@@ -111,7 +111,7 @@ class Autoscaler:
             running=sum(v.load.running for v in view.decode), waiting=sum(v.load.waiting for v in view.decode),
             kv_usage=(sum(v.load.kv_usage for v in view.decode) / len(view.decode)) if view.decode else 0.0,
             itl_p90_ms=None if itl is None else itl * 1e3, seqs_per_worker=self.capacity.decode_seqs())
-        return FleetSignals(prefill, decode)
+        return FleetSignals(prefill, decode, draining=len(self._retiring))
 
     def _workers(self, pool: str) -> int:
         """What the pool holds or is starting, less what it is retiring: the last target acted on."""

@@ -258,3 +258,32 @@ def test_wait_miss_fraction_must_be_a_fraction():
         PrefillSignals(2, 2, 0, 0.0, None, 1.0, ttft_wait_miss_fraction=1.5)
     with pytest.raises(ValueError, match="ttft_miss_budget"):
         config(ttft_miss_budget=0.0)
+
+
+def test_scale_in_goes_no_lower_than_the_hold_window_needed():
+    # decode on 10 workers (40 seqs each): a bursty load whose quiet samples (30 seqs) fit 2
+    # workers and whose peaks (144 seqs: 3.6 workers' worth of KV, at 0.75 x 0.45 / 0.8 KV use)
+    # need 9 must not shrink below 9 just because the sample when the hold ends is a quiet one
+    # (the last sample alone would take it 10 -> 5 -> 3 -> 2)
+    bursty = [{"running": 140}, {"running": 30}, {"running": 30}, {"running": 144}, {"running": 30}, {"running": 30}]
+    cfg = config(scale_in_hold_s=25.0, max_step_down=0.5, ewma_alpha=1.0)
+    out = replay(cfg, [({"rate": 1000}, bursty[i % len(bursty)]) for i in range(30)], d0=10)
+    shrinks = [d.decode for d in out if d.decode.target < d.decode.current]
+    assert shrinks and all(d.reason is Reason.IDLE for d in shrinks)
+    assert min(d.decode.target for d in out) == 9
+    # the same quiet sample after a hold of quiet samples only: down a step (10 -> 5)
+    out = replay(cfg, [({"rate": 1000}, {"running": 30})] * 8, d0=10)
+    assert [d.decode.target for d in out if d.decode.delta] == [5]
+
+
+def test_fleet_cap_counts_draining_workers():
+    # 3 + 3 serving and 4 draining (still held, still paid for) under a cap of 10: no room to grow
+    # until the drains end, however hard both pools ask
+    cfg = config(max_total_workers=10, max_step_up=10.0, cooldown_out_s=0.0)
+    dec, _ = decide(cfg, FleetSignals(prefill(3, 80_000), decode(3, 300), draining=4), ControllerState(), 0.0)
+    assert (dec.prefill.target, dec.decode.target) == (3, 3)
+    assert dec.prefill.reason is Reason.AT_MAX and dec.decode.reason is Reason.AT_MAX
+    dec, _ = decide(cfg, FleetSignals(prefill(3, 80_000), decode(3, 300), draining=2), ControllerState(), 0.0)
+    assert dec.prefill.target + dec.decode.target == 8
+    with pytest.raises(ValueError, match="draining"):
+        FleetSignals(prefill(3, 1000), decode(3, 10), draining=-1)

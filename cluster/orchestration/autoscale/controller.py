@@ -62,12 +62,15 @@ fits in fewer workers.
 Against flapping: a hysteresis band (scale out above ``target_utilization``,
 scale in only when the load fits at ``scale_in_utilization`` in fewer workers
 and the SLO p90 is under ``slo_scale_in_margin`` of target, and only after that
-held for ``scale_in_hold_s``), cool-downs (no further scale-out for ``cooldown_out_s`` after one, no
+held for ``scale_in_hold_s``; a shrink goes no lower than the most workers the
+load needed at any interval of that hold, so a bursty load's quiet sample does
+not set the size), cool-downs (no further scale-out for ``cooldown_out_s`` after one, no
 scale-in for ``cooldown_in_s`` after any change), step limits, and bounds (per
 pool, and optionally for both pools together: growth shared by the asks, or
 with ``decode_first_under_cap`` decode's first, displacing prefill workers if it
 must, since a decode pool without KV room is a cliff and a short prefill pool
-only queues).
+only queues). Workers still draining (``FleetSignals.draining``) count against
+the fleet cap: they hold a GPU until they leave.
 """
 from __future__ import annotations
 
@@ -129,6 +132,8 @@ class PoolState:
     last_out_t: float = _NEVER       # time of the last scale-out
     last_change_t: float = _NEVER    # time of the last change either way
     below_since: float | None = None  # the load has fit in fewer workers since then
+    # (time, workers the load needed at the scale-in utilisation) over the last scale_in_hold_s while below
+    needs: tuple[tuple[float, int], ...] = ()
     # what one worker really sustains within the SLO, as a part of the caller's capacity figure:
     # lowered when the SLO missed at a size the figure said was enough, recovering slowly while
     # the SLO holds with margin
@@ -270,11 +275,11 @@ def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c
         return PoolDecision(name, cur, target, reason, want.out, want.predicted), state
 
     if cur < bounds.min_workers:
-        return done(bounds.min_workers, Reason.AT_MIN, replace(st, below_since=None))
+        return done(bounds.min_workers, Reason.AT_MIN, replace(st, below_since=None, needs=()))
     if cur > bounds.max_workers:
         return done(bounds.max_workers, Reason.AT_MAX, st)
     if want.out > cur:
-        st = replace(st, below_since=None)
+        st = replace(st, below_since=None, needs=())
         if cur >= bounds.max_workers:
             return done(cur, Reason.AT_MAX, st)
         if now - st.last_out_t < c.cooldown_out_s:
@@ -282,8 +287,11 @@ def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c
         step = max(1, math.ceil(cur * c.max_step_up))
         return done(min(want.out, cur + step, bounds.max_workers), want.out_reason, st)
     if want.may_shrink and want.fits_in < cur:
+        # the shrink goes no lower than the most the load needed over the last hold, not the
+        # last (perhaps quietest) sample's need
         since = st.below_since if st.below_since is not None else now
-        st = replace(st, below_since=since)
+        needs = tuple(x for x in st.needs if x[0] > now - c.scale_in_hold_s) + ((now, want.fits_in),)
+        st = replace(st, below_since=since, needs=needs)
         if cur <= bounds.min_workers:
             return done(cur, Reason.AT_MIN, st)
         if now - since < c.scale_in_hold_s:
@@ -291,21 +299,22 @@ def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c
         if now - st.last_change_t < c.cooldown_in_s:
             return done(cur, Reason.COOLDOWN, st)
         step = max(1, math.floor(cur * c.max_step_down))
-        return done(max(want.fits_in, cur - step, bounds.min_workers), Reason.IDLE, st)
-    return done(cur, Reason.STEADY, replace(st, below_since=None))
+        return done(max(max(n for _, n in needs), cur - step, bounds.min_workers), Reason.IDLE, st)
+    return done(cur, Reason.STEADY, replace(st, below_since=None, needs=()))
 
 
 def _fleet_cap(p: PoolDecision, d: PoolDecision, cap: int | None, decode_first: bool = False,
-               prefill_min: int = 1) -> tuple[PoolDecision, PoolDecision]:
-    """Trim growth so both pools together stay within ``cap``. Growth is shared in proportion
+               prefill_min: int = 1, draining: int = 0) -> tuple[PoolDecision, PoolDecision]:
+    """Trim growth so both pools together, and the ``draining`` workers still held, stay within
+    ``cap``. Growth is shared in proportion
     to what each pool asked for (shrinking is never forced), or with ``decode_first`` decode's
     comes first and may displace prefill workers (down to ``prefill_min``): a decode pool
     without KV room is a cliff (sequences wait, preempt, every ITL stretches), a prefill pool
     short of workers only queues prompts longer."""
-    if cap is None or p.target + d.target <= cap:
+    if cap is None or p.target + d.target + draining <= cap:
         return p, d
     gp, gd = max(0, p.delta), max(0, d.delta)
-    room = max(0, cap - p.current - d.current - min(0, p.delta) - min(0, d.delta))
+    room = max(0, cap - draining - p.current - d.current - min(0, p.delta) - min(0, d.delta))
     if gp + gd == 0:
         return p, d
     if decode_first and gd > room:
@@ -334,7 +343,8 @@ def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerStat
     ds = _learn(ds, wd, signals.decode.workers, dt_d, config)
     p, ps = _pool("prefill", signals.prefill.workers, wp, ps, config.prefill, config, now)
     d, ds = _pool("decode", signals.decode.workers, wd, ds, config.decode, config, now)
-    p2, d2 = _fleet_cap(p, d, config.max_total_workers, config.decode_first_under_cap, config.prefill.min_workers)
+    p2, d2 = _fleet_cap(p, d, config.max_total_workers, config.decode_first_under_cap, config.prefill.min_workers,
+                        signals.draining)
     # a trimmed scale-out that ended at no change must not start the scale-out cool-down
     if p2.target == p2.current and p.target > p.current:
         ps = replace(ps, last_out_t=state.prefill.last_out_t, last_change_t=state.prefill.last_change_t)

@@ -83,8 +83,17 @@ class DecodeSignals:
 
 @dataclass(frozen=True)
 class FleetSignals:
+    """Both pools, and ``draining``: workers of either pool out of the router but still
+    finishing what they hold. They are in neither pool's ``workers`` yet still hold a GPU (and
+    are paid for), so the fleet cap counts them: moving a worker from one pool to the other at
+    the cap waits for the drain to end instead of paying for both."""
     prefill: PrefillSignals
     decode: DecodeSignals
+    draining: int = 0
+
+    def __post_init__(self) -> None:
+        if self.draining < 0:
+            raise ValueError(f"fleet signals: draining workers must be >= 0, got {self.draining}")
 
 
 @dataclass(frozen=True)

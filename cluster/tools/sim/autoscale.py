@@ -158,6 +158,8 @@ class SimAutoscaler:
                              f"{getattr(sim.cost, 'name', sim.cost)!r} has none: turn it off")
         self.reasons: Counter = Counter()
         self.changes: list[dict] = []
+        # one row per interval: what the controller saw, what it decided, and what the fleet pays for
+        self.intervals: list[dict] = []
         self.peak = {"prefill": 0, "decode": 0}
 
     # ---- what the cluster reports --------------------------------------------
@@ -202,11 +204,13 @@ class SimAutoscaler:
             waiting=sum(n.scheduler.num_waiting + n.joining for n in dec),
             kv_usage=float(np.mean([n.scheduler.kv_usage for n in dec])) if dec else 0.0,
             itl_p90_ms=self.itl_ms.p90(), seqs_per_worker=self.seqs_per_worker)
-        return FleetSignals(p, d)
+        return FleetSignals(p, d, draining=sim.draining_count("prefill") + sim.draining_count("decode"))
 
     def tick(self) -> None:
         sim, now = self.sim, self.sim.loop.now
-        decision, self.state = decide(self.spec.config, self.signals(), self.state, now)
+        signals = self.signals()
+        decision, self.state = decide(self.spec.config, signals, self.state, now)
+        self.intervals.append(interval_row(now - sim.start_s, signals, decision, sim.draining_count))
         for pool in decision.pools:
             self.reasons[f"{pool.pool}:{pool.reason.value}"] += 1
             if pool.delta:
@@ -232,7 +236,23 @@ class SimAutoscaler:
                 "prefill_tokens_per_s_per_worker": round(self.prefill_tps, 1),
                 "decode_seqs_per_worker": self.seqs_per_worker,
                 "peak_workers": dict(self.peak), "decisions": dict(sorted(self.reasons.items())),
-                "changes": self.changes}
+                "changes": self.changes, "intervals": self.intervals}
+
+
+def interval_row(t: float, s: FleetSignals, d, draining) -> dict:
+    """One interval's record: per pool the workers ready, starting and draining (all paid for),
+    the load signals, and the controller's target and reason."""
+    p, q = s.prefill, s.decode
+    return {"t": round(t, 3),
+            "prefill": {"ready": p.ready_workers, "starting": p.workers - p.ready_workers,
+                        "draining": draining("prefill"), "tokens_per_s": round(p.prompt_tokens_per_s, 1),
+                        "queued": p.queued_tokens, "ttft_p90_ms": p.ttft_p90_ms,
+                        "wait_miss": p.ttft_wait_miss_fraction, "target": d.prefill.target,
+                        "reason": d.prefill.reason.value},
+            "decode": {"ready": q.ready_workers, "starting": q.workers - q.ready_workers,
+                       "draining": draining("decode"), "running": q.running, "waiting": q.waiting,
+                       "kv_usage": round(q.kv_usage, 3), "itl_p90_ms": q.itl_p90_ms, "target": d.decode.target,
+                       "reason": d.decode.reason.value}}
 
 
 def worker_hours(spans: list[tuple[str, float, float]], start: float, end: float) -> dict:

@@ -193,6 +193,10 @@ class ClusterSim:
     def starting_count(self, role: str) -> int:
         return len(self.starting[role])
 
+    def draining_count(self, role: str) -> int:
+        """Nodes of ``role`` out of the router, still finishing what they hold (still paid for)."""
+        return sum(1 for nid in self.draining if self.nodes[nid].role == role)
+
     def has_work(self) -> bool:
         return bool(self.live) or self._next < len(self.workload)
 
