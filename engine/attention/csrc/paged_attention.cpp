@@ -1,0 +1,280 @@
+// Paged attention on the CPU straight from the KV pool (no gathered copy).
+//
+// Pool layout: [num_blocks, num_layers, 2, kv_heads, block_size, head_dim]; one
+// (block, layer, k|v, kv head) tile of block_size x head_dim values is contiguous.
+//
+// torch.ops.pdserve.paged_attention(q [T, H, D], pool, layer, block_tables [S, MB],
+// query_start_loc [S+1], context_lens [S], scale) -> out [T, H, D]
+//
+// Sequence s owns query tokens [qsl[s], qsl[s+1]); its last query token sits at context
+// position ctx[s]-1, so query j of s sees keys [0, ctx[s]-qlen+j] (causal with a cached
+// prefix; a decode is qlen 1). Work items are (sequence, kv head, query tile, context split):
+// each reads a K/V tile once for all the query heads of its kv head (GQA) and all the queries
+// of its tile, with an online softmax in fp32. Decodes with few sequences split the context
+// (flash-decoding) and a second pass merges the partial softmaxes.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace pdserve {
+namespace {
+
+constexpr float kNegBig = -1e30f;
+constexpr int64_t kMinBlocksPerSplit = 8;
+
+inline float to_f(float x) { return x; }
+inline float to_f(at::BFloat16 x) {
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float v, float* p) { *p = v; }
+inline void store(float v, at::BFloat16* p) { *p = at::BFloat16(v); }
+
+// exp(x) for x <= 0 to ~2 ulp, branch-free so `omp simd` loops vectorize it.
+#pragma omp declare simd notinbranch
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+struct Item {
+  int64_t seq, q0, q1;        // query tokens [q0, q1) of the sequence (relative)
+  int64_t b0, b1;             // context blocks [b0, b1)
+  int64_t head;               // kv head
+  int64_t partial;            // -1: write the output; else the partial slot (split decode)
+};
+
+struct Geometry {
+  int64_t layers, layer, kv_heads, block_size, head_dim, group, heads;
+  int64_t bt_stride;
+  float scale;
+  int64_t tile() const { return block_size * head_dim; }
+};
+
+struct RowState {
+  std::vector<float> q, acc, m, l, s;
+  RowState(int64_t rows, int64_t d, int64_t bs) : q(rows * d), acc(rows * d), m(rows), l(rows), s(bs) {}
+};
+
+// One query row against one K/V tile (first n keys valid): online softmax update.
+template <typename T>
+inline void attend_tile(const float* q, const T* k, const T* v, int64_t n, int64_t d, float* s, float& m,
+                        float& l, float* acc) {
+  float bm = kNegBig;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* kt = k + t * d;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < d; ++i) dot += q[i] * to_f(kt[i]);
+    s[t] = dot;
+    bm = std::max(bm, dot);
+  }
+  const float mn = std::max(m, bm);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_neg(s[t] - mn);
+    sum += s[t];
+  }
+  if (mn > m) {
+    const float corr = exp_neg(m - mn);
+    l *= corr;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) acc[i] *= corr;
+    m = mn;
+  }
+  l += sum;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* vt = v + t * d;
+    const float p = s[t];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) acc[i] += p * to_f(vt[i]);
+  }
+}
+
+template <typename T>
+void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, const int64_t* bt,
+              const int64_t* qsl, const int64_t* ctx, T* out, float* partials) {
+  const int64_t d = g.head_dim, bs = g.block_size, grp = g.group;
+  const int64_t tok0 = qsl[it.seq], qlen = qsl[it.seq + 1] - tok0, prefix = ctx[it.seq] - qlen;
+  const int64_t rows = (it.q1 - it.q0) * grp;
+  RowState st(rows, d, bs);
+  std::fill(st.m.begin(), st.m.end(), kNegBig);
+  for (int64_t j = it.q0; j < it.q1; ++j)
+    for (int64_t gi = 0; gi < grp; ++gi) {
+      const T* src = q + ((tok0 + j) * g.heads + it.head * grp + gi) * d;
+      float* dst = st.q.data() + ((j - it.q0) * grp + gi) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = to_f(src[i]) * g.scale;
+    }
+  const int64_t last_key = prefix + it.q1 - 1;
+  const int64_t b1 = std::min(it.b1, last_key / bs + 1);
+  const int64_t kv_stride = g.kv_heads * g.tile();
+  for (int64_t b = it.b0; b < b1; ++b) {
+    const int64_t blk = bt[it.seq * g.bt_stride + b];
+    const T* k = pool + ((blk * g.layers + g.layer) * 2 * g.kv_heads + it.head) * g.tile();
+    const T* v = k + kv_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = std::min(bs, prefix + it.q0 + r / grp - b * bs + 1);
+      if (n <= 0) continue;
+      attend_tile(st.q.data() + r * d, k, v, n, d, st.s.data(), st.m[r], st.l[r], st.acc.data() + r * d);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = st.acc.data() + r * d;
+    if (it.partial >= 0) {
+      float* dst = partials + (it.partial * rows + r) * (d + 2);
+      dst[0] = st.m[r];
+      dst[1] = st.l[r];
+      std::memcpy(dst + 2, a, d * sizeof(float));
+      continue;
+    }
+    const float inv = st.l[r] > 0.f ? 1.f / st.l[r] : 0.f;
+    T* dst = out + ((tok0 + it.q0 + r / grp) * g.heads + it.head * grp + r % grp) * d;
+    for (int64_t i = 0; i < d; ++i) store(a[i] * inv, dst + i);
+  }
+}
+
+// Merge the partial softmaxes of a split decode (one query token, `group` rows).
+template <typename T>
+void merge_splits(const float* partials, int64_t first, int64_t splits, int64_t rows, int64_t d,
+                  T* dst_row0) {
+  std::vector<float> acc(d);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kNegBig;
+    for (int64_t k = 0; k < splits; ++k) m = std::max(m, partials[((first + k) * rows + r) * (d + 2)]);
+    float l = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t k = 0; k < splits; ++k) {
+      const float* p = partials + ((first + k) * rows + r) * (d + 2);
+      const float w = exp_neg(p[0] - m);
+      l += p[1] * w;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[i] += w * p[2 + i];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t i = 0; i < d; ++i) store(acc[i] * inv, dst_row0 + r * d + i);
+  }
+}
+
+struct Split {
+  int64_t seq, head, first, count;   // `count` partial slots from `first`
+};
+
+struct WorkList {
+  std::vector<Item> items;
+  std::vector<Split> splits;
+  int64_t partial_slots = 0;
+};
+
+WorkList plan_work(const int64_t* qsl, const int64_t* ctx, int64_t num_seqs, const Geometry& g) {
+  WorkList w;
+  const int64_t q_tile = std::max<int64_t>(1, 32 / g.group);
+  int64_t units = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) units += (qsl[s + 1] - qsl[s] + q_tile - 1) / q_tile;
+  units *= g.kv_heads;
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = 4 * threads;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t qlen = qsl[s + 1] - qsl[s];
+    const int64_t nblocks = (ctx[s] + g.block_size - 1) / g.block_size;
+    int64_t splits = 1;
+    if (qlen == 1 && units < want) {
+      splits = std::min((want + units - 1) / units, nblocks / kMinBlocksPerSplit);
+      splits = std::max<int64_t>(splits, 1);
+    }
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      if (splits == 1) {
+        for (int64_t q0 = 0; q0 < qlen; q0 += q_tile)
+          w.items.push_back({s, q0, std::min(qlen, q0 + q_tile), 0, nblocks, h, -1});
+        continue;
+      }
+      w.splits.push_back({s, h, w.partial_slots, splits});
+      for (int64_t k = 0; k < splits; ++k)
+        w.items.push_back({s, 0, 1, nblocks * k / splits, nblocks * (k + 1) / splits, h, w.partial_slots++});
+    }
+  }
+  return w;
+}
+
+template <typename T>
+void launch(const at::Tensor& q, const at::Tensor& pool, const Geometry& g, const at::Tensor& bt,
+            const at::Tensor& qsl, const at::Tensor& ctx, at::Tensor& out) {
+  const int64_t* qs = qsl.data_ptr<int64_t>();
+  const int64_t* cx = ctx.data_ptr<int64_t>();
+  WorkList w = plan_work(qs, cx, ctx.size(0), g);
+  std::vector<float> partials(w.partial_slots * g.group * (g.head_dim + 2));
+  const T* qp = q.data_ptr<T>();
+  const T* pp = pool.data_ptr<T>();
+  const int64_t* bp = bt.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, static_cast<int64_t>(w.items.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) run_item<T>(w.items[i], g, qp, pp, bp, qs, cx, op, partials.data());
+  });
+  if (w.splits.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(w.splits.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const Split& sp = w.splits[i];
+      T* dst = op + (qs[sp.seq] * g.heads + sp.head * g.group) * g.head_dim;
+      merge_splits<T>(partials.data(), sp.first, sp.count, g.group, g.head_dim, dst);
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, int64_t layer,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, heads, head_dim] tensor");
+  TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous(),
+              "pool must be a contiguous [blocks, layers, 2, kv_heads, block_size, head_dim] tensor");
+  TORCH_CHECK(pool.scalar_type() == q.scalar_type(), "pool and q must share a dtype");
+  TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "paged_attention runs on CPU tensors");
+  TORCH_CHECK(pool.size(5) == q.size(2), "q's head_dim differs from the pool's");
+  TORCH_CHECK(q.size(1) % pool.size(3) == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(layer >= 0 && layer < pool.size(1), "layer out of range");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong, "index tensors must be int64");
+  at::Tensor bt = block_tables.contiguous(), qsl = query_start_loc.contiguous(), ctx = context_lens.contiguous();
+  TORCH_CHECK(qsl.size(0) == ctx.size(0) + 1 && bt.size(0) == ctx.size(0), "one row per sequence");
+  Geometry g{pool.size(1), layer, pool.size(3), pool.size(4), pool.size(5),
+             q.size(1) / pool.size(3), q.size(1), bt.size(1), static_cast<float>(scale)};
+  at::Tensor out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    launch<float>(q, pool, g, bt, qsl, ctx, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    launch<at::BFloat16>(q, pool, g, bt, qsl, ctx, out);
+  } else {
+    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace pdserve
+
+TORCH_LIBRARY(pdserve, m) {
+  m.def("paged_attention(Tensor q, Tensor pool, int layer, Tensor block_tables, Tensor query_start_loc, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("paged_attention", &pdserve::paged_attention); }
