@@ -10,7 +10,8 @@ prefix) at the head of the step keeps causal SDPA on its new K/V, which is faste
 than any pool walk for it.
 
 What the kernel does not cover falls back to :class:`TorchPagedAttention` per step:
-quantized pools (int8/fp8, :mod:`engine.kv_quant`), float16, and non-CPU pools.
+quantized pools (int8/fp8, :mod:`engine.kv_quant`), float16, non-CPU pools, head
+dims other than 64 and 128, and block sizes that are not a multiple of 16.
 """
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ class CpuPagedAttention(TorchPagedAttention):
                                f"ninja, or choose attention_backend='torch_paged'")
 
     def handles(self, kv_pool: torch.Tensor) -> bool:
+        s = self.shape
         return (kv_pool.device.type == "cpu" and not self.kv_spec.quantized
-                and kv_pool.dtype in _KERNEL_DTYPES)
+                and kv_pool.dtype in _KERNEL_DTYPES and s.head_dim in (64, 128) and s.block_size % 16 == 0)
 
     def plan(self, attn: AttentionMetadata, kv_pool: torch.Tensor) -> CpuPagedPlan | TorchPagedPlan:  # type: ignore[override]
         if not self.handles(kv_pool):

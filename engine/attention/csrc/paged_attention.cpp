@@ -27,6 +27,10 @@ namespace {
 
 constexpr float kNegBig = -1e30f;
 constexpr int64_t kMinBlocksPerSplit = 8;
+constexpr int64_t kLanes = 16;   // keys per score vector; block_size and head_dim are multiples
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
 inline float to_f(float x) { return x; }
 inline float to_f(at::BFloat16 x) {
@@ -42,7 +46,7 @@ inline void store(float v, at::BFloat16* p) { *p = at::BFloat16(v); }
 #pragma omp declare simd notinbranch
 inline float exp_neg(float x) {
   x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   // round to nearest
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -56,6 +60,76 @@ inline float exp_neg(float x) {
   float scale;
   std::memcpy(&scale, &bits, 4);
   return p * scale;
+}
+
+// Lanes j < 8: x[2j] + x[2j+1]; lanes 8 + j: y[2j] + y[2j+1].
+inline v16 pair_sums(v16 x, v16 y) {
+  const v16i even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const v16i odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  return __builtin_shuffle(x, y, even) + __builtin_shuffle(x, y, odd);
+}
+
+// Sixteen vectors -> one whose lane j is the sum of a[j]'s lanes (a transposing add tree).
+inline v16 reduce16(v16* a) {
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) a[j] = pair_sums(a[2 * j], a[2 * j + 1]);
+  return a[0];
+}
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Scores of one query row against keys [0, n) of an fp32 tile ([bs, DV*16]) into s.
+template <int DV>
+inline void scores(const float* q, const float* k, int64_t n, float* s) {
+  v16 qv[DV];
+  for (int i = 0; i < DV; ++i) qv[i] = load16(q + i * kLanes);
+  for (int64_t c = 0; c < n; c += kLanes) {
+    v16 a[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      const float* kt = k + (c + j) * DV * kLanes;
+      v16 acc = qv[0] * load16(kt);
+      for (int i = 1; i < DV; ++i) acc += qv[i] * load16(kt + i * kLanes);
+      a[j] = acc;
+    }
+    store16(s + c, reduce16(a));
+  }
+}
+
+// One query row against one K/V tile (first n keys valid): online softmax update.
+template <int DV>
+inline void attend_tile(const float* q, const float* k, const float* v, int64_t n, float* s, float& m,
+                        float& l, float* acc) {
+  scores<DV>(q, k, n, s);
+  float bm = kNegBig;
+#pragma omp simd reduction(max : bm)
+  for (int64_t t = 0; t < n; ++t) bm = std::max(bm, s[t]);
+  const float mn = std::max(m, bm);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_neg(s[t] - mn);
+    sum += s[t];
+  }
+  v16 a[DV];
+  for (int i = 0; i < DV; ++i) a[i] = load16(acc + i * kLanes);
+  if (mn > m) {
+    const float corr = exp_neg(m - mn);
+    l *= corr;
+    for (int i = 0; i < DV; ++i) a[i] *= corr;
+    m = mn;
+  }
+  l += sum;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vt = v + t * DV * kLanes;
+    const float p = s[t];
+    for (int i = 0; i < DV; ++i) a[i] += p * load16(vt + i * kLanes);
+  }
+  for (int i = 0; i < DV; ++i) store16(acc + i * kLanes, a[i]);
 }
 
 struct Item {
@@ -73,54 +147,26 @@ struct Geometry {
 };
 
 struct RowState {
-  std::vector<float> q, acc, m, l, s;
-  RowState(int64_t rows, int64_t d, int64_t bs) : q(rows * d), acc(rows * d), m(rows), l(rows), s(bs) {}
+  std::vector<float> q, acc, m, l, s, k, v;
+  RowState(int64_t rows, int64_t d, int64_t bs)
+      : q(rows * d), acc(rows * d), m(rows, kNegBig), l(rows), s(bs), k(bs * d), v(bs * d) {}
 };
 
-// One query row against one K/V tile (first n keys valid): online softmax update.
-template <typename T>
-inline void attend_tile(const float* q, const T* k, const T* v, int64_t n, int64_t d, float* s, float& m,
-                        float& l, float* acc) {
-  float bm = kNegBig;
-  for (int64_t t = 0; t < n; ++t) {
-    const T* kt = k + t * d;
-    float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t i = 0; i < d; ++i) dot += q[i] * to_f(kt[i]);
-    s[t] = dot;
-    bm = std::max(bm, dot);
-  }
-  const float mn = std::max(m, bm);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = exp_neg(s[t] - mn);
-    sum += s[t];
-  }
-  if (mn > m) {
-    const float corr = exp_neg(m - mn);
-    l *= corr;
+// A tile in fp32: the pool's own memory for float pools, a converted copy for bf16.
+inline const float* tile_f32(const float* src, int64_t, float*) { return src; }
+inline const float* tile_f32(const at::BFloat16* src, int64_t n, float* buf) {
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) acc[i] *= corr;
-    m = mn;
-  }
-  l += sum;
-  for (int64_t t = 0; t < n; ++t) {
-    const T* vt = v + t * d;
-    const float p = s[t];
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) acc[i] += p * to_f(vt[i]);
-  }
+  for (int64_t i = 0; i < n; ++i) buf[i] = to_f(src[i]);
+  return buf;
 }
 
-template <typename T>
+template <typename T, int DV>
 void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, const int64_t* bt,
               const int64_t* qsl, const int64_t* ctx, T* out, float* partials) {
   const int64_t d = g.head_dim, bs = g.block_size, grp = g.group;
   const int64_t tok0 = qsl[it.seq], qlen = qsl[it.seq + 1] - tok0, prefix = ctx[it.seq] - qlen;
   const int64_t rows = (it.q1 - it.q0) * grp;
   RowState st(rows, d, bs);
-  std::fill(st.m.begin(), st.m.end(), kNegBig);
   for (int64_t j = it.q0; j < it.q1; ++j)
     for (int64_t gi = 0; gi < grp; ++gi) {
       const T* src = q + ((tok0 + j) * g.heads + it.head * grp + gi) * d;
@@ -132,12 +178,13 @@ void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, cons
   const int64_t kv_stride = g.kv_heads * g.tile();
   for (int64_t b = it.b0; b < b1; ++b) {
     const int64_t blk = bt[it.seq * g.bt_stride + b];
-    const T* k = pool + ((blk * g.layers + g.layer) * 2 * g.kv_heads + it.head) * g.tile();
-    const T* v = k + kv_stride;
+    const T* kp = pool + ((blk * g.layers + g.layer) * 2 * g.kv_heads + it.head) * g.tile();
+    const float* k = tile_f32(kp, g.tile(), st.k.data());
+    const float* v = tile_f32(kp + kv_stride, g.tile(), st.v.data());
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = std::min(bs, prefix + it.q0 + r / grp - b * bs + 1);
       if (n <= 0) continue;
-      attend_tile(st.q.data() + r * d, k, v, n, d, st.s.data(), st.m[r], st.l[r], st.acc.data() + r * d);
+      attend_tile<DV>(st.q.data() + r * d, k, v, n, st.s.data(), st.m[r], st.l[r], st.acc.data() + r * d);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -228,8 +275,9 @@ void launch(const at::Tensor& q, const at::Tensor& pool, const Geometry& g, cons
   const T* pp = pool.data_ptr<T>();
   const int64_t* bp = bt.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
+  auto item = g.head_dim == 64 ? &run_item<T, 4> : &run_item<T, 8>;
   at::parallel_for(0, static_cast<int64_t>(w.items.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) run_item<T>(w.items[i], g, qp, pp, bp, qs, cx, op, partials.data());
+    for (int64_t i = lo; i < hi; ++i) item(w.items[i], g, qp, pp, bp, qs, cx, op, partials.data());
   });
   if (w.splits.empty()) return;
   at::parallel_for(0, static_cast<int64_t>(w.splits.size()), 1, [&](int64_t lo, int64_t hi) {
@@ -251,6 +299,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, int64_t 
   TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "paged_attention runs on CPU tensors");
   TORCH_CHECK(pool.size(5) == q.size(2), "q's head_dim differs from the pool's");
   TORCH_CHECK(q.size(1) % pool.size(3) == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "paged_attention supports head_dim 64 and 128");
+  TORCH_CHECK(pool.size(4) % kLanes == 0, "paged_attention needs a block_size that is a multiple of 16");
   TORCH_CHECK(layer >= 0 && layer < pool.size(1), "layer out of range");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
                   context_lens.scalar_type() == at::kLong, "index tensors must be int64");
