@@ -79,7 +79,7 @@ class CpuPagedAttention(TorchPagedAttention):
             v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=s.scale, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(q.shape[0], s.num_heads * s.head_dim)
 
-    def forward(self, plan: CpuPagedPlan | TorchPagedPlan, layer: int, q: torch.Tensor,  # type: ignore[override]
+    def forward(self, plan: CpuPagedPlan | TorchPagedPlan, layer: int, q: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if isinstance(plan, TorchPagedPlan):
             return super().forward(plan, layer, q, k, v)
