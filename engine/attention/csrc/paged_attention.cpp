@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -264,6 +265,13 @@ WorkList plan_work(const int64_t* qsl, const int64_t* ctx, int64_t num_seqs, con
   return w;
 }
 
+// Query rows x context blocks the item walks (its share of the work).
+inline int64_t item_cost(const Item& it, const int64_t* qsl, const int64_t* ctx, int64_t bs) {
+  const int64_t qlen = qsl[it.seq + 1] - qsl[it.seq];
+  const int64_t last = (ctx[it.seq] - qlen + it.q1 - 1) / bs + 1;
+  return (it.q1 - it.q0) * (std::min(it.b1, last) - it.b0);
+}
+
 template <typename T>
 void launch(const at::Tensor& q, const at::Tensor& pool, const Geometry& g, const at::Tensor& bt,
             const at::Tensor& qsl, const at::Tensor& ctx, at::Tensor& out) {
@@ -276,8 +284,15 @@ void launch(const at::Tensor& q, const at::Tensor& pool, const Geometry& g, cons
   const int64_t* bp = bt.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   auto item = g.head_dim == 64 ? &run_item<T, 4> : &run_item<T, 8>;
-  at::parallel_for(0, static_cast<int64_t>(w.items.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) item(w.items[i], g, qp, pp, bp, qs, cx, op, partials.data());
+  // Costliest items first, handed out one at a time: a mixed batch's long prefill tiles and
+  // short decodes balance over the threads (a static split would give one thread the prefills).
+  std::stable_sort(w.items.begin(), w.items.end(), [&](const Item& x, const Item& y) {
+    return item_cost(x, qs, cx, g.block_size) > item_cost(y, qs, cx, g.block_size);
+  });
+  const int64_t n = static_cast<int64_t>(w.items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) item(w.items[i], g, qp, pp, bp, qs, cx, op, partials.data());
   });
   if (w.splits.empty()) return;
   at::parallel_for(0, static_cast<int64_t>(w.splits.size()), 1, [&](int64_t lo, int64_t hi) {
