@@ -14,7 +14,7 @@ from engine.attention.backend import resolve_backend_name
 from engine.attention.kernels import cpu_kernel_available
 from engine.batch import AttentionMetadata
 
-pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="the cpu_paged kernel did not build here")
+needs_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="the cpu_paged kernel did not build here")
 
 LAYERS = 3
 
@@ -68,6 +68,7 @@ def _compare(seqs, *, block_size=16, kv_heads=3, group=3, head_dim=64, dtype=tor
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@needs_kernel
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -76,12 +77,14 @@ def test_decode_batch_matches_torch_paged(block_size, group, head_dim):
              head_dim=head_dim, kv_heads=2)
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ctx", [5, 300, 1000])
 def test_batch_one_decode_split_context_matches(dtype, ctx):
     _compare([(1, ctx)], dtype=dtype, seed=ctx)
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_mixed_prefill_with_prefixes_and_decodes(dtype, group):
@@ -89,6 +92,7 @@ def test_mixed_prefill_with_prefixes_and_decodes(dtype, group):
     _compare([(7, 7), (40, 95), (33, 33), (1, 1), (1, 50), (1, 129)], dtype=dtype, group=group, kv_heads=2)
 
 
+@needs_kernel
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_single_prompt_paths(block_size, head_dim):
@@ -97,11 +101,13 @@ def test_single_prompt_paths(block_size, head_dim):
     _compare([(50, 171)], block_size=block_size, head_dim=head_dim)          # chunk after a prefix
 
 
+@needs_kernel
 def test_auto_picks_cpu_paged_when_the_kernel_builds():
     assert resolve_backend_name("auto") == "cpu_paged"
     assert resolve_backend_name("torch_paged") == "torch_paged"
 
 
+@needs_kernel
 def test_quantized_pool_falls_back_to_torch_paged():
     from engine.attention.torch_paged import TorchPagedPlan
     from engine.kv_quant import KVCacheSpec
@@ -111,3 +117,23 @@ def test_quantized_pool_falls_back_to_torch_paged():
     pool = torch.zeros(4, 1, 2, 1, spec.tile_bytes(16, 64), dtype=torch.uint8)
     meta = _metadata([(1, 3)], 16, 4, random.Random(0))
     assert isinstance(backend.plan(meta, pool), TorchPagedPlan)
+
+
+def test_auto_falls_back_to_torch_paged_with_one_log_line(monkeypatch, caplog):
+    from engine.attention import backend, kernels
+
+    monkeypatch.setattr(kernels, "load_cpu_kernel", lambda: "CalledProcessError: no g++")
+    backend._auto_backend.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="engine.attention.backend"):
+            assert resolve_backend_name("auto") == "torch_paged"
+            assert resolve_backend_name("auto") == "torch_paged"
+        assert [r.getMessage() for r in caplog.records] == [
+            "attention: the cpu_paged kernel did not build (CalledProcessError: no g++); falling back to torch_paged"]
+    finally:
+        backend._auto_backend.cache_clear()
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(ValueError, match="auto, torch_paged, cpu_paged"):
+        get_attention_backend("flash", AttentionShape(1, 3, 1, 64, 16))
