@@ -11,7 +11,10 @@
 // prefix; a decode is qlen 1). Work items are (sequence, kv head, query tile, context split):
 // each reads a K/V tile once for all the query heads of its kv head (GQA) and all the queries
 // of its tile, with an online softmax in fp32. Decodes with few sequences split the context
-// (flash-decoding) and a second pass merges the partial softmaxes.
+// (flash-decoding) and a second pass merges the partial softmaxes. Tiles of 16..64 query rows
+// (prefill) put the rows in the vector lanes (attend_tile_lanes); fewer rows (decodes: one row
+// per query head of the kv head) go one row at a time with a transposing add tree (scores).
+// Items are handed out costliest first from a shared counter.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -133,6 +136,72 @@ inline void attend_tile(const float* q, const float* k, const float* v, int64_t 
   for (int i = 0; i < DV; ++i) store16(acc + i * kLanes, a[i]);
 }
 
+// Up to NV * 16 query rows (one per lane) against one K/V tile: scores with the rows in
+// the vector lanes (no horizontal sums; K read once per key for all rows), softmax across
+// the lanes, then P.V per row. qt: [D][W] transposed scaled queries; lim: each lane's last
+// visible key (-1 for padding lanes); keys [0, n) of the tile start at context position kstart.
+template <int DV, int NV>
+inline void attend_tile_lanes(const float* qt, const float* k, const float* v, int64_t kstart, int64_t n,
+                              const int32_t* lim, float* sbuf, float* m, float* l, float* acc, int64_t rows) {
+  constexpr int W = NV * kLanes;
+  constexpr int D = DV * kLanes;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    v16 a[4][NV] = {};
+    const float* k0 = k + t * D;
+    for (int d = 0; d < D; ++d)
+      for (int u = 0; u < NV; ++u) {
+        const v16 qv = load16(qt + d * W + u * kLanes);
+        for (int j = 0; j < 4; ++j) a[j][u] += qv * k0[j * D + d];
+      }
+    for (int j = 0; j < 4; ++j)
+      for (int u = 0; u < NV; ++u) store16(sbuf + (t + j) * W + u * kLanes, a[j][u]);
+  }
+  for (; t < n; ++t) {
+    v16 a[NV] = {};
+    for (int d = 0; d < D; ++d)
+      for (int u = 0; u < NV; ++u) a[u] += load16(qt + d * W + u * kLanes) * k[t * D + d];
+    for (int u = 0; u < NV; ++u) store16(sbuf + t * W + u * kLanes, a[u]);
+  }
+  float bm[W], mn[W];
+#pragma omp simd
+  for (int i = 0; i < W; ++i) bm[i] = kNegBig;
+  for (t = 0; t < n; ++t) {
+    const float* st = sbuf + t * W;
+#pragma omp simd
+    for (int i = 0; i < W; ++i) bm[i] = std::max(bm[i], kstart + t <= lim[i] ? st[i] : kNegBig);
+  }
+#pragma omp simd
+  for (int i = 0; i < W; ++i) {
+    mn[i] = std::max(m[i], bm[i]);
+    bm[i] = exp_neg(m[i] - mn[i]);    // the correction of what was accumulated
+    m[i] = mn[i];
+    l[i] *= bm[i];
+  }
+  for (t = 0; t < n; ++t) {
+    float* st = sbuf + t * W;
+#pragma omp simd
+    for (int i = 0; i < W; ++i) {
+      const float p = kstart + t <= lim[i] ? exp_neg(st[i] - mn[i]) : 0.f;
+      st[i] = p;
+      l[i] += p;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t nr = std::min<int64_t>(n, lim[r] - kstart + 1);
+    if (nr <= 0) continue;
+    float* ar = acc + r * D;
+    v16 a[DV];
+    for (int i = 0; i < DV; ++i) a[i] = load16(ar + i * kLanes) * bm[r];
+    for (int64_t tt = 0; tt < nr; ++tt) {
+      const float p = sbuf[tt * W + r];
+      const float* vt = v + tt * D;
+      for (int i = 0; i < DV; ++i) a[i] += p * load16(vt + i * kLanes);
+    }
+    for (int i = 0; i < DV; ++i) store16(ar + i * kLanes, a[i]);
+  }
+}
+
 struct Item {
   int64_t seq, q0, q1;        // query tokens [q0, q1) of the sequence (relative)
   int64_t b0, b1;             // context blocks [b0, b1)
@@ -161,6 +230,34 @@ inline const float* tile_f32(const at::BFloat16* src, int64_t n, float* buf) {
   return buf;
 }
 
+// Rows in lanes (prefill tiles of >= 16 rows): the item's K/V tiles through attend_tile_lanes.
+template <typename T, int DV, int NV>
+void lanes_item(const Item& it, const Geometry& g, const T* pool, const int64_t* bt, int64_t prefix,
+                RowState& st) {
+  constexpr int W = NV * kLanes;
+  const int64_t d = g.head_dim, bs = g.block_size, grp = g.group, rows = (it.q1 - it.q0) * grp;
+  std::vector<float> qt(d * W, 0.f), sbuf(bs * W), m(W, kNegBig), l(W, 0.f);
+  std::vector<int32_t> lim(W, -1);
+  for (int64_t r = 0; r < rows; ++r) {
+    lim[r] = static_cast<int32_t>(prefix + it.q0 + r / grp);
+    for (int64_t i = 0; i < d; ++i) qt[i * W + r] = st.q[r * d + i];
+  }
+  const int64_t last_key = prefix + it.q1 - 1;
+  const int64_t b1 = std::min(it.b1, last_key / bs + 1);
+  const int64_t kv_stride = g.kv_heads * g.tile();
+  for (int64_t b = it.b0; b < b1; ++b) {
+    const int64_t blk = bt[it.seq * g.bt_stride + b];
+    const T* kp = pool + ((blk * g.layers + g.layer) * 2 * g.kv_heads + it.head) * g.tile();
+    const float* k = tile_f32(kp, g.tile(), st.k.data());
+    const float* v = tile_f32(kp + kv_stride, g.tile(), st.v.data());
+    const int64_t n = std::min(bs, last_key - b * bs + 1);
+    attend_tile_lanes<DV, NV>(qt.data(), k, v, b * bs, n, lim.data(), sbuf.data(), m.data(), l.data(),
+                              st.acc.data(), rows);
+  }
+  std::copy(m.begin(), m.begin() + rows, st.m.begin());
+  std::copy(l.begin(), l.begin() + rows, st.l.begin());
+}
+
 template <typename T, int DV>
 void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, const int64_t* bt,
               const int64_t* qsl, const int64_t* ctx, T* out, float* partials) {
@@ -175,9 +272,15 @@ void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, cons
       for (int64_t i = 0; i < d; ++i) dst[i] = to_f(src[i]) * g.scale;
     }
   const int64_t last_key = prefix + it.q1 - 1;
-  const int64_t b1 = std::min(it.b1, last_key / bs + 1);
+  const int64_t b1 = rows >= kLanes && rows <= 4 * kLanes ? it.b0 : std::min(it.b1, last_key / bs + 1);
+  if (rows >= kLanes && rows <= 4 * kLanes) {
+    const int64_t nv = (rows + kLanes - 1) / kLanes;
+    auto lanes = nv == 1 ? &lanes_item<T, DV, 1> : nv == 2 ? &lanes_item<T, DV, 2>
+                 : nv == 3 ? &lanes_item<T, DV, 3> : &lanes_item<T, DV, 4>;
+    lanes(it, g, pool, bt, prefix, st);
+  }
   const int64_t kv_stride = g.kv_heads * g.tile();
-  for (int64_t b = it.b0; b < b1; ++b) {
+  for (int64_t b = it.b0; b < b1; ++b) {     // rows one at a time (decodes, small groups)
     const int64_t blk = bt[it.seq * g.bt_stride + b];
     const T* kp = pool + ((blk * g.layers + g.layer) * 2 * g.kv_heads + it.head) * g.tile();
     const float* k = tile_f32(kp, g.tile(), st.k.data());
