@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -45,6 +46,17 @@ def _build_key() -> str:
     return h.hexdigest()[:16]
 
 
+def _drop_stale_lock(lock: Path, max_age_s: float = 600.0) -> None:
+    """cpp_extension waits for ``lock`` to vanish; one left by a build killed midway (a
+    timeout, a crash) would hang every later load. A build takes well under a minute."""
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+            log.warning("attention: removed a stale kernel build lock %s", lock)
+    except FileNotFoundError:
+        pass
+
+
 @functools.lru_cache(maxsize=1)
 def load_cpu_kernel() -> str | None:
     """Build (once per machine) and load the kernel; ``None`` when it loaded, else why not."""
@@ -55,6 +67,7 @@ def load_cpu_kernel() -> str | None:
 
         build = kernel_dir() / f"paged_attention_{_build_key()}"
         build.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(build / "lock")
         load(name="pdserve_paged_attention", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
              extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
              verbose=False)

@@ -137,3 +137,20 @@ def test_auto_falls_back_to_torch_paged_with_one_log_line(monkeypatch, caplog):
 def test_unknown_backend_names_the_choices():
     with pytest.raises(ValueError, match="auto, torch_paged, cpu_paged"):
         get_attention_backend("flash", AttentionShape(1, 3, 1, 64, 16))
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    import os
+    import time
+
+    from engine.attention.kernels import _drop_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _drop_stale_lock(lock)
+    assert lock.exists()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    _drop_stale_lock(lock)
+    assert not lock.exists()
+    _drop_stale_lock(lock)      # absent: nothing to do
