@@ -11,7 +11,7 @@ than any pool walk for it.
 
 What the kernel does not cover falls back to :class:`TorchPagedAttention` per step:
 quantized pools (int8/fp8, :mod:`engine.kv_quant`), float16, non-CPU pools, head
-dims other than 64 and 128, and block sizes that are not a multiple of 16.
+dims other than 16, 32, 64 and 128, and block sizes that are not a multiple of 16.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from engine.attention.torch_paged import TorchPagedAttention, TorchPagedPlan
 from engine.batch import AttentionMetadata
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @dataclass
@@ -53,7 +54,7 @@ class CpuPagedAttention(TorchPagedAttention):
     def handles(self, kv_pool: torch.Tensor) -> bool:
         s = self.shape
         return (kv_pool.device.type == "cpu" and not self.kv_spec.quantized
-                and kv_pool.dtype in _KERNEL_DTYPES and s.head_dim in (64, 128) and s.block_size % 16 == 0)
+                and kv_pool.dtype in _KERNEL_DTYPES and s.head_dim in _HEAD_DIMS and s.block_size % 16 == 0)
 
     def plan(self, attn: AttentionMetadata, kv_pool: torch.Tensor) -> CpuPagedPlan | TorchPagedPlan:  # type: ignore[override]
         if not self.handles(kv_pool):

@@ -71,7 +71,7 @@ def _compare(seqs, *, block_size=16, kv_heads=3, group=3, head_dim=64, dtype=tor
 @needs_kernel
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 def test_decode_batch_matches_torch_paged(block_size, group, head_dim):
     _compare([(1, 37), (1, 1), (1, 200), (1, 64), (1, 513)], block_size=block_size, group=group,
              head_dim=head_dim, kv_heads=2)
@@ -90,11 +90,12 @@ def test_batch_one_decode_split_context_matches(dtype, ctx):
 def test_mixed_prefill_with_prefixes_and_decodes(dtype, group):
     # fresh prompts, prompts after a cached prefix (not block-aligned), decodes
     _compare([(7, 7), (40, 95), (33, 33), (1, 1), (1, 50), (1, 129)], dtype=dtype, group=group, kv_heads=2)
+    _compare([(70, 70), (5, 30), (1, 17)], dtype=dtype, group=group, kv_heads=2, head_dim=16, block_size=32)
 
 
 @needs_kernel
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 def test_single_prompt_paths(block_size, head_dim):
     _compare([(77, 77)], block_size=block_size, head_dim=head_dim)          # fresh: SDPA on new K/V
     _compare([(77, 77), (1, 20)], block_size=block_size, head_dim=head_dim)  # fresh + decodes

@@ -275,8 +275,7 @@ void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, cons
   const int64_t b1 = rows >= kLanes && rows <= 4 * kLanes ? it.b0 : std::min(it.b1, last_key / bs + 1);
   if (rows >= kLanes && rows <= 4 * kLanes) {
     const int64_t nv = (rows + kLanes - 1) / kLanes;
-    auto lanes = nv == 1 ? &lanes_item<T, DV, 1> : nv == 2 ? &lanes_item<T, DV, 2>
-                 : nv == 3 ? &lanes_item<T, DV, 3> : &lanes_item<T, DV, 4>;
+    auto lanes = nv == 1 ? &lanes_item<T, DV, 1> : nv == 2 ? &lanes_item<T, DV, 2> : &lanes_item<T, DV, 4>;
     lanes(it, g, pool, bt, prefix, st);
   }
   const int64_t kv_stride = g.kv_heads * g.tile();
@@ -386,7 +385,8 @@ void launch(const at::Tensor& q, const at::Tensor& pool, const Geometry& g, cons
   const T* pp = pool.data_ptr<T>();
   const int64_t* bp = bt.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  auto item = g.head_dim == 64 ? &run_item<T, 4> : &run_item<T, 8>;
+  const int64_t dv = g.head_dim / kLanes;
+  auto item = dv == 1 ? &run_item<T, 1> : dv == 2 ? &run_item<T, 2> : dv == 4 ? &run_item<T, 4> : &run_item<T, 8>;
   // Costliest items first, handed out one at a time: a mixed batch's long prefill tiles and
   // short decodes balance over the threads (a static split would give one thread the prefills).
   std::stable_sort(w.items.begin(), w.items.end(), [&](const Item& x, const Item& y) {
@@ -417,7 +417,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, int64_t 
   TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "paged_attention runs on CPU tensors");
   TORCH_CHECK(pool.size(5) == q.size(2), "q's head_dim differs from the pool's");
   TORCH_CHECK(q.size(1) % pool.size(3) == 0, "heads must be a multiple of kv_heads");
-  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "paged_attention supports head_dim 64 and 128");
+  TORCH_CHECK(q.size(2) == 16 || q.size(2) == 32 || q.size(2) == 64 || q.size(2) == 128,
+              "paged_attention supports head_dim 16, 32, 64 and 128");
   TORCH_CHECK(pool.size(4) % kLanes == 0, "paged_attention needs a block_size that is a multiple of 16");
   TORCH_CHECK(layer >= 0 && layer < pool.size(1), "layer out of range");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
