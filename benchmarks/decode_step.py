@@ -6,6 +6,7 @@ Prints one JSON line.  Usage:
   python benchmarks/decode_step.py --batch 1 16 --dtype float32 bfloat16 --ctx 128
   python benchmarks/decode_step.py --batch 16 --dtype float32 --kv-cache-dtype auto int8 fp8_e4m3 --interleave
   python benchmarks/decode_step.py ... --threads 1     # steadier on a shared host
+  python benchmarks/decode_step.py --batch 1 32 --ctx 512 --attention-backend torch_paged cpu_paged --interleave
 """
 from __future__ import annotations
 
@@ -28,13 +29,15 @@ class Case:
     """One (dtype, kv_cache_dtype) runner with ``batch`` prompts of ``ctx`` tokens prefilled."""
 
     def __init__(self, cfg, state, batch: int, ctx: int, steps: int, dtype: str, block_size: int,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", attention_backend: str = "auto") -> None:
         blocks_per = -(-(ctx + steps + 1) // block_size)
         self.runner = ModelRunner(cfg, state, cache_config=CacheConfig(block_size=block_size,
                                                                        num_blocks=batch * blocks_per + 1,
                                                                        kv_cache_dtype=kv_cache_dtype),
-                                  max_model_len=blocks_per * block_size, dtype=dtype)
-        self.key = dict(batch=batch, ctx=ctx, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+                                  max_model_len=blocks_per * block_size, dtype=dtype,
+                                  attention_backend=attention_backend)
+        self.key = dict(batch=batch, ctx=ctx, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                        attention_backend=self.runner.attention.name)
         rng = random.Random(0)
         ids = list(range(1, batch * blocks_per + 1))
         rng.shuffle(ids)
@@ -86,8 +89,8 @@ def read_weight_bytes(model) -> int:
 
 
 def run(cfg, state, batch: int, ctx: int, steps: int, dtype: str, block_size: int,
-        kv_cache_dtype: str = "auto") -> dict:
-    case = Case(cfg, state, batch, ctx, steps, dtype, block_size, kv_cache_dtype)
+        kv_cache_dtype: str = "auto", attention_backend: str = "auto") -> dict:
+    case = Case(cfg, state, batch, ctx, steps, dtype, block_size, kv_cache_dtype, attention_backend)
     for _ in range(steps):
         case.step()
     return case.result()
@@ -110,6 +113,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=("auto", "int8", "fp8_e4m3"))
+    ap.add_argument("--attention-backend", nargs="+", default=["auto"],
+                    help="auto, or names from engine.attention.available_backends() (side by side)")
     ap.add_argument("--interleave", action="store_true",
                     help="prefill every case first, then time their decode steps in turn (side by side)")
     ap.add_argument("--threads", type=int, default=None,
@@ -118,12 +123,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg, state = load_model_source(args.model)
-    grid = [(b, d, kv) for d in args.dtype for kv in args.kv_cache_dtype for b in args.batch]
+    grid = [(b, d, kv, ab) for d in args.dtype for kv in args.kv_cache_dtype for b in args.batch
+            for ab in args.attention_backend]
     if args.interleave:
-        results = run_interleaved([Case(cfg, state, b, args.ctx, args.steps, d, args.block_size, kv)
-                                   for b, d, kv in grid], args.steps)
+        results = run_interleaved([Case(cfg, state, b, args.ctx, args.steps, d, args.block_size, kv, ab)
+                                   for b, d, kv, ab in grid], args.steps)
     else:
-        results = [run(cfg, state, b, args.ctx, args.steps, d, args.block_size, kv) for b, d, kv in grid]
+        results = [run(cfg, state, b, args.ctx, args.steps, d, args.block_size, kv, ab) for b, d, kv, ab in grid]
     print(json.dumps({"benchmark": "decode_step", "model": cfg.name,
                       "threads": torch.get_num_threads(), "results": results}))
 

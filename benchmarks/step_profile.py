@@ -69,7 +69,7 @@ def build_engine(args, batch: int) -> LLMEngine:
         cache=CacheConfig(kv_cache_memory_bytes=args.kv_gib << 30, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max(2048, batch * args.ctx),
                                   max_model_len=args.max_model_len),
-        packed_weights=not args.plain_weights)
+        packed_weights=not args.plain_weights, attention_backend=args.attention_backend)
     return LLMEngine(config)
 
 
@@ -133,10 +133,12 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--kv-gib", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--attention-backend", default="auto", help="auto, torch_paged or cpu_paged")
     ap.add_argument("--plain-weights", action="store_true", help="F.linear on plain weights (packed_weights=False)")
     args = ap.parse_args()
     rows = [profile(args, b) for b in args.batch]
     print(json.dumps({"benchmark": "step_profile", "dtype": args.dtype, "packed_weights": not args.plain_weights,
+                      "attention_backend": args.attention_backend,
                       "threads": torch.get_num_threads(), "isa": torch.backends.cpu.get_cpu_capability(),
                       "rows": rows}))
 

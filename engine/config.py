@@ -92,6 +92,8 @@ class EngineConfig:
     step_trace_size: int = 0           # > 0: keep the last N steps' timings (engine/step_trace.py)
     tensor_parallel_size: int = 1      # ranks one model is split over (engine/parallel/)
     packed_weights: bool = True        # CPU: linear layers on oneDNN-packed weights (engine/model/packed_linear.py)
+    attention_backend: str = "auto"    # "auto" (cpu_paged where its kernel builds, else torch_paged) or a name
+                                       # from engine.attention.available_backends()
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -99,5 +101,7 @@ class EngineConfig:
                              f"got {self.tensor_parallel_size}")
         if self.step_trace_size < 0:
             raise ValueError(f"step_trace_size must be >= 0 records (0 = off), got {self.step_trace_size}")
+        if not self.attention_backend:
+            raise ValueError("attention_backend must be 'auto' or a backend name such as 'torch_paged'")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

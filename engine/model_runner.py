@@ -58,7 +58,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, state_dict: dict[str, torch.Tensor], *,
                  cache_config: CacheConfig | None = None, max_model_len: int | None = None,
                  device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32",
-                 attention_backend: str = "torch_paged", tp: TPShard | None = None,
+                 attention_backend: str = "auto", tp: TPShard | None = None,
                  packed_weights: bool = True) -> None:
         """``tp``: hold one tensor-parallel rank's shard (its heads, its KV pool) of the model;
         ``state_dict`` is then that rank's slices (engine/parallel/shard_loader.py).
@@ -94,14 +94,14 @@ class ModelRunner:
         self.tiers = TierStorage.from_cache_config(cache_config, self.kv_pool)
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig, attention_backend: str = "torch_paged") -> "ModelRunner":
+    def from_engine_config(cls, config: EngineConfig, attention_backend: str | None = None) -> "ModelRunner":
         """Load the weights of ``config.model`` (HF directory or .gguf) and build the runner."""
         from engine.loader import load_model_source
 
         model_config, state = load_model_source(config.model)
         return cls(model_config, state, cache_config=config.cache,
                    max_model_len=config.scheduler.max_model_len, device=config.device,
-                   dtype=config.dtype, attention_backend=attention_backend,
+                   dtype=config.dtype, attention_backend=attention_backend or config.attention_backend,
                    packed_weights=config.packed_weights)
 
     @property

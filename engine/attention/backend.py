@@ -14,7 +14,9 @@ it writes them and dequantizes what it reads (:mod:`engine.kv_quant`).
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -24,6 +26,8 @@ import torch
 
 from engine.batch import AttentionMetadata
 from engine.kv_quant import KVCacheSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,16 +75,35 @@ class AttentionBackend(ABC, Generic[PlanT]):
 # name -> "module:Class"; imported lazily so optional backends cost nothing
 _BACKENDS = MappingProxyType({
     "torch_paged": "engine.attention.torch_paged:TorchPagedAttention",
+    "cpu_paged": "engine.attention.cpu_paged:CpuPagedAttention",
 })
+AUTO = "auto"     # cpu_paged where its kernel builds, else torch_paged
 
 
 def available_backends() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
+@functools.lru_cache(maxsize=1)
+def _auto_backend() -> str:
+    from engine.attention.kernels import load_cpu_kernel
+
+    why = load_cpu_kernel()
+    if why is None:
+        return "cpu_paged"
+    log.warning("attention: the cpu_paged kernel did not build (%s); falling back to torch_paged", why)
+    return "torch_paged"
+
+
+def resolve_backend_name(name: str) -> str:
+    """``auto`` -> the backend it stands for on this machine; other names as they are."""
+    return _auto_backend() if name == AUTO else name
+
+
 def get_attention_backend(name: str, shape: AttentionShape, kv_spec: KVCacheSpec | None = None) -> AttentionBackend[Any]:
+    name = resolve_backend_name(name)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of "
-                         f"{', '.join(_BACKENDS)}")
+                         f"{AUTO}, {', '.join(_BACKENDS)}")
     module, cls = _BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)(shape, kv_spec)

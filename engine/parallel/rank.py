@@ -63,7 +63,8 @@ def build_rank_runner(config: EngineConfig, group: TPGroup) -> ModelRunner:
     """This rank's model runner: its shard of ``config.model`` and its own KV pool."""
     model_config, layout, state = load_rank_weights(config.model, group.world_size, group.rank)
     return ModelRunner(model_config, state, cache_config=config.cache, max_model_len=config.scheduler.max_model_len,
-                       device=group.device, dtype=config.dtype, tp=TPShard(layout, group))
+                       device=group.device, dtype=config.dtype, tp=TPShard(layout, group),
+                       attention_backend=config.attention_backend)
 
 
 def rank_memory(runner: ModelRunner, rank: int) -> RankMemory:

@@ -1,0 +1,102 @@
+"""Paged attention on the CPU that reads K/V straight from the pool (``cpu_paged``).
+
+A C++ kernel (``csrc/paged_attention.cpp``, built on first use by
+:mod:`engine.attention.kernels`) walks each sequence's block table and attends over
+the pool's tiles in place: no gathered copy of the context, no padded batch or mask.
+One call per layer covers the whole step, prefill-like sequences (varlen queries,
+causal with a cached prefix) and decodes alike; decodes with few sequences split
+their context over the cores (flash-decoding). A lone fresh prompt (no cached
+prefix) at the head of the step keeps causal SDPA on its new K/V, which is faster
+than any pool walk for it.
+
+What the kernel does not cover falls back to :class:`TorchPagedAttention` per step:
+quantized pools (int8/fp8, :mod:`engine.kv_quant`), float16, non-CPU pools, head
+dims other than 16, 32, 64 and 128, and block sizes that are not a multiple of 16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.kernels import load_cpu_kernel
+from engine.attention.pool_views import PlainPoolView
+from engine.attention.torch_paged import TorchPagedAttention, TorchPagedPlan
+from engine.batch import AttentionMetadata
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_HEAD_DIMS = (16, 32, 64, 128)
+
+
+@dataclass
+class CpuPagedPlan:
+    pool: torch.Tensor           # the raw pool [blocks, layers, 2, kv_heads, block_size, head_dim]
+    writer: PlainPoolView
+    write_tiles: torch.Tensor    # int64 [L, 2, T, KVH]
+    write_slots: torch.Tensor    # int64 [T, KVH]
+    sdpa_tokens: int             # tokens [0, sdpa_tokens): one fresh prompt, causal SDPA on new K/V
+    block_tables: torch.Tensor   # int64 [S', MB] sequences the kernel attends for
+    query_start_loc: torch.Tensor  # int64 [S'+1], from token sdpa_tokens
+    context_lens: torch.Tensor   # int64 [S']
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    name = "cpu_paged"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        why = load_cpu_kernel()
+        if why is not None:
+            raise RuntimeError(f"the cpu_paged attention kernel did not build ({why}); install g++ and "
+                               f"ninja, or choose attention_backend='torch_paged'")
+
+    def handles(self, kv_pool: torch.Tensor) -> bool:
+        s = self.shape
+        return (kv_pool.device.type == "cpu" and not self.kv_spec.quantized
+                and kv_pool.dtype in _KERNEL_DTYPES and s.head_dim in _HEAD_DIMS and s.block_size % 16 == 0)
+
+    def plan(self, attn: AttentionMetadata, kv_pool: torch.Tensor) -> CpuPagedPlan | TorchPagedPlan:  # type: ignore[override]
+        if not self.handles(kv_pool):
+            return super().plan(attn, kv_pool)
+        s = self.shape
+        assert attn.block_size == s.block_size, "metadata block size differs from the pool's"
+        tiles, slots = self._write_tiles(attn.slot_mapping)
+        first = 0
+        if attn.num_prefills == 1 and int(attn.query_lens[0]) == int(attn.context_lens[0]):
+            first = 1
+        sdpa_tokens = int(attn.query_start_loc[first])
+        return CpuPagedPlan(
+            pool=kv_pool, writer=PlainPoolView(kv_pool, s.block_size, s.head_dim),
+            write_tiles=tiles, write_slots=slots, sdpa_tokens=sdpa_tokens,
+            block_tables=attn.block_tables[first:].contiguous(),
+            query_start_loc=(attn.query_start_loc[first:] - sdpa_tokens).contiguous(),
+            context_lens=attn.context_lens[first:].contiguous())
+
+    def _fresh_prompt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=s.scale, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(q.shape[0], s.num_heads * s.head_dim)
+
+    def forward(self, plan: CpuPagedPlan | TorchPagedPlan, layer: int, q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if isinstance(plan, TorchPagedPlan):
+            return super().forward(plan, layer, q, k, v)
+        tiles = plan.write_tiles[layer]
+        plan.writer.write(tiles[0], plan.write_slots, k)
+        plan.writer.write(tiles[1], plan.write_slots, v)
+        n = plan.sdpa_tokens
+        hd = self.shape.num_heads * self.shape.head_dim
+        parts = []
+        if n:
+            parts.append(self._fresh_prompt(q[:n], k[:n], v[:n]))
+        if plan.context_lens.shape[0]:
+            out = torch.ops.pdserve.paged_attention(
+                q[n:].contiguous(), plan.pool, layer, plan.block_tables, plan.query_start_loc,
+                plan.context_lens, self.shape.scale)
+            parts.append(out.view(-1, hd))
+        if not parts:
+            raise ValueError("an empty step: plan() needs at least one scheduled token")
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,449 @@
+// Paged attention on the CPU straight from the KV pool (no gathered copy).
+//
+// Pool layout: [num_blocks, num_layers, 2, kv_heads, block_size, head_dim]; one
+// (block, layer, k|v, kv head) tile of block_size x head_dim values is contiguous.
+//
+// torch.ops.pdserve.paged_attention(q [T, H, D], pool, layer, block_tables [S, MB],
+// query_start_loc [S+1], context_lens [S], scale) -> out [T, H, D]
+//
+// Sequence s owns query tokens [qsl[s], qsl[s+1]); its last query token sits at context
+// position ctx[s]-1, so query j of s sees keys [0, ctx[s]-qlen+j] (causal with a cached
+// prefix; a decode is qlen 1). Work items are (sequence, kv head, query tile, context split):
+// each reads a K/V tile once for all the query heads of its kv head (GQA) and all the queries
+// of its tile, with an online softmax in fp32. Decodes with few sequences split the context
+// (flash-decoding) and a second pass merges the partial softmaxes. Tiles of 16..64 query rows
+// (prefill) put the rows in the vector lanes (attend_tile_lanes); fewer rows (decodes: one row
+// per query head of the kv head) go one row at a time with a transposing add tree (scores).
+// Items are handed out costliest first from a shared counter.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace pdserve {
+namespace {
+
+constexpr float kNegBig = -1e30f;
+constexpr int64_t kMinBlocksPerSplit = 8;
+constexpr int64_t kLanes = 16;   // keys per score vector; block_size and head_dim are multiples
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+inline float to_f(float x) { return x; }
+inline float to_f(at::BFloat16 x) {
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float v, float* p) { *p = v; }
+inline void store(float v, at::BFloat16* p) { *p = at::BFloat16(v); }
+
+// exp(x) for x <= 0 to ~2 ulp, branch-free so `omp simd` loops vectorize it.
+#pragma omp declare simd notinbranch
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   // round to nearest
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// Lanes j < 8: x[2j] + x[2j+1]; lanes 8 + j: y[2j] + y[2j+1].
+inline v16 pair_sums(v16 x, v16 y) {
+  const v16i even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const v16i odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  return __builtin_shuffle(x, y, even) + __builtin_shuffle(x, y, odd);
+}
+
+// Sixteen vectors -> one whose lane j is the sum of a[j]'s lanes (a transposing add tree).
+inline v16 reduce16(v16* a) {
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) a[j] = pair_sums(a[2 * j], a[2 * j + 1]);
+  return a[0];
+}
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Scores of one query row against keys [0, n) of an fp32 tile ([bs, DV*16]) into s.
+template <int DV>
+inline void scores(const float* q, const float* k, int64_t n, float* s) {
+  v16 qv[DV];
+  for (int i = 0; i < DV; ++i) qv[i] = load16(q + i * kLanes);
+  for (int64_t c = 0; c < n; c += kLanes) {
+    v16 a[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      const float* kt = k + (c + j) * DV * kLanes;
+      v16 acc = qv[0] * load16(kt);
+      for (int i = 1; i < DV; ++i) acc += qv[i] * load16(kt + i * kLanes);
+      a[j] = acc;
+    }
+    store16(s + c, reduce16(a));
+  }
+}
+
+// One query row against one K/V tile (first n keys valid): online softmax update.
+template <int DV>
+inline void attend_tile(const float* q, const float* k, const float* v, int64_t n, float* s, float& m,
+                        float& l, float* acc) {
+  scores<DV>(q, k, n, s);
+  float bm = kNegBig;
+#pragma omp simd reduction(max : bm)
+  for (int64_t t = 0; t < n; ++t) bm = std::max(bm, s[t]);
+  const float mn = std::max(m, bm);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_neg(s[t] - mn);
+    sum += s[t];
+  }
+  v16 a[DV];
+  for (int i = 0; i < DV; ++i) a[i] = load16(acc + i * kLanes);
+  if (mn > m) {
+    const float corr = exp_neg(m - mn);
+    l *= corr;
+    for (int i = 0; i < DV; ++i) a[i] *= corr;
+    m = mn;
+  }
+  l += sum;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vt = v + t * DV * kLanes;
+    const float p = s[t];
+    for (int i = 0; i < DV; ++i) a[i] += p * load16(vt + i * kLanes);
+  }
+  for (int i = 0; i < DV; ++i) store16(acc + i * kLanes, a[i]);
+}
+
+// Up to NV * 16 query rows (one per lane) against one K/V tile: scores with the rows in
+// the vector lanes (no horizontal sums; K read once per key for all rows), softmax across
+// the lanes, then P.V per row. qt: [D][W] transposed scaled queries; lim: each lane's last
+// visible key (-1 for padding lanes); keys [0, n) of the tile start at context position kstart.
+template <int DV, int NV>
+inline void attend_tile_lanes(const float* qt, const float* k, const float* v, int64_t kstart, int64_t n,
+                              const int32_t* lim, float* sbuf, float* m, float* l, float* acc, int64_t rows) {
+  constexpr int W = NV * kLanes;
+  constexpr int D = DV * kLanes;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    v16 a[4][NV] = {};
+    const float* k0 = k + t * D;
+    for (int d = 0; d < D; ++d)
+      for (int u = 0; u < NV; ++u) {
+        const v16 qv = load16(qt + d * W + u * kLanes);
+        for (int j = 0; j < 4; ++j) a[j][u] += qv * k0[j * D + d];
+      }
+    for (int j = 0; j < 4; ++j)
+      for (int u = 0; u < NV; ++u) store16(sbuf + (t + j) * W + u * kLanes, a[j][u]);
+  }
+  for (; t < n; ++t) {
+    v16 a[NV] = {};
+    for (int d = 0; d < D; ++d)
+      for (int u = 0; u < NV; ++u) a[u] += load16(qt + d * W + u * kLanes) * k[t * D + d];
+    for (int u = 0; u < NV; ++u) store16(sbuf + t * W + u * kLanes, a[u]);
+  }
+  float bm[W], mn[W];
+#pragma omp simd
+  for (int i = 0; i < W; ++i) bm[i] = kNegBig;
+  for (t = 0; t < n; ++t) {
+    const float* st = sbuf + t * W;
+#pragma omp simd
+    for (int i = 0; i < W; ++i) bm[i] = std::max(bm[i], kstart + t <= lim[i] ? st[i] : kNegBig);
+  }
+#pragma omp simd
+  for (int i = 0; i < W; ++i) {
+    mn[i] = std::max(m[i], bm[i]);
+    bm[i] = exp_neg(m[i] - mn[i]);    // the correction of what was accumulated
+    m[i] = mn[i];
+    l[i] *= bm[i];
+  }
+  for (t = 0; t < n; ++t) {
+    float* st = sbuf + t * W;
+#pragma omp simd
+    for (int i = 0; i < W; ++i) {
+      const float p = kstart + t <= lim[i] ? exp_neg(st[i] - mn[i]) : 0.f;
+      st[i] = p;
+      l[i] += p;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t nr = std::min<int64_t>(n, lim[r] - kstart + 1);
+    if (nr <= 0) continue;
+    float* ar = acc + r * D;
+    v16 a[DV];
+    for (int i = 0; i < DV; ++i) a[i] = load16(ar + i * kLanes) * bm[r];
+    for (int64_t tt = 0; tt < nr; ++tt) {
+      const float p = sbuf[tt * W + r];
+      const float* vt = v + tt * D;
+      for (int i = 0; i < DV; ++i) a[i] += p * load16(vt + i * kLanes);
+    }
+    for (int i = 0; i < DV; ++i) store16(ar + i * kLanes, a[i]);
+  }
+}
+
+struct Item {
+  int64_t seq, q0, q1;        // query tokens [q0, q1) of the sequence (relative)
+  int64_t b0, b1;             // context blocks [b0, b1)
+  int64_t head;               // kv head
+  int64_t partial;            // -1: write the output; else the partial slot (split decode)
+};
+
+struct Geometry {
+  int64_t layers, layer, kv_heads, block_size, head_dim, group, heads;
+  int64_t bt_stride;
+  float scale;
+  int64_t tile() const { return block_size * head_dim; }
+};
+
+struct RowState {
+  std::vector<float> q, acc, m, l, s, k, v;
+  RowState(int64_t rows, int64_t d, int64_t bs)
+      : q(rows * d), acc(rows * d), m(rows, kNegBig), l(rows), s(bs), k(bs * d), v(bs * d) {}
+};
+
+// A tile in fp32: the pool's own memory for float pools, a converted copy for bf16.
+inline const float* tile_f32(const float* src, int64_t, float*) { return src; }
+inline const float* tile_f32(const at::BFloat16* src, int64_t n, float* buf) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) buf[i] = to_f(src[i]);
+  return buf;
+}
+
+// Rows in lanes (prefill tiles of >= 16 rows): the item's K/V tiles through attend_tile_lanes.
+template <typename T, int DV, int NV>
+void lanes_item(const Item& it, const Geometry& g, const T* pool, const int64_t* bt, int64_t prefix,
+                RowState& st) {
+  constexpr int W = NV * kLanes;
+  const int64_t d = g.head_dim, bs = g.block_size, grp = g.group, rows = (it.q1 - it.q0) * grp;
+  std::vector<float> qt(d * W, 0.f), sbuf(bs * W), m(W, kNegBig), l(W, 0.f);
+  std::vector<int32_t> lim(W, -1);
+  for (int64_t r = 0; r < rows; ++r) {
+    lim[r] = static_cast<int32_t>(prefix + it.q0 + r / grp);
+    for (int64_t i = 0; i < d; ++i) qt[i * W + r] = st.q[r * d + i];
+  }
+  const int64_t last_key = prefix + it.q1 - 1;
+  const int64_t b1 = std::min(it.b1, last_key / bs + 1);
+  const int64_t kv_stride = g.kv_heads * g.tile();
+  for (int64_t b = it.b0; b < b1; ++b) {
+    const int64_t blk = bt[it.seq * g.bt_stride + b];
+    const T* kp = pool + ((blk * g.layers + g.layer) * 2 * g.kv_heads + it.head) * g.tile();
+    const float* k = tile_f32(kp, g.tile(), st.k.data());
+    const float* v = tile_f32(kp + kv_stride, g.tile(), st.v.data());
+    const int64_t n = std::min(bs, last_key - b * bs + 1);
+    attend_tile_lanes<DV, NV>(qt.data(), k, v, b * bs, n, lim.data(), sbuf.data(), m.data(), l.data(),
+                              st.acc.data(), rows);
+  }
+  std::copy(m.begin(), m.begin() + rows, st.m.begin());
+  std::copy(l.begin(), l.begin() + rows, st.l.begin());
+}
+
+template <typename T, int DV>
+void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, const int64_t* bt,
+              const int64_t* qsl, const int64_t* ctx, T* out, float* partials) {
+  const int64_t d = g.head_dim, bs = g.block_size, grp = g.group;
+  const int64_t tok0 = qsl[it.seq], qlen = qsl[it.seq + 1] - tok0, prefix = ctx[it.seq] - qlen;
+  const int64_t rows = (it.q1 - it.q0) * grp;
+  RowState st(rows, d, bs);
+  for (int64_t j = it.q0; j < it.q1; ++j)
+    for (int64_t gi = 0; gi < grp; ++gi) {
+      const T* src = q + ((tok0 + j) * g.heads + it.head * grp + gi) * d;
+      float* dst = st.q.data() + ((j - it.q0) * grp + gi) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = to_f(src[i]) * g.scale;
+    }
+  const int64_t last_key = prefix + it.q1 - 1;
+  const int64_t b1 = rows >= kLanes && rows <= 4 * kLanes ? it.b0 : std::min(it.b1, last_key / bs + 1);
+  if (rows >= kLanes && rows <= 4 * kLanes) {
+    const int64_t nv = (rows + kLanes - 1) / kLanes;
+    auto lanes = nv == 1 ? &lanes_item<T, DV, 1> : nv == 2 ? &lanes_item<T, DV, 2> : &lanes_item<T, DV, 4>;
+    lanes(it, g, pool, bt, prefix, st);
+  }
+  const int64_t kv_stride = g.kv_heads * g.tile();
+  for (int64_t b = it.b0; b < b1; ++b) {     // rows one at a time (decodes, small groups)
+    const int64_t blk = bt[it.seq * g.bt_stride + b];
+    const T* kp = pool + ((blk * g.layers + g.layer) * 2 * g.kv_heads + it.head) * g.tile();
+    const float* k = tile_f32(kp, g.tile(), st.k.data());
+    const float* v = tile_f32(kp + kv_stride, g.tile(), st.v.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = std::min(bs, prefix + it.q0 + r / grp - b * bs + 1);
+      if (n <= 0) continue;
+      attend_tile<DV>(st.q.data() + r * d, k, v, n, st.s.data(), st.m[r], st.l[r], st.acc.data() + r * d);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = st.acc.data() + r * d;
+    if (it.partial >= 0) {
+      float* dst = partials + (it.partial * rows + r) * (d + 2);
+      dst[0] = st.m[r];
+      dst[1] = st.l[r];
+      std::memcpy(dst + 2, a, d * sizeof(float));
+      continue;
+    }
+    const float inv = st.l[r] > 0.f ? 1.f / st.l[r] : 0.f;
+    T* dst = out + ((tok0 + it.q0 + r / grp) * g.heads + it.head * grp + r % grp) * d;
+    for (int64_t i = 0; i < d; ++i) store(a[i] * inv, dst + i);
+  }
+}
+
+// Merge the partial softmaxes of a split decode (one query token, `group` rows).
+template <typename T>
+void merge_splits(const float* partials, int64_t first, int64_t splits, int64_t rows, int64_t d,
+                  T* dst_row0) {
+  std::vector<float> acc(d);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kNegBig;
+    for (int64_t k = 0; k < splits; ++k) m = std::max(m, partials[((first + k) * rows + r) * (d + 2)]);
+    float l = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t k = 0; k < splits; ++k) {
+      const float* p = partials + ((first + k) * rows + r) * (d + 2);
+      const float w = exp_neg(p[0] - m);
+      l += p[1] * w;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[i] += w * p[2 + i];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t i = 0; i < d; ++i) store(acc[i] * inv, dst_row0 + r * d + i);
+  }
+}
+
+struct Split {
+  int64_t seq, head, first, count;   // `count` partial slots from `first`
+};
+
+struct WorkList {
+  std::vector<Item> items;
+  std::vector<Split> splits;
+  int64_t partial_slots = 0;
+};
+
+WorkList plan_work(const int64_t* qsl, const int64_t* ctx, int64_t num_seqs, const Geometry& g) {
+  WorkList w;
+  const int64_t q_tile = std::max<int64_t>(1, 32 / g.group);
+  int64_t units = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) units += (qsl[s + 1] - qsl[s] + q_tile - 1) / q_tile;
+  units *= g.kv_heads;
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = 4 * threads;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t qlen = qsl[s + 1] - qsl[s];
+    const int64_t nblocks = (ctx[s] + g.block_size - 1) / g.block_size;
+    int64_t splits = 1;
+    if (qlen == 1 && units < want) {
+      splits = std::min((want + units - 1) / units, nblocks / kMinBlocksPerSplit);
+      splits = std::max<int64_t>(splits, 1);
+    }
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      if (splits == 1) {
+        for (int64_t q0 = 0; q0 < qlen; q0 += q_tile)
+          w.items.push_back({s, q0, std::min(qlen, q0 + q_tile), 0, nblocks, h, -1});
+        continue;
+      }
+      w.splits.push_back({s, h, w.partial_slots, splits});
+      for (int64_t k = 0; k < splits; ++k)
+        w.items.push_back({s, 0, 1, nblocks * k / splits, nblocks * (k + 1) / splits, h, w.partial_slots++});
+    }
+  }
+  return w;
+}
+
+// Query rows x context blocks the item walks (its share of the work).
+inline int64_t item_cost(const Item& it, const int64_t* qsl, const int64_t* ctx, int64_t bs) {
+  const int64_t qlen = qsl[it.seq + 1] - qsl[it.seq];
+  const int64_t last = (ctx[it.seq] - qlen + it.q1 - 1) / bs + 1;
+  return (it.q1 - it.q0) * (std::min(it.b1, last) - it.b0);
+}
+
+template <typename T>
+void launch(const at::Tensor& q, const at::Tensor& pool, const Geometry& g, const at::Tensor& bt,
+            const at::Tensor& qsl, const at::Tensor& ctx, at::Tensor& out) {
+  const int64_t* qs = qsl.data_ptr<int64_t>();
+  const int64_t* cx = ctx.data_ptr<int64_t>();
+  WorkList w = plan_work(qs, cx, ctx.size(0), g);
+  std::vector<float> partials(w.partial_slots * g.group * (g.head_dim + 2));
+  const T* qp = q.data_ptr<T>();
+  const T* pp = pool.data_ptr<T>();
+  const int64_t* bp = bt.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t dv = g.head_dim / kLanes;
+  auto item = dv == 1 ? &run_item<T, 1> : dv == 2 ? &run_item<T, 2> : dv == 4 ? &run_item<T, 4> : &run_item<T, 8>;
+  // Costliest items first, handed out one at a time: a mixed batch's long prefill tiles and
+  // short decodes balance over the threads (a static split would give one thread the prefills).
+  std::stable_sort(w.items.begin(), w.items.end(), [&](const Item& x, const Item& y) {
+    return item_cost(x, qs, cx, g.block_size) > item_cost(y, qs, cx, g.block_size);
+  });
+  const int64_t n = static_cast<int64_t>(w.items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) item(w.items[i], g, qp, pp, bp, qs, cx, op, partials.data());
+  });
+  if (w.splits.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(w.splits.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const Split& sp = w.splits[i];
+      T* dst = op + (qs[sp.seq] * g.heads + sp.head * g.group) * g.head_dim;
+      merge_splits<T>(partials.data(), sp.first, sp.count, g.group, g.head_dim, dst);
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, int64_t layer,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, heads, head_dim] tensor");
+  TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous(),
+              "pool must be a contiguous [blocks, layers, 2, kv_heads, block_size, head_dim] tensor");
+  TORCH_CHECK(pool.scalar_type() == q.scalar_type(), "pool and q must share a dtype");
+  TORCH_CHECK(q.device().is_cpu() && pool.device().is_cpu(), "paged_attention runs on CPU tensors");
+  TORCH_CHECK(pool.size(5) == q.size(2), "q's head_dim differs from the pool's");
+  TORCH_CHECK(q.size(1) % pool.size(3) == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(q.size(2) == 16 || q.size(2) == 32 || q.size(2) == 64 || q.size(2) == 128,
+              "paged_attention supports head_dim 16, 32, 64 and 128");
+  TORCH_CHECK(pool.size(4) % kLanes == 0, "paged_attention needs a block_size that is a multiple of 16");
+  TORCH_CHECK(layer >= 0 && layer < pool.size(1), "layer out of range");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong, "index tensors must be int64");
+  at::Tensor bt = block_tables.contiguous(), qsl = query_start_loc.contiguous(), ctx = context_lens.contiguous();
+  TORCH_CHECK(qsl.size(0) == ctx.size(0) + 1 && bt.size(0) == ctx.size(0), "one row per sequence");
+  Geometry g{pool.size(1), layer, pool.size(3), pool.size(4), pool.size(5),
+             q.size(1) / pool.size(3), q.size(1), bt.size(1), static_cast<float>(scale)};
+  at::Tensor out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    launch<float>(q, pool, g, bt, qsl, ctx, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    launch<at::BFloat16>(q, pool, g, bt, qsl, ctx, out);
+  } else {
+    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace pdserve
+
+TORCH_LIBRARY(pdserve, m) {
+  m.def("paged_attention(Tensor q, Tensor pool, int layer, Tensor block_tables, Tensor query_start_loc, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("paged_attention", &pdserve::paged_attention); }

@@ -1,0 +1,157 @@
+"""cpu_paged (C++ kernel over the pool) against torch_paged on random pools.
+
+The kernel is built once per machine into the kernel cache (engine/attention/kernels.py):
+the first test pays the build, every other test and process loads it."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import AttentionShape, get_attention_backend
+from engine.attention.backend import resolve_backend_name
+from engine.attention.kernels import cpu_kernel_available
+from engine.batch import AttentionMetadata
+
+needs_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="the cpu_paged kernel did not build here")
+
+LAYERS = 3
+
+
+def _metadata(seqs: list[tuple[int, int]], block_size: int, num_blocks: int, rng: random.Random):
+    """seqs: (query_len, context_len) per sequence, prefill-like first -> metadata."""
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    tables, slots, qsl = [], [], [0]
+    for ql, ctx in seqs:
+        nb = -(-ctx // block_size)
+        blocks, ids = ids[:nb], ids[nb:]
+        tables.append(blocks)
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(ctx - ql, ctx))
+        qsl.append(qsl[-1] + ql)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    n_pre = sum(1 for ql, _ in seqs if ql > 1)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_lens=torch.tensor([q for q, _ in seqs]),
+        context_lens=torch.tensor([c for _, c in seqs]), query_start_loc=torch.tensor(qsl),
+        block_tables=bt, num_prefills=n_pre, num_prefill_tokens=qsl[n_pre],
+        max_query_len=max(q for q, _ in seqs), max_context_len=max(c for _, c in seqs),
+        block_size=block_size)
+
+
+def _compare(seqs, *, block_size=16, kv_heads=3, group=3, head_dim=64, dtype=torch.float32, seed=0):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    shape = AttentionShape(LAYERS, kv_heads * group, kv_heads, head_dim, block_size)
+    num_blocks = sum(-(-c // block_size) for _, c in seqs) + 4
+    pool = torch.randn(num_blocks, LAYERS, 2, kv_heads, block_size, head_dim, generator=g).to(dtype)
+    meta = _metadata(seqs, block_size, num_blocks, rng)
+    t = int(meta.query_start_loc[-1])
+    outs = []
+    for name in ("torch_paged", "cpu_paged"):
+        backend = get_attention_backend(name, shape)
+        p = pool.clone()
+        plan = backend.plan(meta, p)
+        per_layer = []
+        for layer in range(LAYERS):
+            lg = torch.Generator().manual_seed(seed * 100 + layer)
+            q = torch.randn(t, shape.num_heads, head_dim, generator=lg).to(dtype)
+            k = torch.randn(t, kv_heads, head_dim, generator=lg).to(dtype)
+            v = torch.randn(t, kv_heads, head_dim, generator=lg).to(dtype)
+            per_layer.append(backend.forward(plan, layer, q, k, v))
+        outs.append((torch.stack(per_layer), p))
+    (ref, ref_pool), (got, got_pool) = outs
+    assert torch.equal(ref_pool, got_pool), "the two backends wrote different K/V"
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+def test_decode_batch_matches_torch_paged(block_size, group, head_dim):
+    _compare([(1, 37), (1, 1), (1, 200), (1, 64), (1, 513)], block_size=block_size, group=group,
+             head_dim=head_dim, kv_heads=2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ctx", [5, 300, 1000])
+def test_batch_one_decode_split_context_matches(dtype, ctx):
+    _compare([(1, ctx)], dtype=dtype, seed=ctx)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_mixed_prefill_with_prefixes_and_decodes(dtype, group):
+    # fresh prompts, prompts after a cached prefix (not block-aligned), decodes
+    _compare([(7, 7), (40, 95), (33, 33), (1, 1), (1, 50), (1, 129)], dtype=dtype, group=group, kv_heads=2)
+    _compare([(70, 70), (5, 30), (1, 17)], dtype=dtype, group=group, kv_heads=2, head_dim=16, block_size=32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+def test_single_prompt_paths(block_size, head_dim):
+    _compare([(77, 77)], block_size=block_size, head_dim=head_dim)          # fresh: SDPA on new K/V
+    _compare([(77, 77), (1, 20)], block_size=block_size, head_dim=head_dim)  # fresh + decodes
+    _compare([(50, 171)], block_size=block_size, head_dim=head_dim)          # chunk after a prefix
+
+
+@needs_kernel
+def test_auto_picks_cpu_paged_when_the_kernel_builds():
+    assert resolve_backend_name("auto") == "cpu_paged"
+    assert resolve_backend_name("torch_paged") == "torch_paged"
+
+
+@needs_kernel
+def test_quantized_pool_falls_back_to_torch_paged():
+    from engine.attention.torch_paged import TorchPagedPlan
+    from engine.kv_quant import KVCacheSpec
+
+    spec = KVCacheSpec("int8", torch.float32)
+    backend = get_attention_backend("cpu_paged", AttentionShape(1, 3, 1, 64, 16), spec)
+    pool = torch.zeros(4, 1, 2, 1, spec.tile_bytes(16, 64), dtype=torch.uint8)
+    meta = _metadata([(1, 3)], 16, 4, random.Random(0))
+    assert isinstance(backend.plan(meta, pool), TorchPagedPlan)
+
+
+def test_auto_falls_back_to_torch_paged_with_one_log_line(monkeypatch, caplog):
+    from engine.attention import backend, kernels
+
+    monkeypatch.setattr(kernels, "load_cpu_kernel", lambda: "CalledProcessError: no g++")
+    backend._auto_backend.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="engine.attention.backend"):
+            assert resolve_backend_name("auto") == "torch_paged"
+            assert resolve_backend_name("auto") == "torch_paged"
+        assert [r.getMessage() for r in caplog.records] == [
+            "attention: the cpu_paged kernel did not build (CalledProcessError: no g++); falling back to torch_paged"]
+    finally:
+        backend._auto_backend.cache_clear()
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(ValueError, match="auto, torch_paged, cpu_paged"):
+        get_attention_backend("flash", AttentionShape(1, 3, 1, 64, 16))
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    import os
+    import time
+
+    from engine.attention.kernels import _drop_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _drop_stale_lock(lock)
+    assert lock.exists()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    _drop_stale_lock(lock)
+    assert not lock.exists()
+    _drop_stale_lock(lock)      # absent: nothing to do
