@@ -26,7 +26,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -34,23 +34,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model.layers import FusedLinear, RMSNorm
 from engine.sampling_params import SamplingParams
-
-
-class Timers:
-    def __init__(self) -> None:
-        self.acc: dict[str, float] = defaultdict(float)
-
-    def wrap(self, obj: Any, method: str, key: str) -> None:
-        fn: Callable = getattr(obj, method)
-        acc = self.acc
-
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                acc[key] += time.perf_counter() - t0
-        setattr(obj, method, timed)
+from step_profile import Timers  # benchmarks/ is the script's own directory
 
 
 def run_prefill(engine: LLMEngine, rng: random.Random, n: int, length: int, tag: str) -> tuple[float, int]:
