@@ -143,13 +143,12 @@ def select(costs: Sequence[float], temperature: float, rng: random.Random, start
         raise ValueError(f"temperature must be >= 0 (0 = argmin), got {temperature}")
     lo = min(costs)
     if temperature == 0:
-        seq = costs if isinstance(costs, list) else list(costs)
-        if 0 < start < len(seq):
+        if 0 < start < len(costs):
             try:
-                return seq.index(lo, start)
+                return costs.index(lo, start)
             except ValueError:
                 pass
-        return seq.index(lo)
+        return costs.index(lo)
     span = max(costs) - lo
     if span <= 0:
         return rng.randrange(len(costs))
