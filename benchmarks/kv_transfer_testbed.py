@@ -3,8 +3,12 @@ of 737,280 bytes, fp32, through a fragmented block table) read from one test
 host by another (cluster/tools/testbed: separate network, PID, IPC and mount
 namespaces, so no shared-memory path exists), with the link capped by tc at
 each `--gbit` rate, per backend. One JSON line: GB/s and the ratio to the cap.
+`--gbit 0` leaves the link uncapped: what the two hosts' network stacks carry on this
+machine's cores. The pseudo-backend `socket` (in `--backends`, or added by `--ceiling`)
+streams the same bytes over one plain TCP socket (sendall / recv_into, no descriptors,
+no transfer engine): the ceiling any TCP-based backend can reach on the same cores.
 
-    sudo .venv/bin/python benchmarks/kv_transfer_testbed.py [--gbit 1,5,10] [--backends tcp,nixl] [--iters 3]
+    sudo .venv/bin/python benchmarks/kv_transfer_testbed.py [--gbit 1,5,10] [--backends tcp,nixl] [--iters 3] [--ceiling]
 
 Needs root (namespaces, tc); prints {"skipped": ...} elsewhere.
 """
@@ -28,7 +32,53 @@ NUM_BLOCKS, COUNT = 320, 4096 // 16
 SECRET = "kv-transfer-testbed-benchmark-secret"
 
 
+def socket_source(host: str, out: Path) -> None:
+    """Serve the pool's bytes to each connection of the reader, over one plain TCP socket."""
+    import socket
+    data = memoryview(bytearray(os.urandom(1 << 20)) * (KV_BLOCK * COUNT >> 20))
+    with socket.create_server((host, 0)) as srv:
+        out.write_bytes(pickle.dumps(srv.getsockname()))
+        srv.settimeout(1.0)
+        while not sys.stdin.closed:
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                if _stdin_closed():
+                    return
+                continue
+            with conn:
+                conn.sendall(data)
+
+
+def _stdin_closed() -> bool:
+    import select
+    ready, _, _ = select.select([sys.stdin], [], [], 0)
+    return bool(ready) and not sys.stdin.read(1)
+
+
+def socket_reader(peer_file: Path, iters: int) -> None:
+    import socket
+    addr = pickle.loads(peer_file.read_bytes())
+    nbytes = KV_BLOCK * COUNT
+    buf = memoryview(bytearray(nbytes))
+    times = []
+    for _ in range(iters + 1):
+        t0 = time.perf_counter()
+        with socket.create_connection(addr) as conn:
+            got = 0
+            while got < nbytes:
+                n = conn.recv_into(buf[got:])
+                if not n:
+                    raise RuntimeError(f"socket: the source closed after {got} of {nbytes} bytes")
+                got += n
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times[1:])
+    print(json.dumps({"bytes": nbytes, "descriptors": 1, "seconds": round(t, 4), "gbps": round(nbytes / t / 1e9, 3)}))
+
+
 def source(backend: str, host: str, out: Path) -> None:
+    if backend == "socket":
+        return socket_source(host, out)
     import torch
 
     from kvtransfer.layout import KVPoolLayout
@@ -42,6 +92,8 @@ def source(backend: str, host: str, out: Path) -> None:
 
 
 def reader(backend: str, host: str, peer_file: Path, iters: int) -> None:
+    if backend == "socket":
+        return socket_reader(peer_file, iters)
     import random
 
     import torch
@@ -83,8 +135,8 @@ def run(gbits: list[float], backends: list[str], iters: int) -> dict:
     with TestBed.up(2) as bed:
         a, b = bed.hosts
         for gbit in gbits:
-            a.limit(gbit)
-            b.limit(gbit)
+            for host in (a, b):
+                host.limit(gbit) if gbit > 0 else host.unlimit()
             for backend in backends:
                 peer_file = bed.shared_dir / f"peer-{backend}-{gbit}.pkl"
                 src = a.popen(me + ["--role", "source", "--backend", backend, "--host", a.address,
@@ -100,9 +152,10 @@ def run(gbits: list[float], backends: list[str], iters: int) -> dict:
                     if res.returncode != 0:
                         raise RuntimeError(f"{backend} reader failed: {res.stderr[-2000:]}")
                     r = json.loads(res.stdout.strip().splitlines()[-1])
-                    bytes_per_s = r["gbps"] * 1e9
-                    r["ratio_to_link"] = round(bytes_per_s * 8 / (gbit * 1e9), 3)
-                    out["cases"][f"{backend}@{gbit:g}gbit"] = r
+                    r["gbit_per_s"] = round(r["gbps"] * 8, 2)
+                    if gbit > 0:
+                        r["ratio_to_link"] = round(r["gbps"] * 8 / gbit, 3)
+                    out["cases"][f"{backend}@{gbit:g}gbit" if gbit > 0 else f"{backend}@uncapped"] = r
                 finally:
                     src.stdin.close()
                     src.wait(30)
@@ -118,6 +171,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--gbit", default="1,5,10")
     p.add_argument("--backends", default="")
+    p.add_argument("--ceiling", action="store_true", help="also run the plain-socket ceiling (backend 'socket')")
     a = p.parse_args()
     if a.role == "source":
         return source(a.backend, a.host, a.peer_file)
@@ -125,6 +179,10 @@ def main() -> None:
         return reader(a.backend, a.host, a.peer_file, a.iters)
     from kvtransfer.registry import available_backends
     backends = [b for b in (a.backends.split(",") if a.backends else available_backends()) if b]
+    if a.ceiling and "socket" not in backends:
+        backends.append("socket")
+    if any(float(g) < 0 for g in a.gbit.split(",")):
+        raise SystemExit("--gbit takes link speeds in Gbit/s, or 0 for an uncapped link")
     print(json.dumps(run([float(g) for g in a.gbit.split(",")], backends, a.iters)))
 
 

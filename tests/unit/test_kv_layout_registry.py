@@ -48,9 +48,21 @@ def test_tcp_refuses_wildcard_bind():
 
 def test_ucx_defaults_never_override_user_env():
     env = {"UCX_TLS": "tcp"}
-    applied = ucx_env.apply_defaults(ucx_env.ucx_defaults("127.0.0.1"), env)
-    assert env["UCX_TLS"] == "tcp" and applied == {"UCX_NET_DEVICES": "lo"}
+    applied = ucx_env.apply_defaults(ucx_env.ucx_defaults("127.0.0.1", env), env)
+    assert env["UCX_TLS"] == "tcp" and applied == {"UCX_NET_DEVICES": "lo", "UCX_TCP_TX_SEG_SIZE": "512k",
+                                                   "UCX_TCP_RX_SEG_SIZE": "512k"}
     assert "UCX_NET_DEVICES" not in ucx_env.ucx_defaults("10.0.0.5")
+
+
+def test_ucx_tcp_segment_sizes_follow_the_users_choice():
+    """UCX's tcp segments are 512k unless the user set one of the two sizes; then both take
+    that value (a receive segment smaller than a peer's send segment cannot take it)."""
+    env = {"UCX_TCP_TX_SEG_SIZE": "1m"}
+    ucx_env.apply_defaults(ucx_env.ucx_defaults("127.0.0.1", env), env)
+    assert env["UCX_TCP_RX_SEG_SIZE"] == env["UCX_TCP_TX_SEG_SIZE"] == "1m"
+    env = {"UCX_TCP_RX_SEG_SIZE": "64k"}
+    ucx_env.apply_defaults(ucx_env.ucx_defaults("127.0.0.1", env), env)
+    assert env["UCX_TCP_TX_SEG_SIZE"] == "64k"
 
 
 @pytest.mark.parametrize("tls,sm_only", [("sm,self", True), ("cma,posix", True), ("cma,tcp,self", False),
