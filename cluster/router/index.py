@@ -36,6 +36,13 @@ reads every block (``_walk``). Both answer the same (tests compare them with
 a plain scan); trusting a STORED run's chaining is the event protocol's
 contract (the engine's ``stored_chains``).
 
+Where the router's C tables build (native.py) and lanes are 64 bits (up to
+64 workers ever seen), ``_held`` is mirrored in a flat table after every
+event and ``match`` is ``_walk`` in C: every prompt block probed in one call,
+prefetches running ahead so the cache misses overlap (the dict walk was
+memory latency: a few dependent misses per lookup). The search above serves
+otherwise; tests compare all three with a plain scan.
+
 Event protocol (engine/kv_events.py), per worker:
 
 - ids are consecutive, a fresh worker's first event has id ``first_event_id``
