@@ -39,6 +39,14 @@ static int to_key(PyObject *h, uint64_t *out) {
     return 0;
 }
 
+/* keys[i]: items[i] as a 64-bit key; ok[i] 0 where it is not one. */
+static void keys_of(PyObject **items, Py_ssize_t n, uint64_t *keys, char *ok) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ok[i] = to_key(items[i], &keys[i]) == 0;
+        if (!ok[i]) PyErr_Clear();              /* not a 64-bit hash: indexed by nobody here */
+    }
+}
+
 /* ------------------------------------------------------------------ BlockTable */
 typedef struct { uint64_t key, any, off, disk; } BSlot;     /* any == 0: empty */
 
@@ -136,25 +144,34 @@ static PyObject *bt_sync(BlockTable *t, PyObject *args) {
     PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq), *ret = NULL;
+    uint64_t kstack[256], *keys = kstack; char okstack[256], *ok = okstack;
+    if (n > 256) {
+        keys = PyMem_Malloc(n * sizeof(uint64_t)); ok = PyMem_Malloc(n);
+        if (!keys || !ok) { PyErr_NoMemory(); goto done; }
+    }
+    keys_of(items, n, keys, ok);
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) __builtin_prefetch(&t->slots[mix(keys[i]) & t->mask], 1);
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t k, w[3];
-        if (to_key(items[i], &k) < 0) goto fail;
+        uint64_t w[3];
+        if (!ok[i]) { PyErr_SetString(PyExc_OverflowError, "block hashes must be 64-bit unsigned ints"); goto done; }
+        if (i + PREFETCH_AHEAD < n) __builtin_prefetch(&t->slots[mix(keys[i + PREFETCH_AHEAD]) & t->mask], 1);
         PyObject *v = PyDict_GetItemWithError(held, items[i]);
         if (!v) {
-            if (PyErr_Occurred()) goto fail;
-            bt_del(t, k);
+            if (PyErr_Occurred()) goto done;
+            bt_del(t, keys[i]);
             continue;
         }
-        if (split3(v, w) < 0) goto fail;
-        if (!w[0]) { PyErr_SetString(PyExc_ValueError, "a held block with no holder"); goto fail; }
-        if (bt_put(t, k, w) < 0) goto fail;
+        if (split3(v, w) < 0) goto done;
+        if (!w[0]) { PyErr_SetString(PyExc_ValueError, "a held block with no holder"); goto done; }
+        if (bt_put(t, keys[i], w) < 0) goto done;
     }
+    ret = Py_NewRef(Py_None);
+done:
+    if (keys != kstack) PyMem_Free(keys);
+    if (ok != okstack) PyMem_Free(ok);
     Py_DECREF(seq);
-    Py_RETURN_NONE;
-fail:
-    Py_DECREF(seq);
-    return NULL;
+    return ret;
 }
 
 static PyObject *bt_get(BlockTable *t, PyObject *h) {
@@ -166,14 +183,6 @@ static PyObject *bt_get(BlockTable *t, PyObject *h) {
     uint64_t w[3] = {s->any, s->off, s->disk};
     for (int j = 0; j < 3; j++) for (int b = 0; b < 8; b++) buf[8 * j + b] = (unsigned char)(w[j] >> (8 * b));
     return _PyLong_FromByteArray(buf, 24, 1, 0);
-}
-
-/* keys[i]: items[i] as a 64-bit key; ok[i] 0 where it is not one. */
-static void keys_of(PyObject **items, Py_ssize_t n, uint64_t *keys, char *ok) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        ok[i] = to_key(items[i], &keys[i]) == 0;
-        if (!ok[i]) PyErr_Clear();              /* not a 64-bit hash: indexed by nobody here */
-    }
 }
 
 typedef struct { uint64_t mask; Py_ssize_t length, host, disk; } Group;
