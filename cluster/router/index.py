@@ -344,11 +344,12 @@ class PrefixIndex:
 
     def _mirror(self, hashes: Sequence[int]) -> None:
         """Copy these blocks' packed masks to the C table (a hash that is not a
-        64-bit unsigned int turns the table off for good: the Python paths serve)."""
+        64-bit unsigned int, or no memory to grow it, turns the table off for
+        good: the Python paths serve)."""
         if self._native is not None:
             try:
                 self._native.sync(hashes, self._held)
-            except (OverflowError, TypeError, ValueError):
+            except (OverflowError, TypeError, ValueError, MemoryError):
                 self._native = None
 
     def _drop_all(self, w: _Worker) -> None:
