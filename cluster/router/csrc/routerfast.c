@@ -18,6 +18,16 @@
 #define PREFETCH_AHEAD 16
 #define MIN_BITS 10
 
+/* A table's Python type: its methods, len(), constructor and destructor, named by prefix. */
+#define TABLE_TYPE(var, name, cls, pre) \
+    static PySequenceMethods pre##_seq = {.sq_length = (lenfunc)pre##_len}; \
+    static PyTypeObject var = { \
+        PyVarObject_HEAD_INIT(NULL, 0) \
+        .tp_name = name, .tp_basicsize = sizeof(cls), .tp_flags = Py_TPFLAGS_DEFAULT, \
+        .tp_new = pre##_new, .tp_dealloc = (destructor)pre##_dealloc, \
+        .tp_methods = pre##_methods, .tp_as_sequence = &pre##_seq, \
+    };
+
 static inline uint64_t mix(uint64_t k) {
     k ^= k >> 33; k *= 0xff51afd7ed558ccdULL; k ^= k >> 33; return k;
 }
@@ -47,6 +57,62 @@ static void keys_of(PyObject **items, Py_ssize_t n, uint64_t *keys, char *ok) {
     }
 }
 
+/* find / place / grow / remove for a table type T (fields slots, mask, count; pre##_alloc
+ * defined) of slot type S: EMPTY(s) says whether a slot is free, CLEAR(s) frees it. */
+#define OPEN_ADDRESSING(pre, T, S, EMPTY, CLEAR) \
+    static S *pre##_find(const T *t, uint64_t k) { \
+        uint64_t i = mix(k) & t->mask; \
+        for (;;) { \
+            S *s = &t->slots[i]; \
+            if (EMPTY(s)) return NULL; \
+            if (s->key == k) return s; \
+            i = (i + 1) & t->mask; \
+        } \
+    } \
+    static void pre##_place(T *t, const S *v) { \
+        uint64_t i = mix(v->key) & t->mask; \
+        while (!EMPTY(&t->slots[i])) i = (i + 1) & t->mask; \
+        t->slots[i] = *v; \
+        t->count++; \
+    } \
+    static int pre##_grow(T *t) { \
+        S *old = t->slots; uint64_t cap = t->mask + 1; \
+        if (pre##_alloc(t, cap * 2) < 0) return -1; \
+        for (uint64_t i = 0; i < cap; i++) if (!EMPTY(&old[i])) pre##_place(t, &old[i]); \
+        PyMem_RawFree(old); \
+        return 0; \
+    } \
+    static void pre##_remove(T *t, S *s) {       /* backward shift: no tombstones */ \
+        uint64_t i = (uint64_t)(s - t->slots), j = i, m = t->mask; \
+        for (;;) { \
+            j = (j + 1) & m; \
+            if (EMPTY(&t->slots[j])) break; \
+            uint64_t home = mix(t->slots[j].key) & m; \
+            if (((j - home) & m) >= ((j - i) & m)) { t->slots[i] = t->slots[j]; i = j; } \
+        } \
+        CLEAR(&t->slots[i]); \
+        t->count--; \
+    }
+
+/* A call's keys: on the stack up to 256, else on the heap (keys_free either way). */
+typedef struct { uint64_t *keys; char *ok; uint64_t kstack[256]; char okstack[256]; } Keys;
+
+static void keys_free(Keys *k) {
+    if (k->keys != k->kstack) PyMem_Free(k->keys);
+    if (k->ok != k->okstack) PyMem_Free(k->ok);
+    k->keys = k->kstack; k->ok = k->okstack;
+}
+
+static int keys_load(Keys *k, PyObject **items, Py_ssize_t n) {
+    k->keys = k->kstack; k->ok = k->okstack;
+    if (n > 256) {
+        k->keys = PyMem_Malloc(n * sizeof(uint64_t)); k->ok = PyMem_Malloc(n);
+        if (!k->keys || !k->ok) { keys_free(k); PyErr_NoMemory(); return -1; }
+    }
+    keys_of(items, n, k->keys, k->ok);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ BlockTable */
 typedef struct { uint64_t key, any, off, disk; } BSlot;     /* any == 0: empty */
 
@@ -66,30 +132,9 @@ static int bt_alloc(BlockTable *t, uint64_t cap) {
     return 0;
 }
 
-static BSlot *bt_find(const BlockTable *t, uint64_t k) {
-    uint64_t i = mix(k) & t->mask;
-    for (;;) {
-        BSlot *s = &t->slots[i];
-        if (!s->any) return NULL;
-        if (s->key == k) return s;
-        i = (i + 1) & t->mask;
-    }
-}
-
-static void bt_place(BlockTable *t, const BSlot *v) {
-    uint64_t i = mix(v->key) & t->mask;
-    while (t->slots[i].any) i = (i + 1) & t->mask;
-    t->slots[i] = *v;
-    t->count++;
-}
-
-static int bt_grow(BlockTable *t) {
-    BSlot *old = t->slots; uint64_t cap = t->mask + 1;
-    if (bt_alloc(t, cap * 2) < 0) { t->slots = old; return -1; }
-    for (uint64_t i = 0; i < cap; i++) if (old[i].any) bt_place(t, &old[i]);
-    PyMem_RawFree(old);
-    return 0;
-}
+#define B_EMPTY(s) (!(s)->any)
+#define B_CLEAR(s) memset((s), 0, sizeof(BSlot))
+OPEN_ADDRESSING(bt, BlockTable, BSlot, B_EMPTY, B_CLEAR)
 
 static int bt_put(BlockTable *t, uint64_t k, const uint64_t w[3]) {
     BSlot *s = bt_find(t, k);
@@ -102,16 +147,7 @@ static int bt_put(BlockTable *t, uint64_t k, const uint64_t w[3]) {
 
 static void bt_del(BlockTable *t, uint64_t k) {
     BSlot *s = bt_find(t, k);
-    if (!s) return;
-    uint64_t i = (uint64_t)(s - t->slots), j = i, m = t->mask;
-    for (;;) {                                   /* backward shift: no tombstones */
-        j = (j + 1) & m;
-        if (!t->slots[j].any) break;
-        uint64_t home = mix(t->slots[j].key) & m;
-        if (((j - home) & m) >= ((j - i) & m)) { t->slots[i] = t->slots[j]; i = j; }
-    }
-    memset(&t->slots[i], 0, sizeof(BSlot));
-    t->count--;
+    if (s) bt_remove(t, s);
 }
 
 static int split3(PyObject *v, uint64_t w[3]) {
@@ -145,12 +181,9 @@ static PyObject *bt_sync(BlockTable *t, PyObject *args) {
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq), *ret = NULL;
-    uint64_t kstack[256], *keys = kstack; char okstack[256], *ok = okstack;
-    if (n > 256) {
-        keys = PyMem_Malloc(n * sizeof(uint64_t)); ok = PyMem_Malloc(n);
-        if (!keys || !ok) { PyErr_NoMemory(); goto done; }
-    }
-    keys_of(items, n, keys, ok);
+    Keys K;
+    if (keys_load(&K, items, n) < 0) goto done;
+    const uint64_t *keys = K.keys; const char *ok = K.ok;
     for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) __builtin_prefetch(&t->slots[mix(keys[i]) & t->mask], 1);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t w[3];
@@ -168,8 +201,7 @@ static PyObject *bt_sync(BlockTable *t, PyObject *args) {
     }
     ret = Py_NewRef(Py_None);
 done:
-    if (keys != kstack) PyMem_Free(keys);
-    if (ok != okstack) PyMem_Free(ok);
+    keys_free(&K);
     Py_DECREF(seq);
     return ret;
 }
@@ -193,12 +225,9 @@ static PyObject *bt_walk(BlockTable *t, PyObject *hashes) {
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq), *out = NULL;
-    uint64_t kstack[256], *keys = kstack; char okstack[256], *ok = okstack;
-    if (n > 256) {
-        keys = PyMem_Malloc(n * sizeof(uint64_t)); ok = PyMem_Malloc(n);
-        if (!keys || !ok) { PyErr_NoMemory(); goto done; }
-    }
-    keys_of(items, n, keys, ok);
+    Keys K;
+    if (keys_load(&K, items, n) < 0) goto done;
+    const uint64_t *keys = K.keys; const char *ok = K.ok;
     for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++)
         __builtin_prefetch(&t->slots[mix(keys[i]) & t->mask]);
     Py_ssize_t len_of[64], host[64] = {0}, disk[64] = {0}, length = 0;
@@ -243,8 +272,7 @@ static PyObject *bt_walk(BlockTable *t, PyObject *hashes) {
         PyList_SET_ITEM(out, j, item);
     }
 done:
-    if (keys != kstack) PyMem_Free(keys);
-    if (ok != okstack) PyMem_Free(ok);
+    keys_free(&K);
     Py_DECREF(seq);
     return out;
 }
@@ -263,18 +291,7 @@ static PyMethodDef bt_methods[] = {
     {NULL}
 };
 
-static PySequenceMethods bt_seq = {.sq_length = (lenfunc)bt_len};
-
-static PyTypeObject BlockTableType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "routerfast.BlockTable",
-    .tp_basicsize = sizeof(BlockTable),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = bt_new,
-    .tp_dealloc = (destructor)bt_dealloc,
-    .tp_methods = bt_methods,
-    .tp_as_sequence = &bt_seq,
-};
+TABLE_TYPE(BlockTableType, "routerfast.BlockTable", BlockTable, bt)
 
 /* ------------------------------------------------------------------ InFlightTable */
 typedef struct { uint64_t key; double expiry; int32_t worker; uint32_t epoch; } FSlot;   /* worker < 0: empty */
@@ -294,42 +311,9 @@ static int fg_alloc(FGen *g, uint64_t cap) {
     return 0;
 }
 
-static FSlot *fg_find(const FGen *g, uint64_t k) {
-    uint64_t i = mix(k) & g->mask;
-    for (;;) {
-        FSlot *s = &g->slots[i];
-        if (s->worker < 0) return NULL;
-        if (s->key == k) return s;
-        i = (i + 1) & g->mask;
-    }
-}
-
-static void fg_place(FGen *g, const FSlot *v) {
-    uint64_t i = mix(v->key) & g->mask;
-    while (g->slots[i].worker >= 0) i = (i + 1) & g->mask;
-    g->slots[i] = *v;
-    g->count++;
-}
-
-static int fg_grow(FGen *g) {
-    FGen old = *g;
-    if (fg_alloc(g, (old.mask + 1) * 2) < 0) { *g = old; return -1; }
-    for (uint64_t i = 0; i <= old.mask; i++) if (old.slots[i].worker >= 0) fg_place(g, &old.slots[i]);
-    PyMem_RawFree(old.slots);
-    return 0;
-}
-
-static void fg_del(FGen *g, FSlot *s) {
-    uint64_t i = (uint64_t)(s - g->slots), j = i, m = g->mask;
-    for (;;) {
-        j = (j + 1) & m;
-        if (g->slots[j].worker < 0) break;
-        uint64_t home = mix(g->slots[j].key) & m;
-        if (((j - home) & m) >= ((j - i) & m)) { g->slots[i] = g->slots[j]; i = j; }
-    }
-    g->slots[i].worker = -1;
-    g->count--;
-}
+#define F_EMPTY(s) ((s)->worker < 0)
+#define F_CLEAR(s) ((s)->worker = -1)
+OPEN_ADDRESSING(fg, FGen, FSlot, F_EMPTY, F_CLEAR)
 
 static PyObject *ft_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     InFlightTable *t = (InFlightTable *)type->tp_alloc(type, 0);
@@ -356,12 +340,9 @@ static PyObject *ft_record(InFlightTable *t, PyObject *args) {
     PyObject **items = PySequence_Fast_ITEMS(seq);
     FGen *g = &t->cur;
     PyObject *ret = NULL;
-    uint64_t kstack[256], *keys = kstack; char okstack[256], *ok = okstack;
-    if (n > 256) {
-        keys = PyMem_Malloc(n * sizeof(uint64_t)); ok = PyMem_Malloc(n);
-        if (!keys || !ok) { PyErr_NoMemory(); goto done; }
-    }
-    keys_of(items, n, keys, ok);
+    Keys K;
+    if (keys_load(&K, items, n) < 0) goto done;
+    const uint64_t *keys = K.keys; const char *ok = K.ok;
     for (Py_ssize_t i = 0; i < n; i++)
         if (!ok[i]) { PyErr_SetString(PyExc_OverflowError, "block hashes must be 64-bit unsigned ints"); goto done; }
     while ((uint64_t)(g->count + n) * 4 > (g->mask + 1) * 3)     /* load <= 0.75 after this send */
@@ -375,8 +356,7 @@ static PyObject *ft_record(InFlightTable *t, PyObject *args) {
     }
     ret = Py_NewRef(Py_None);
 done:
-    if (keys != kstack) PyMem_Free(keys);
-    if (ok != okstack) PyMem_Free(ok);
+    keys_free(&K);
     Py_DECREF(seq);
     return ret;
 }
@@ -443,7 +423,7 @@ static PyObject *ft_on_removed(InFlightTable *t, PyObject *args) {
             uint64_t k;
             if (to_key(items[i], &k) < 0) { PyErr_Clear(); continue; }
             FSlot *s = fg_find(g, k);
-            if (s && s->worker == worker) fg_del(g, s);
+            if (s && s->worker == worker) fg_remove(g, s);
         }
     }
     Py_DECREF(seq);
@@ -491,18 +471,7 @@ static PyMethodDef ft_methods[] = {
     {NULL}
 };
 
-static PySequenceMethods ft_seq = {.sq_length = (lenfunc)ft_len};
-
-static PyTypeObject InFlightTableType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "routerfast.InFlightTable",
-    .tp_basicsize = sizeof(InFlightTable),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = ft_new,
-    .tp_dealloc = (destructor)ft_dealloc,
-    .tp_methods = ft_methods,
-    .tp_as_sequence = &ft_seq,
-};
+TABLE_TYPE(InFlightTableType, "routerfast.InFlightTable", InFlightTable, ft)
 
 /* ------------------------------------------------------------------ module */
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "routerfast", NULL, -1, NULL};
