@@ -36,6 +36,13 @@ reads every block (``_walk``). Both answer the same (tests compare them with
 a plain scan); trusting a STORED run's chaining is the event protocol's
 contract (the engine's ``stored_chains``).
 
+Where the router's C tables build (native.py) and lanes are 64 bits (up to
+64 workers ever seen), ``_held`` is mirrored in a flat table after every
+event and ``match`` is ``_walk`` in C: every prompt block probed in one call,
+prefetches running ahead so the cache misses overlap (the dict walk was
+memory latency: a few dependent misses per lookup). The search above serves
+otherwise; tests compare all three with a plain scan.
+
 Event protocol (engine/kv_events.py), per worker:
 
 - ids are consecutive, a fresh worker's first event has id ``first_event_id``
@@ -62,6 +69,7 @@ from itertools import islice
 from operator import or_
 from typing import Iterable, Iterator, Mapping, Sequence, TypeVar, overload
 
+from cluster.router import native
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot, Tier
 
 _T = TypeVar("_T")
@@ -211,7 +219,9 @@ class _Worker:
 
 
 class PrefixIndex:
-    def __init__(self, first_event_id: int = 1) -> None:
+    def __init__(self, first_event_id: int = 1, *, use_native: bool = True) -> None:
+        """``use_native``: match through the C table (native.py) where it builds; False:
+        the pure-Python search (``_segments`` / ``_walk``), as on a host without it."""
         self._first_event_id = first_event_id
         self._lane = 64                          # bits per lane in a packed value
         self._held: dict[int, int] = {}        # hash -> packed masks (see module doc)
@@ -223,6 +233,8 @@ class PrefixIndex:
         self._ids: list[str] = []              # bit index -> worker id
         self._match_cache: list[MatchInfo] = []  # MatchInfo(k) for device-only matches
         self._hints: dict[int, int] = {}       # block -> length of the match last found from it (a guess)
+        # _held's lanes in a flat C table (native.py), kept in step per event; None: pure Python
+        self._native = native.block_table() if use_native else None
 
     # ---- events ---------------------------------------------------------
     def apply(self, worker_id: str, events: Iterable[KVEvent]) -> ApplyResult:
@@ -260,7 +272,8 @@ class PrefixIndex:
     def _apply_one(self, w: _Worker, ev: KVEvent) -> None:
         if ev.kind is KVEventKind.STORED:
             self._store(w, ev.block_hashes, ev.tier, ev.parent_hash)
-            if ev.parent_hash is not None and ev.block_hashes and ev.block_hashes[0] not in self._hints:
+            if (self._native is None and ev.parent_hash is not None and ev.block_hashes
+                    and ev.block_hashes[0] not in self._hints):
                 self._hint(ev.block_hashes[0], len(ev.block_hashes))   # a run: a match may end with it
         elif ev.kind is KVEventKind.REMOVED:
             self._remove(w, ev.block_hashes)
@@ -299,8 +312,9 @@ class PrefixIndex:
                     self._mark(h)
             if parent is not None:
                 parent = h
+        self._mirror(hashes)
 
-    def _remove(self, w: _Worker, hashes: Iterable[int]) -> None:
+    def _remove(self, w: _Worker, hashes: Sequence[int]) -> None:
         held, blocks, keep = self._held, w.blocks, w.keep_bits
         special, parents, kids, unparented = self._special, self._parent, w.kids, w.unparented
         for h in hashes:
@@ -326,6 +340,17 @@ class PrefixIndex:
                 parents.pop(h, None)
             if h in special:
                 self._mark(h)
+        self._mirror(hashes)
+
+    def _mirror(self, hashes: Sequence[int]) -> None:
+        """Copy these blocks' packed masks to the C table (a hash that is not a
+        64-bit unsigned int, or no memory to grow it, turns the table off for
+        good: the Python paths serve)."""
+        if self._native is not None:
+            try:
+                self._native.sync(hashes, self._held)
+            except (OverflowError, TypeError, ValueError, MemoryError):
+                self._native = None
 
     def _drop_all(self, w: _Worker) -> None:
         self._remove(w, list(w.blocks))
@@ -402,6 +427,7 @@ class PrefixIndex:
         self._held = {h: (v & low) | ((v >> old) & low) << new | (v >> 2 * old) << 2 * new
                       for h, v in self._held.items()}
         self._lane = new
+        self._native = None                      # the C table holds 64-bit lanes only
         for w in self._workers.values():
             w.set_lane(new)
         for h in list(self._special):
@@ -425,6 +451,9 @@ class PrefixIndex:
         out = Matches(self._ids, self._indices)
         if not block_hashes:
             return out
+        if self._native is not None:
+            self._native_match(out, block_hashes)
+            return out
         alive = self._held.get(block_hashes[0], 0) & ((1 << self._lane) - 1)
         if not alive:
             return out
@@ -440,6 +469,16 @@ class PrefixIndex:
                 return out
         self._emit_segments(out, segments, vals, kinds)
         return out
+
+    def _native_match(self, out: Matches, block_hashes: Sequence[int]) -> None:
+        """``_walk`` in C (native.BlockTable.walk: every block, exact): one group per
+        (length, host, disk) triple."""
+        cache = self._match_cache
+        for mask, length, host, disk in self._native.walk(block_hashes):  # type: ignore[union-attr]
+            if host or disk:
+                out.add(mask, MatchInfo(length - host - disk, host, disk))
+            else:
+                out.add(mask, cache[length] if length < len(cache) else self._device_match(length))
 
     def _emit_segments(self, out: Matches, segments: list[tuple[int, int, int]],
                        vals: list[int | None], kinds: set[int]) -> None:

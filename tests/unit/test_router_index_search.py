@@ -117,7 +117,7 @@ def check_shape(idx: PrefixIndex) -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_search_equals_a_plain_scan_on_random_indexes(seed):
     rng = random.Random(seed)
-    idx = PrefixIndex()
+    idx = PrefixIndex(use_native=False)            # the Python search (test_router_native.py: the C walk)
     feed = _Feed(rng, idx, [f"w{i}" for i in range(5 if seed % 2 else 70)])   # 70: wider lanes
     chains = _chains(rng)
     walks = [0]
@@ -161,7 +161,7 @@ def test_a_hole_in_an_engine_fed_chain_is_seen_and_refilling_it_clears_it():
 def test_length_hints_are_only_guesses():
     """A group's match-length hint (learned, or seeded by a STORED run) that no
     longer holds, or never did, changes nothing: the answer is the plain scan's."""
-    idx = PrefixIndex()
+    idx = PrefixIndex(use_native=False)
     feed = _Feed(random.Random(0), idx, ["a", "b"])
     chain = block_hashes(list(range(16 * 12)), 16)
     feed.send("a", S, chain[:8], ROOT)                  # a run of 8: seeds the hint 8 at chain[0]

@@ -1,0 +1,135 @@
+"""The router's C tables (cluster/router/native.py) against the pure-Python paths
+they replace: the same matches on random indexes fed as the engine feeds them
+(removals, tier moves, parentless stores, snapshots, CLEARED, dead workers), the
+same in-flight answers under random sends, evictions, drops and ageing, and the
+fallbacks (a hash that is not 64-bit, the table switched off)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.router import native
+from cluster.router.inflight import InFlightMatch, InFlightPrefixes
+from cluster.router.index import PrefixIndex
+from engine.kv_events import KVEvent, KVEventKind, Tier
+from tests.unit.test_router_index_search import _chains, _Feed, reference_match
+
+pytestmark = pytest.mark.skipif(native.module() is None, reason="no C compiler: the Python paths serve")
+
+
+class _Both(_Feed):
+    """One feed applied to a native index and a pure-Python one."""
+
+    def __init__(self, rng: random.Random, workers: list[str]) -> None:
+        super().__init__(rng, PrefixIndex(), workers)
+        self.py = PrefixIndex(use_native=False)
+        apply, resync, remove = self.idx.apply, self.idx.resync, self.idx.remove_worker
+
+        def both_apply(w, events):
+            self.py.apply(w, events)
+            return apply(w, events)
+
+        def both_resync(w, snap):
+            self.py.resync(w, snap)
+            resync(w, snap)
+
+        def both_remove(w):
+            self.py.remove_worker(w)
+            remove(w)
+
+        self.idx.apply, self.idx.resync, self.idx.remove_worker = both_apply, both_resync, both_remove  # type: ignore[method-assign]
+
+
+def check_mirror(idx: PrefixIndex) -> None:
+    table = idx._native
+    assert table is not None and len(table) == len(idx._held)
+    assert all(table.get(h) == v for h, v in idx._held.items())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_c_walk_equals_the_python_search_and_a_plain_scan(seed):
+    rng = random.Random(seed)
+    feed = _Both(rng, [f"w{i}" for i in range(5 if seed % 2 else 64)])   # 64: every bit of the lane
+    chains = _chains(rng)
+    for step in range(300):
+        feed.step(chains)
+        if step % 50 == 0:
+            check_mirror(feed.idx)
+        for chain in rng.sample(chains, 3):
+            cut = rng.randrange(len(chain)) if rng.random() < 0.2 else 0
+            prompt = chain[cut:rng.randint(cut + 1, len(chain))]
+            got = feed.idx.match(prompt)
+            assert got == reference_match(feed.model, prompt) == feed.py.match(prompt), (seed, step)
+            lengths = [info.blocks for _, info in got.groups]
+            assert lengths == sorted(lengths)                   # groups in the order the search emits
+    check_mirror(feed.idx)
+
+
+def test_a_65th_worker_or_a_wide_hash_turns_the_table_off_and_answers_stay_right():
+    idx = PrefixIndex()
+    for i in range(64):
+        idx.apply(f"w{i}", [KVEvent(1, KVEventKind.STORED, (1, 2), None, Tier.DEVICE)])
+    assert idx._native is not None and idx.match([1, 2, 3])["w63"].blocks == 2
+    idx.apply("w64", [KVEvent(1, KVEventKind.STORED, (1,), None, Tier.HOST)])       # lanes widen
+    assert idx._native is None and idx.match([1, 2])["w64"].host_blocks == 1
+    wide = PrefixIndex()
+    wide.apply("a", [KVEvent(1, KVEventKind.STORED, (5, 2**70), None, Tier.DEVICE)])
+    assert wide._native is None and wide.match([5, 2**70])["a"].blocks == 2
+
+
+def _same(a: InFlightPrefixes, b: InFlightPrefixes, prompt, now) -> None:
+    assert a.match(prompt, now) == b.match(prompt, now)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_c_in_flight_table_answers_as_the_dicts(seed):
+    rng = random.Random(seed)
+    c, py = InFlightPrefixes(1.0), InFlightPrefixes(1.0, use_native=False)
+    assert c.native and not py.native
+    chains = _chains(rng)
+    workers = ["p0", "p1", "p2"]
+    now = 0.0
+    for step in range(600):
+        now += rng.choice((0.0, 0.01, 0.05, 0.3, 1.2))
+        chain, w, roll = rng.choice(chains), rng.choice(workers), rng.random()
+        if roll < 0.5:
+            n = rng.randint(1, len(chain))
+            for f in (c, py):
+                f.record(w, chain[:n], now)
+        elif roll < 0.7:
+            gone = rng.sample(chain, rng.randint(1, len(chain)))
+            for f in (c, py):
+                f.on_removed(w, iter(gone) if rng.random() < 0.5 else gone)
+        elif roll < 0.75:
+            for f in (c, py):
+                f.drop_worker(w)
+        for prompt in rng.sample(chains, 2):
+            _same(c, py, prompt, now)
+        assert len(c) == len(py), step
+    assert c.native
+
+
+def test_a_hash_the_table_cannot_hold_moves_its_entries_to_the_dicts():
+    c, py = InFlightPrefixes(10.0), InFlightPrefixes(10.0, use_native=False)
+    for f in (c, py):
+        f.record("p0", (1, 2, 3), 0.0)
+        f.drop_worker("p1")
+        f.record("p1", (1, 2), 0.5)
+        f.record("p2", (2**64, 7), 1.0)
+    assert not c.native and len(c) == len(py) == 5
+    for prompt in ((1, 2, 3), (2**64, 7), (3,), (2,)):
+        assert c.match(prompt, 2.0) == py.match(prompt, 2.0)
+    assert c.match((1, 2, 3), 2.0) == InFlightMatch("p0", 3)
+    assert c.match((1, 2), 2.0) == InFlightMatch("p1", 2)
+
+
+def test_the_table_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("PDSERVE_ROUTER_NATIVE", "0")
+    native.module.cache_clear()
+    try:
+        assert PrefixIndex()._native is None and not InFlightPrefixes(1.0).native
+    finally:
+        monkeypatch.delenv("PDSERVE_ROUTER_NATIVE")
+        native.module.cache_clear()
+    assert PrefixIndex()._native is not None
