@@ -23,7 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "rotary_kv.cpp")
+_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "rotary_kv.cpp", _CSRC / "silu_mul.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 
@@ -62,7 +62,7 @@ def _drop_stale_lock(lock: Path, max_age_s: float = 600.0) -> None:
 @functools.lru_cache(maxsize=1)
 def load_cpu_kernel() -> str | None:
     """Build (once per machine) and load the kernel; ``None`` when it loaded, else why not."""
-    if hasattr(torch.ops, "pdserve") and hasattr(torch.ops.pdserve, "rotary_kv_write"):
+    if hasattr(torch.ops, "pdserve") and hasattr(torch.ops.pdserve, "silu_mul"):
         return None
     try:
         from torch.utils.cpp_extension import load
