@@ -82,11 +82,11 @@ class CpuPagedAttention(TorchPagedAttention):
             v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=s.scale, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(q.shape[0], s.num_heads * s.head_dim)
 
-    def forward_qkv(self, plan: CpuPagedPlan | TorchPagedPlan, layer: int, qkv: torch.Tensor,  # type: ignore[override]
+    def forward_qkv(self, plan: CpuPagedPlan | TorchPagedPlan, layer: int, qkv: torch.Tensor,
                     rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE and the K/V write in one op (csrc/rotary_kv.cpp, q and k rotated in place in
         ``qkv``), then the attention on strided views of ``qkv``: no copies of q, k or v."""
-        if isinstance(plan, TorchPagedPlan) or qkv.stride(-1) != 1:
+        if isinstance(plan, TorchPagedPlan):
             return super().forward_qkv(plan, layer, qkv, rope)
         s = self.shape
         t, nh, nkv, hd = qkv.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
