@@ -88,6 +88,9 @@ class CpuPagedAttention(TorchPagedAttention):
         ``qkv``), then the attention on strided views of ``qkv``: no copies of q, k or v."""
         if isinstance(plan, TorchPagedPlan):
             return super().forward_qkv(plan, layer, qkv, rope)
+        if qkv.dtype != torch.float32:      # the op rounds RoPE as float32 transformers does;
+            # the generic path rotates in torch and calls self.forward, which takes either plan
+            return super().forward_qkv(plan, layer, qkv, rope)  # type: ignore[arg-type]
         s = self.shape
         t, nh, nkv, hd = qkv.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
         cos, ssin = rope

@@ -9,8 +9,8 @@
 // Pool layout: [blocks, layers, 2, kv_heads, block_size, head_dim]. This replaces a roll, a
 // mul, an addcmul and two index_put_ per layer (each its own pass, most of them an OpenMP
 // region); a decode step's tokens go on one thread (no fork/join), long prefills in chunks.
-// The two products and their sum are rounded one by one (no fused multiply-add), as torch's
-// separate ops round them in transformers: greedy outputs stay identical.
+// float32 only. The two products and their sum are rounded one by one (compiled without
+// contraction: no fused multiply-add), as torch's separate ops round them in transformers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,40 +25,33 @@ constexpr int64_t kTokensPerTask = 128;   // below this many tokens the op runs 
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-template <typename T>
-void rotate_head(T* x, const T* cos, const T* ssin, int64_t d) {
+void rotate_head(float* x, const float* cos, const float* ssin, int64_t d) {
   const int64_t half = d / 2;
   float out[256];
-  auto rot = [&](int64_t i, int64_t j) {   // j: the element swap() puts at i
-    const float a = static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(cos[i])));
-    const float b = static_cast<float>(static_cast<T>(static_cast<float>(x[j]) * static_cast<float>(ssin[i])));
-    out[i] = a + b;
-  };
-  for (int64_t i = 0; i < half; ++i) rot(i, i + half);
-  for (int64_t i = half; i < d; ++i) rot(i, i - half);
-  for (int64_t i = 0; i < d; ++i) x[i] = static_cast<T>(out[i]);
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * ssin[i];
+  for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * ssin[i];
+  std::memcpy(x, out, d * sizeof(float));
 }
 #pragma GCC pop_options
 
-template <typename T>
 void run(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& ssin, const at::Tensor& slots,
          at::Tensor& pool, int64_t layer, int64_t heads) {
   const int64_t t = qkv.size(0), layers = pool.size(1), kvh = pool.size(3), bs = pool.size(4), d = pool.size(5);
   const int64_t row = qkv.stride(0);
-  T* base = qkv.data_ptr<T>();
-  const T* cp = cos.data_ptr<T>();
-  const T* sp = ssin.data_ptr<T>();
+  float* base = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = ssin.data_ptr<float>();
   const int64_t* sl = slots.data_ptr<int64_t>();
-  T* pp = pool.data_ptr<T>();
+  float* pp = pool.data_ptr<float>();
   at::parallel_for(0, t, kTokensPerTask, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
-      T* x = base + i * row;
-      for (int64_t h = 0; h < heads + kvh; ++h) rotate_head<T>(x + h * d, cp + i * d, sp + i * d, d);
+      float* x = base + i * row;
+      for (int64_t h = 0; h < heads + kvh; ++h) rotate_head(x + h * d, cp + i * d, sp + i * d, d);
       const int64_t blk = sl[i] / bs, off = sl[i] % bs;
-      T* tile = pp + (blk * layers + layer) * 2 * kvh * bs * d + off * d;
+      float* tile = pp + (blk * layers + layer) * 2 * kvh * bs * d + off * d;
       for (int64_t h = 0; h < kvh; ++h) {
-        std::memcpy(tile + h * bs * d, x + (heads + h) * d, d * sizeof(T));                // k
-        std::memcpy(tile + (kvh + h) * bs * d, x + (heads + kvh + h) * d, d * sizeof(T));  // v
+        std::memcpy(tile + h * bs * d, x + (heads + h) * d, d * sizeof(float));                // k
+        std::memcpy(tile + (kvh + h) * bs * d, x + (heads + kvh + h) * d, d * sizeof(float));  // v
       }
     }
   });
@@ -74,19 +67,14 @@ void rotary_kv_write(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& ss
   TORCH_CHECK(d % 2 == 0 && d <= 256, "rotary_kv_write supports even head dims up to 256");
   TORCH_CHECK(cos.is_contiguous() && ssin.is_contiguous() && cos.numel() == t * d && ssin.numel() == t * d,
               "cos and signed_sin must be contiguous [T, head_dim] tables");
-  TORCH_CHECK(qkv.scalar_type() == pool.scalar_type() && cos.scalar_type() == pool.scalar_type() &&
-                  ssin.scalar_type() == pool.scalar_type(), "qkv, the tables and the pool must share a dtype");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && pool.scalar_type() == at::kFloat &&
+                  cos.scalar_type() == at::kFloat && ssin.scalar_type() == at::kFloat,
+              "rotary_kv_write takes float32 qkv, tables and pool (other dtypes: RoPE in torch)");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == t,
               "slot_mapping must be a contiguous int64 [T] tensor");
   TORCH_CHECK(layer >= 0 && layer < pool.size(1), "layer out of range");
   TORCH_CHECK(qkv.device().is_cpu() && pool.device().is_cpu(), "rotary_kv_write runs on CPU tensors");
-  if (qkv.scalar_type() == at::kFloat) {
-    run<float>(qkv, cos, ssin, slot_mapping, pool, layer, num_heads);
-  } else if (qkv.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(qkv, cos, ssin, slot_mapping, pool, layer, num_heads);
-  } else {
-    TORCH_CHECK(false, "rotary_kv_write supports float32 and bfloat16, got ", qkv.scalar_type());
-  }
+  run(qkv, cos, ssin, slot_mapping, pool, layer, num_heads);
 }
 
 }  // namespace
