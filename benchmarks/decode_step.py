@@ -7,6 +7,9 @@ Prints one JSON line.  Usage:
   python benchmarks/decode_step.py --batch 16 --dtype float32 --kv-cache-dtype auto int8 fp8_e4m3 --interleave
   python benchmarks/decode_step.py ... --threads 1     # steadier on a shared host
   python benchmarks/decode_step.py --batch 1 32 --ctx 512 --attention-backend torch_paged cpu_paged --interleave
+  python benchmarks/decode_step.py --batch 48 --ctx 192 --dtype float32 --qkv-path torch fused --interleave
+``--qkv-path torch`` runs the backend's generic ``forward_qkv`` (RoPE in torch, then
+``forward``: the K/V write by ``index_put_``) instead of its own (cpu_paged: one fused op).
 """
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ import argparse
 import json
 import random
 import time
+import types
 
 import torch
 
+from engine.attention.backend import AttentionBackend
 from engine.config import CacheConfig
 from engine.loader import load_model_source
 from engine.model_runner import ModelRunner
@@ -29,7 +34,7 @@ class Case:
     """One (dtype, kv_cache_dtype) runner with ``batch`` prompts of ``ctx`` tokens prefilled."""
 
     def __init__(self, cfg, state, batch: int, ctx: int, steps: int, dtype: str, block_size: int,
-                 kv_cache_dtype: str = "auto", attention_backend: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", attention_backend: str = "auto", qkv_path: str = "fused") -> None:
         blocks_per = -(-(ctx + steps + 1) // block_size)
         self.runner = ModelRunner(cfg, state, cache_config=CacheConfig(block_size=block_size,
                                                                        num_blocks=batch * blocks_per + 1,
@@ -37,7 +42,10 @@ class Case:
                                   max_model_len=blocks_per * block_size, dtype=dtype,
                                   attention_backend=attention_backend)
         self.key = dict(batch=batch, ctx=ctx, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                        attention_backend=self.runner.attention.name)
+                        attention_backend=self.runner.attention.name, qkv_path=qkv_path)
+        if qkv_path == "torch":      # the base class's path: RoPE in torch, then forward()
+            attention = self.runner.attention
+            attention.forward_qkv = types.MethodType(AttentionBackend.forward_qkv, attention)  # type: ignore[method-assign]
         rng = random.Random(0)
         ids = list(range(1, batch * blocks_per + 1))
         rng.shuffle(ids)
@@ -89,8 +97,8 @@ def read_weight_bytes(model) -> int:
 
 
 def run(cfg, state, batch: int, ctx: int, steps: int, dtype: str, block_size: int,
-        kv_cache_dtype: str = "auto", attention_backend: str = "auto") -> dict:
-    case = Case(cfg, state, batch, ctx, steps, dtype, block_size, kv_cache_dtype, attention_backend)
+        kv_cache_dtype: str = "auto", attention_backend: str = "auto", qkv_path: str = "fused") -> dict:
+    case = Case(cfg, state, batch, ctx, steps, dtype, block_size, kv_cache_dtype, attention_backend, qkv_path)
     for _ in range(steps):
         case.step()
     return case.result()
@@ -115,6 +123,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=("auto", "int8", "fp8_e4m3"))
     ap.add_argument("--attention-backend", nargs="+", default=["auto"],
                     help="auto, or names from engine.attention.available_backends() (side by side)")
+    ap.add_argument("--qkv-path", nargs="+", default=["fused"], choices=("fused", "torch"),
+                    help="fused: the backend's forward_qkv (cpu_paged: RoPE + K/V write in one op); "
+                         "torch: the generic one (RoPE in torch, index_put_ writes), side by side")
     ap.add_argument("--interleave", action="store_true",
                     help="prefill every case first, then time their decode steps in turn (side by side)")
     ap.add_argument("--threads", type=int, default=None,
@@ -123,13 +134,17 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg, state = load_model_source(args.model)
-    grid = [(b, d, kv, ab) for d in args.dtype for kv in args.kv_cache_dtype for b in args.batch
-            for ab in args.attention_backend]
+    grid = [(b, d, kv, ab, qp) for d in args.dtype for kv in args.kv_cache_dtype for b in args.batch
+            for ab in args.attention_backend for qp in args.qkv_path]
     if args.interleave:
-        results = run_interleaved([Case(cfg, state, b, args.ctx, args.steps, d, args.block_size, kv, ab)
-                                   for b, d, kv, ab in grid], args.steps)
+        cases = [Case(cfg, state, b, args.ctx, args.steps, d, args.block_size, kv, ab, qp) for b, d, kv, ab, qp in grid]
+        results = run_interleaved(cases, args.steps)
+        if len(cases) > 1:
+            results.append({"same_tokens_across_cases": all(
+                [r.output_token_ids for r in c.reqs] == [r.output_token_ids for r in cases[0].reqs]
+                for c in cases if {**c.key, "qkv_path": ""} == {**cases[0].key, "qkv_path": ""})})
     else:
-        results = [run(cfg, state, b, args.ctx, args.steps, d, args.block_size, kv, ab) for b, d, kv, ab in grid]
+        results = [run(cfg, state, b, args.ctx, args.steps, d, args.block_size, kv, ab, qp) for b, d, kv, ab, qp in grid]
     print(json.dumps({"benchmark": "decode_step", "model": cfg.name,
                       "threads": torch.get_num_threads(), "results": results}))
 

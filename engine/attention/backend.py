@@ -7,7 +7,9 @@ head_dim]`` for the torch backend) and two steps:
   :class:`~engine.batch.AttentionMetadata` into index tensors and masks that
   every layer shares;
 - ``forward(plan, layer, q, k, v)``: write this layer's new K/V into the pool
-  at ``slot_mapping`` and return the attention output ``[T, heads*head_dim]``.
+  at ``slot_mapping`` and return the attention output ``[T, heads*head_dim]``;
+  ``forward_qkv(plan, layer, qkv, rope)`` is what the model calls: RoPE on the fused
+  projection's q and k, then ``forward`` (``cpu_paged`` does both in one op).
 
 With a quantized cache (``kv_spec.quantized``) the backend quantizes K/V as
 it writes them and dequantizes what it reads (:mod:`engine.kv_quant`).
@@ -24,6 +26,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from engine.attention.rotary import apply_rotary
 from engine.batch import AttentionMetadata
 from engine.kv_quant import KVCacheSpec
 
@@ -70,6 +73,17 @@ class AttentionBackend(ABC, Generic[PlanT]):
     def forward(self, plan: PlanT, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, KVH, D]`` (post-RoPE) -> output ``[T, H*D]``."""
+
+    def forward_qkv(self, plan: PlanT, layer: int, qkv: torch.Tensor,
+                    rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The fused projection's output ``qkv [T, (H + 2*KVH) * D]`` (pre-RoPE) and the step's
+        RoPE tables ``(cos, signed_sin) [T, 1, D]`` -> output ``[T, H*D]``: rotate q and k,
+        then :meth:`forward`. A backend may fuse the rotation with its K/V write."""
+        s = self.shape
+        t, nh, nkv, hd = qkv.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
+        qk = apply_rotary(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), *rope)
+        v = qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
+        return self.forward(plan, layer, qk[:, :nh], qk[:, nh:], v)
 
 
 # name -> "module:Class"; imported lazily so optional backends cost nothing

@@ -32,9 +32,10 @@ _HEAD_DIMS = (16, 32, 64, 128)
 @dataclass
 class CpuPagedPlan:
     pool: torch.Tensor           # the raw pool [blocks, layers, 2, kv_heads, block_size, head_dim]
-    writer: PlainPoolView
+    writer: PlainPoolView        # forward()'s K/V write (forward_qkv writes inside its op)
     write_tiles: torch.Tensor    # int64 [L, 2, T, KVH]
     write_slots: torch.Tensor    # int64 [T, KVH]
+    slot_mapping: torch.Tensor   # int64 [T]
     sdpa_tokens: int             # tokens [0, sdpa_tokens): one fresh prompt, causal SDPA on new K/V
     block_tables: torch.Tensor   # int64 [S', MB] sequences the kernel attends for
     query_start_loc: torch.Tensor  # int64 [S'+1], from token sdpa_tokens
@@ -68,7 +69,8 @@ class CpuPagedAttention(TorchPagedAttention):
         sdpa_tokens = int(attn.query_start_loc[first])
         return CpuPagedPlan(
             pool=kv_pool, writer=PlainPoolView(kv_pool, s.block_size, s.head_dim),
-            write_tiles=tiles, write_slots=slots, sdpa_tokens=sdpa_tokens,
+            write_tiles=tiles, write_slots=slots, slot_mapping=attn.slot_mapping.contiguous(),
+            sdpa_tokens=sdpa_tokens,
             block_tables=attn.block_tables[first:].contiguous(),
             query_start_loc=(attn.query_start_loc[first:] - sdpa_tokens).contiguous(),
             context_lens=attn.context_lens[first:].contiguous())
@@ -80,6 +82,25 @@ class CpuPagedAttention(TorchPagedAttention):
             v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=s.scale, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(q.shape[0], s.num_heads * s.head_dim)
 
+    def forward_qkv(self, plan: CpuPagedPlan | TorchPagedPlan, layer: int, qkv: torch.Tensor,
+                    rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE and the K/V write in one op (csrc/rotary_kv.cpp, q and k rotated in place in
+        ``qkv``), then the attention on strided views of ``qkv``: no copies of q, k or v."""
+        if isinstance(plan, TorchPagedPlan):
+            return super().forward_qkv(plan, layer, qkv, rope)
+        if qkv.dtype != torch.float32:      # the op rounds RoPE as float32 transformers does;
+            # the generic path rotates in torch and calls self.forward, which takes either plan
+            return super().forward_qkv(plan, layer, qkv, rope)  # type: ignore[arg-type]
+        s = self.shape
+        t, nh, nkv, hd = qkv.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
+        cos, ssin = rope
+        torch.ops.pdserve.rotary_kv_write(qkv, cos.reshape(t, hd), ssin.reshape(t, hd), plan.slot_mapping,
+                                          plan.pool, layer, nh)
+        q = qkv[:, :nh * hd].view(t, nh, hd)
+        k = qkv[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
+        v = qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
+        return self._attend(plan, layer, q, k, v)
+
     def forward(self, plan: CpuPagedPlan | TorchPagedPlan, layer: int, q: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if isinstance(plan, TorchPagedPlan):
@@ -87,14 +108,20 @@ class CpuPagedAttention(TorchPagedAttention):
         tiles = plan.write_tiles[layer]
         plan.writer.write(tiles[0], plan.write_slots, k)
         plan.writer.write(tiles[1], plan.write_slots, v)
+        return self._attend(plan, layer, q, k, v)
+
+    def _attend(self, plan: CpuPagedPlan, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """Attention once this layer's K/V are in the pool; q may have strided rows."""
         n = plan.sdpa_tokens
         hd = self.shape.num_heads * self.shape.head_dim
         parts = []
         if n:
             parts.append(self._fresh_prompt(q[:n], k[:n], v[:n]))
         if plan.context_lens.shape[0]:
+            qd = q[n:] if q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] else q[n:].contiguous()
             out = torch.ops.pdserve.paged_attention(
-                q[n:].contiguous(), plan.pool, layer, plan.block_tables, plan.query_start_loc,
+                qd, plan.pool, layer, plan.block_tables, plan.query_start_loc,
                 plan.context_lens, self.shape.scale)
             parts.append(out.view(-1, hd))
         if not parts:

@@ -1,9 +1,10 @@
-"""Builds and loads the CPU attention kernel (``csrc/paged_attention.cpp``) on first use.
+"""Builds and loads the CPU attention kernels (``csrc/*.cpp``) on first use.
 
 The kernel is compiled with ``torch.utils.cpp_extension`` (g++, ninja, ``-O3 -march=native
 -fopenmp``) into a cache directory keyed by the source, the torch version and the CPU's
 flags, so a process builds it once per machine and every later process (and test) just
-loads the shared library; it registers ``torch.ops.pdserve.paged_attention``.
+loads the shared library; it registers ``torch.ops.pdserve.paged_attention`` and
+``torch.ops.pdserve.rotary_kv_write`` (RoPE + the K/V write into the pool).
 
 Cache directory: ``$PDSERVE_KERNEL_DIR`` or ``~/.cache/pdserve/kernels``.
 """
@@ -21,7 +22,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "rotary_kv.cpp", _CSRC / "silu_mul.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 
@@ -40,7 +42,7 @@ def _cpu_flags() -> str:
 
 def _build_key() -> str:
     h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_FLAGS).encode(),
+    for part in (*(src.read_bytes() for src in _SOURCES), torch.__version__.encode(), " ".join(_FLAGS).encode(),
                  _cpu_flags().encode()):
         h.update(part)
     return h.hexdigest()[:16]
@@ -60,7 +62,7 @@ def _drop_stale_lock(lock: Path, max_age_s: float = 600.0) -> None:
 @functools.lru_cache(maxsize=1)
 def load_cpu_kernel() -> str | None:
     """Build (once per machine) and load the kernel; ``None`` when it loaded, else why not."""
-    if hasattr(torch.ops, "pdserve") and hasattr(torch.ops.pdserve, "paged_attention"):
+    if hasattr(torch.ops, "pdserve") and hasattr(torch.ops.pdserve, "silu_mul"):
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -68,7 +70,7 @@ def load_cpu_kernel() -> str | None:
         build = kernel_dir() / f"paged_attention_{_build_key()}"
         build.mkdir(parents=True, exist_ok=True)
         _drop_stale_lock(build / "lock")
-        load(name="pdserve_paged_attention", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+        load(name="pdserve_paged_attention", sources=[str(src) for src in _SOURCES], extra_cflags=_FLAGS,
              extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
              verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache dir, ...: say why once

@@ -5,7 +5,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.kernels import cpu_kernel_available
 from engine.model.packed_linear import pack_weight, packed_linear
+
+# silu(gate) * up of at most this many gate_up elements runs on one thread (csrc/silu_mul.cpp):
+# a decode batch's ~0.1-1 MB costs less than an OpenMP fork/join, more so on a busy host
+SERIAL_SILU_MUL_NUMEL = 1 << 18
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -69,5 +74,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)
+        if gu.device.type == "cpu" and cpu_kernel_available():   # the same values, no thread fork
+            return self.down(torch.ops.pdserve.silu_mul(gu, SERIAL_SILU_MUL_NUMEL))
         gate, up = gu[..., :self.intermediate_size], gu[..., self.intermediate_size:]
         return self.down(F.silu(gate).mul_(up))

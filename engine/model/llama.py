@@ -17,7 +17,7 @@ from engine.batch import BatchInput
 from engine.config import ModelConfig
 from engine.model.layers import FusedLinear, RMSNorm, SwiGLU, _param
 from engine.model.packed_linear import pack_weight, packed_linear
-from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.model.rope import RotaryEmbedding
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -41,12 +41,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, index: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attention: AttentionBackend, plan: object) -> torch.Tensor:
-        t = h.shape[0]
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(self.input_layernorm(h))
-        qk = apply_rotary(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), *rope)
-        v = qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
-        attn = attention.forward(plan, index, qk[:, :nh], qk[:, nh:], v)
+        attn = attention.forward_qkv(plan, index, qkv, rope)
         h = h + self.reduce(self.o_proj(attn))
         return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
 

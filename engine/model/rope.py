@@ -1,7 +1,9 @@
 """Rotary position embeddings (HF "rotate half" convention).
 
 cos/sin tables are computed once, in float32 as transformers does, for every
-position up to ``max_positions``, and then only indexed by position per step.
+position up to ``max_positions``, and then only indexed by position per step. The
+attention backend applies them (``AttentionBackend.forward_qkv``: the CPU kernel rotates
+q and k as it writes K/V into the pool; engine/attention/rotary.py otherwise).
 Supports plain RoPE and the ``linear`` and ``llama3`` rope_scaling types.
 """
 from __future__ import annotations
@@ -63,9 +65,3 @@ class RotaryEmbedding:
         return (self.cos.index_select(0, positions).unsqueeze(1),
                 self.signed_sin.index_select(0, positions).unsqueeze(1))
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by the per-token tables ``[T, 1, head_dim]``."""
-    half = x.shape[-1] // 2
-    swapped = torch.roll(x, shifts=half, dims=-1)
-    return torch.addcmul(x * cos, swapped, signed_sin)

@@ -155,3 +155,41 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     _drop_stale_lock(lock)
     assert not lock.exists()
     _drop_stale_lock(lock)      # absent: nothing to do
+
+
+@needs_kernel
+@pytest.mark.parametrize("seqs", [[(77, 77), (1, 20), (1, 300)], [(40, 95), (9, 9), (1, 1), (1, 129)],
+                                  [(1, 33)] * 5])
+def test_forward_qkv_rotates_and_writes_like_torch(seqs):
+    # cpu_paged's fused op (float32: RoPE in place in qkv + the K/V write) against the torch
+    # path: the same pool bytes, the same rotated q, the same attention (other dtypes take
+    # the torch path in both backends)
+    dtype = torch.float32
+    from engine.attention.rotary import apply_rotary
+    from engine.model.rope import RotaryEmbedding
+
+    kv_heads, group, head_dim, bs = 3, 3, 64, 16
+    shape = AttentionShape(LAYERS, kv_heads * group, kv_heads, head_dim, bs)
+    num_blocks = sum(-(-c // bs) for _, c in seqs) + 4
+    g = torch.Generator().manual_seed(1)
+    pool = torch.randn(num_blocks, LAYERS, 2, kv_heads, bs, head_dim, generator=g).to(dtype)
+    meta = _metadata(seqs, bs, num_blocks, random.Random(1))
+    t = int(meta.query_start_loc[-1])
+    positions = torch.cat([torch.arange(c - q, c) for q, c in seqs])
+    rope = RotaryEmbedding(head_dim, 2048, 10000.0, None, device="cpu", dtype=dtype).tables(positions)
+    width = (shape.num_heads + 2 * kv_heads) * head_dim
+    outs = []
+    for name in ("torch_paged", "cpu_paged"):
+        backend, p = get_attention_backend(name, shape), pool.clone()
+        plan = backend.plan(meta, p)
+        per_layer, rotated = [], []
+        for layer in range(LAYERS):
+            qkv = torch.randn(t, width, generator=torch.Generator().manual_seed(layer)).to(dtype)
+            want_q = apply_rotary(qkv[:, :shape.num_heads * head_dim].view(t, -1, head_dim), *rope)
+            per_layer.append(backend.forward_qkv(plan, layer, qkv, rope))
+            rotated.append(want_q if name == "torch_paged" else qkv[:, :shape.num_heads * head_dim].view(t, -1, head_dim))
+        outs.append((torch.stack(per_layer), p, torch.stack(rotated)))
+    (ref, ref_pool, ref_q), (got, got_pool, got_q) = outs
+    assert torch.equal(ref_pool, got_pool), "the fused op wrote other K/V than the torch path"
+    assert torch.equal(ref_q, got_q), "the fused op rotated q differently from apply_rotary"
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

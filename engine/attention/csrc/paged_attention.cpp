@@ -3,7 +3,7 @@
 // Pool layout: [num_blocks, num_layers, 2, kv_heads, block_size, head_dim]; one
 // (block, layer, k|v, kv head) tile of block_size x head_dim values is contiguous.
 //
-// torch.ops.pdserve.paged_attention(q [T, H, D], pool, layer, block_tables [S, MB],
+// torch.ops.pdserve.paged_attention(q [T, H, D] (rows may be strided), pool, layer, block_tables [S, MB],
 // query_start_loc [S+1], context_lens [S], scale) -> out [T, H, D]
 //
 // Sequence s owns query tokens [qsl[s], qsl[s+1]); its last query token sits at context
@@ -211,7 +211,7 @@ struct Item {
 
 struct Geometry {
   int64_t layers, layer, kv_heads, block_size, head_dim, group, heads;
-  int64_t bt_stride;
+  int64_t bt_stride, q_row;   // q_row: elements between two tokens' queries
   float scale;
   int64_t tile() const { return block_size * head_dim; }
 };
@@ -228,6 +228,20 @@ inline const float* tile_f32(const at::BFloat16* src, int64_t n, float* buf) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) buf[i] = to_f(src[i]);
   return buf;
+}
+
+// Ask for the next block's K and V tiles while this one is computed: a decode step reads each
+// layer's context cold from DRAM (32 x 512 tokens is ~25 MB a layer), one 2-4 KB tile at a
+// time from scattered blocks, which the hardware prefetcher only picks up after a few lines.
+template <typename T>
+inline void prefetch_tiles(const T* pool, const Geometry& g, int64_t blk, int64_t head) {
+  const char* k = reinterpret_cast<const char*>(pool + ((blk * g.layers + g.layer) * 2 * g.kv_heads + head) * g.tile());
+  const char* v = k + g.kv_heads * g.tile() * sizeof(T);
+  const int64_t bytes = g.tile() * static_cast<int64_t>(sizeof(T));
+  for (int64_t o = 0; o < bytes; o += 64) {
+    __builtin_prefetch(k + o);
+    __builtin_prefetch(v + o);
+  }
 }
 
 // Rows in lanes (prefill tiles of >= 16 rows): the item's K/V tiles through attend_tile_lanes.
@@ -267,7 +281,7 @@ void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, cons
   RowState st(rows, d, bs);
   for (int64_t j = it.q0; j < it.q1; ++j)
     for (int64_t gi = 0; gi < grp; ++gi) {
-      const T* src = q + ((tok0 + j) * g.heads + it.head * grp + gi) * d;
+      const T* src = q + (tok0 + j) * g.q_row + (it.head * grp + gi) * d;
       float* dst = st.q.data() + ((j - it.q0) * grp + gi) * d;
       for (int64_t i = 0; i < d; ++i) dst[i] = to_f(src[i]) * g.scale;
     }
@@ -282,6 +296,7 @@ void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, cons
   for (int64_t b = it.b0; b < b1; ++b) {     // rows one at a time (decodes, small groups)
     const int64_t blk = bt[it.seq * g.bt_stride + b];
     const T* kp = pool + ((blk * g.layers + g.layer) * 2 * g.kv_heads + it.head) * g.tile();
+    if (b + 1 < b1) prefetch_tiles(pool, g, bt[it.seq * g.bt_stride + b + 1], it.head);
     const float* k = tile_f32(kp, g.tile(), st.k.data());
     const float* v = tile_f32(kp + kv_stride, g.tile(), st.v.data());
     for (int64_t r = 0; r < rows; ++r) {
@@ -410,7 +425,8 @@ void launch(const at::Tensor& q, const at::Tensor& pool, const Geometry& g, cons
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, int64_t layer,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, heads, head_dim] tensor");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be [T, heads, head_dim] with each token's heads contiguous (rows may be strided)");
   TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous(),
               "pool must be a contiguous [blocks, layers, 2, kv_heads, block_size, head_dim] tensor");
   TORCH_CHECK(pool.scalar_type() == q.scalar_type(), "pool and q must share a dtype");
@@ -426,8 +442,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, int64_t 
   at::Tensor bt = block_tables.contiguous(), qsl = query_start_loc.contiguous(), ctx = context_lens.contiguous();
   TORCH_CHECK(qsl.size(0) == ctx.size(0) + 1 && bt.size(0) == ctx.size(0), "one row per sequence");
   Geometry g{pool.size(1), layer, pool.size(3), pool.size(4), pool.size(5),
-             q.size(1) / pool.size(3), q.size(1), bt.size(1), static_cast<float>(scale)};
-  at::Tensor out = at::empty_like(q);
+             q.size(1) / pool.size(3), q.size(1), bt.size(1), q.stride(0), static_cast<float>(scale)};
+  at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat) {
     launch<float>(q, pool, g, bt, qsl, ctx, out);
   } else if (q.scalar_type() == at::kBFloat16) {
