@@ -107,7 +107,7 @@ class ServeConfig:
     transfer_timeout: float = 10.0
     reserve_decode_blocks: bool = True    # reserve the decode node's KV blocks while the prompt is prefilled
     pipelined_handoff: bool = True        # ... and read the prompt's blocks as prefill chunks complete them
-    first_token_release: str = "prefill"  # stream P's first token at once, or hold it until D admitted the request
+    first_token_release: str = "decode"   # hold P's first token until D admitted the request, or stream it at once
     # admission
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1_000_000

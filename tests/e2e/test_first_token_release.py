@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import random
-import urllib.request
 
 import pytest
 import ray
@@ -16,7 +14,8 @@ import ray
 from cluster.cli.client import GenerationClient
 from cluster.config import ServeConfig
 from cluster_harness import Cluster, free_port
-from tiny_models import hf_greedy, load_hf_model
+from grpc_harness import http_greedy_tokens
+from tiny_models import hf_greedy
 
 pytestmark = pytest.mark.ray
 MAX_TOKENS = 12
@@ -35,8 +34,8 @@ def cluster(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_llama_dir):
-    return load_hf_model(tiny_llama_dir)
+def hf(tiny_llama_hf):
+    return tiny_llama_hf
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
@@ -53,16 +52,6 @@ async def _grpc(target: str, ids: list[int], max_tokens: int = MAX_TOKENS, reque
         return tokens
 
 
-def _http(url: str, ids: list[int]) -> list[int]:
-    body = {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0,
-            "return_tokens_as_token_ids": True}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        out = json.loads(r.read())
-    return [int(t.removeprefix("token_id:")) for t in out["choices"][0]["logprobs"]["tokens"]]
-
-
 def _index(events: list[str], prefix: str) -> int:
     hits = [i for i, e in enumerate(events) if e.startswith(prefix)]
     assert len(hits) == 1, (prefix, events)
@@ -74,7 +63,7 @@ def test_greedy_over_grpc_and_http_matches_transformers_with_the_token_held(clus
     held0 = cluster.sample("pdserve_handoff_seconds_count", stage="hold")
 
     async def go():
-        http = [asyncio.to_thread(_http, cluster.stack.http.url, p) for p in http_prompts]
+        http = [asyncio.to_thread(http_greedy_tokens, cluster.stack.http.url, p, MAX_TOKENS) for p in http_prompts]
         return await asyncio.gather(*[_grpc(cluster.target, p) for p in grpc_prompts], *http)
 
     outs = asyncio.run(asyncio.wait_for(go(), 180))
