@@ -3,20 +3,28 @@ from the decode node, and the gap between them is the longest of its inter-token
 gaps. This measures it against the steady gaps under a given load, and breaks it
 down from the frontend's own histograms (pdserve_handoff_seconds{stage}):
 
-- join: the decode node's submit, from the first token to the request joining its
-  batch; of which room (waiting for free KV blocks) and pull (the KV read);
-- first_step: from joining to the second token reaching the frontend (the rest of
-  the step in flight, the step that computes the token, the output stream);
+- join: the decode node's submit, from the first token to its return; of which
+  room (waiting for free KV blocks) and pull (the KV read);
+- admit: from the first token to the decode node's report that the request is in
+  its running batch (the step computing the second token has begun);
+- hold: from the first token to its release to the client (first_token_release
+  decode: until the admission; prefill: ~0);
+- first_step: from the join to the second token reaching the frontend;
+- client_gap: from the released first token to the second (what the client sees);
 - total: first to second token, at the frontend.
 
     .venv/bin/python benchmarks/handoff_gap.py [--rate 2 --requests 48 --input-len 256 --output-len 64]
+        [--modes prefill-release,decode-release --rounds 1]
 
-Per mode, one local cluster (1 prefill + 1 decode worker, the bundled SmolLM2
-unless --model), Poisson arrivals, every prompt handed off; the modes run one
-after the other on the same arrivals: `reserve` (the decode blocks are reserved
-while the prompt is prefilled, the default) and `no-reserve` (allocated after
-the prefill). Prints one JSON line: per mode, client-side first gap and steady
-gaps (p50 / p99), the ratio, and each stage's mean and share of the total.
+Per mode and round, one local cluster (1 prefill + 1 decode worker, the bundled
+SmolLM2 unless --model), Poisson arrivals, every prompt handed off, the same
+arrivals in every mode; rounds alternate the modes' order and pool their requests.
+Modes: `prefill-release` (the decode blocks reserved during the prefill, the first
+token streamed as the prefill node samples it), `decode-release` (the same, the
+first token held until the decode node admitted the request) and `no-reserve`
+(blocks allocated after the prefill, token streamed at once). Prints one JSON
+line: per mode, client-side TTFT, first gap and steady gaps (p50 / p99), the
+ratio, and each stage's mean and share of the total.
 """
 from __future__ import annotations
 
@@ -35,7 +43,12 @@ from cluster.config import ServeConfig  # noqa: E402
 from cluster.server_stack import start_stack  # noqa: E402
 from disagg_vs_colocated import free_port, machine  # noqa: E402
 
-STAGES = ("join", "room", "pull", "first_step", "total")
+STAGES = ("join", "room", "pull", "admit", "hold", "first_step", "client_gap", "total")
+MODES = {   # mode -> (reserve_decode_blocks, first_token_release)
+    "prefill-release": (True, "prefill"),
+    "decode-release": (True, "decode"),
+    "no-reserve": (False, "prefill"),
+}
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -52,11 +65,12 @@ def stage_sums(registry) -> dict[str, tuple[float, float]]:
             for st in STAGES}
 
 
-def stage_means(before: dict, after: dict) -> dict[str, dict]:
-    """Each stage's mean over the measured run (the warm-up taken out) and share of the total."""
+def stage_means(sums: list[tuple[dict, dict]]) -> dict[str, dict]:
+    """Each stage's mean over the measured runs (warm-ups taken out) and share of the total."""
     out = {}
     for st in STAGES:
-        n, total_s = after[st][0] - before[st][0], after[st][1] - before[st][1]
+        n = sum(after[st][0] - before[st][0] for before, after in sums)
+        total_s = sum(after[st][1] - before[st][1] for before, after in sums)
         out[st] = {"count": int(n), "mean_ms": round(1e3 * total_s / n, 1) if n else None}
     total = out["total"]["mean_ms"]
     for st in STAGES[:-1]:
@@ -65,11 +79,13 @@ def stage_means(before: dict, after: dict) -> dict[str, dict]:
     return out
 
 
-async def run_mode(args, reserve: bool) -> dict:
+async def run_mode(args, mode: str) -> tuple[list, tuple[dict, dict]]:
+    """One cluster, one load: the finished requests and the stage sums before / after."""
     import ray
 
+    reserve, release = MODES[mode]
     cfg = ServeConfig(model=args.model, grpc_port=free_port(), metrics_port=0, http_port=0,
-                      torch_threads=1,
+                      torch_threads=1, first_token_release=release,
                       reserve_decode_blocks=reserve, prefill_workers=1, decode_workers=1, max_num_seqs=args.max_num_seqs,
                       num_kv_blocks=args.kv_blocks, max_model_len=args.input_len + args.output_len + 64,
                       local_prefill_threshold=0, local_prefill_hit_ratio=1.0, log_level="WARNING",
@@ -88,12 +104,17 @@ async def run_mode(args, reserve: bool) -> dict:
     finally:
         await stack.drain_and_stop(1.0)
         ray.shutdown()
-    ok = [r for r in run.results if r.ok and len(r.token_times_s) >= 3]
+    return [r for r in run.results if r.ok and len(r.token_times_s) >= 3], (before, after)
+
+
+def summary(ok: list, sums: list[tuple[dict, dict]]) -> dict:
     first = [r.token_times_s[1] - r.token_times_s[0] for r in ok]
     steady = [g for r in ok for g in (b - a for a, b in zip(r.token_times_s[1:], r.token_times_s[2:]))]
-    stages = stage_means(before, after)
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    stages = stage_means(sums)
     assert stages["total"]["count"], "no hand-off was measured"
-    return {"finished": len(ok), "first_gap_ms": {"p50": pct(first, 0.5), "p99": pct(first, 0.99)},
+    return {"finished": len(ok), "ttft_ms": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
+            "first_gap_ms": {"p50": pct(first, 0.5), "p99": pct(first, 0.99)},
             "steady_gap_ms": {"p50": pct(steady, 0.5), "p99": pct(steady, 0.99)},
             "first_gap_p99_over_steady_p50": round(pct(first, 0.99) / pct(steady, 0.5), 2)
             if first and steady else None,
@@ -101,15 +122,20 @@ async def run_mode(args, reserve: bool) -> dict:
 
 
 async def main_async(args) -> dict:
-    modes = {}
-    for mode in args.modes.split(","):
-        if mode not in ("reserve", "no-reserve"):
-            raise ValueError(f"--modes takes reserve and/or no-reserve, got {mode!r}")
-        modes[mode] = await run_mode(args, mode == "reserve")
+    names = args.modes.split(",")
+    unknown = [m for m in names if m not in MODES]
+    if unknown or args.rounds < 1:
+        raise ValueError(f"--modes takes {', '.join(MODES)} (comma-separated), got {unknown}; --rounds >= 1")
+    runs: dict[str, tuple[list, list]] = {m: ([], []) for m in names}
+    for r in range(args.rounds):   # alternate the order: neither mode always runs on a warmer host
+        for mode in (names if r % 2 == 0 else names[::-1]):
+            ok, sums = await run_mode(args, mode)
+            runs[mode][0].extend(ok)
+            runs[mode][1].append(sums)
     return {"benchmark": "handoff_gap", "machine": machine(),
             "workload": {"rate_per_s": args.rate, "requests": args.requests, "input_len": args.input_len,
-                         "output_len": args.output_len, "max_num_seqs": args.max_num_seqs},
-            "modes": modes, "goal": "first gap p99 under two steady gaps (p50)"}
+                         "output_len": args.output_len, "max_num_seqs": args.max_num_seqs, "rounds": args.rounds},
+            "modes": {m: summary(*runs[m]) for m in names}, "goal": "first gap p99 under two steady gaps (p50)"}
 
 
 def main() -> None:
@@ -122,7 +148,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-blocks", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", default="reserve,no-reserve", help="comma-separated: reserve, no-reserve")
+    p.add_argument("--modes", default="prefill-release,decode-release", help=f"comma-separated: {', '.join(MODES)}")
+    p.add_argument("--rounds", type=int, default=1, help="runs per mode, the order alternating; requests pooled")
     print(json.dumps(asyncio.run(main_async(p.parse_args()))))
 
 

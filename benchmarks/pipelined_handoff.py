@@ -4,8 +4,9 @@ prefill host's link capped by tc (1 Gbit/s by default), with the decode node
 reading each block as the prefill completes it (`pipelined_handoff`) and without
 (every block read after the first token), one after the other on the same bed.
 
-In pdserve the first token streams from the prefill node, so the transfer does
-not delay the TTFT: it delays the second token. Per mode this prints the client's
+With `first_token_release: prefill` (set here) the first token streams from the
+prefill node, so the transfer does not delay the TTFT: it delays the second token
+(with the default, `decode`, the same time moves into the TTFT). Per mode this prints the client's
 TTFT and first gap (first to second token), the steady gap (later tokens), the
 hand-off's extra time (first gap minus a steady gap), the server's stages
 (pdserve_handoff_seconds) and what the link needs for the whole prompt's KV and
@@ -62,7 +63,7 @@ def run_mode(model: Path, args, pipelined: bool) -> dict:
         serve = MultiHostServe(bed, model, transfer_backend=args.backend, pipelined_handoff=pipelined,
                                max_model_len=args.input_len + 64, num_kv_blocks=3 * (args.input_len // BLOCK + 8),
                                max_num_batched_tokens=args.chunk, lease_ttl=120.0, transfer_timeout=120.0,
-                               log_level="WARNING")
+                               log_level="WARNING", first_token_release="prefill")
         return _measure(serve, args, pipelined)
 
 

@@ -246,6 +246,7 @@ class RealCluster:
                                  local_prefill_threshold=cfg.local_prefill_threshold,
                                  local_prefill_hit_ratio=cfg.local_prefill_hit_ratio, ray_temp_dir=ray_dir,
                                  log_level="WARNING", step_trace_size=1 << 17,
+                                 first_token_release="prefill",   # the simulator streams P's first token at once
                                  # workers and frontend share the cores as equals: the simulator's
                                  # host model is processor sharing (Ray's default would nice workers to 15)
                                  worker_niceness=0)

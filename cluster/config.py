@@ -26,6 +26,7 @@ ROUTER_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 TRANSFER_BACKENDS = ("auto", "nixl", "ucxx", "tcp")
 PREFILL_FAILURE_POLICIES = ("recompute", "reprefill")
+FIRST_TOKEN_RELEASES = ("prefill", "decode")   # when a hand-off's first token reaches the client
 DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"^(cpu|cuda|xpu|mps)(:\d+)?$")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
@@ -106,6 +107,7 @@ class ServeConfig:
     transfer_timeout: float = 10.0
     reserve_decode_blocks: bool = True    # reserve the decode node's KV blocks while the prompt is prefilled
     pipelined_handoff: bool = True        # ... and read the prompt's blocks as prefill chunks complete them
+    first_token_release: str = "decode"   # hold P's first token until D admitted the request, or stream it at once
     # admission
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1_000_000
@@ -156,6 +158,10 @@ class ServeConfig:
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}, "
                              f"got {self.transfer_backend!r}")
+        if self.first_token_release not in FIRST_TOKEN_RELEASES:
+            raise ValueError(f"first_token_release must be one of {', '.join(FIRST_TOKEN_RELEASES)} (prefill: "
+                             f"stream the first token as the prefill node samples it; decode: once the decode "
+                             f"node has taken the request into its batch), got {self.first_token_release!r}")
         if self.prefill_failure_policy not in PREFILL_FAILURE_POLICIES:
             raise ValueError(f"prefill_failure_policy must be one of {', '.join(PREFILL_FAILURE_POLICIES)}, "
                              f"got {self.prefill_failure_policy!r}")

@@ -80,7 +80,8 @@ class DecodeWorker(WorkerBase):
         return info if self.transfer is None else replace(info, backend=self.transfer.backend_name)
 
     async def output_stream(self) -> AsyncIterator[list[StepDelta]]:
-        """Every engine step's deltas, one list per step (a Ray streaming generator)."""
+        """Every engine step's deltas, one list per step (a Ray streaming generator); before a
+        step's forward, a list of the `admitted` deltas of hand-offs that step takes in."""
         await self._start()
         yield []   # tells the consumer the stream is up (after a restart, too)
         async for batch in self.aengine.step_batches():

@@ -3,7 +3,8 @@
 Every engine mutation runs on this one thread, between steps, so the
 engine needs no locks. Callers (an asyncio frontend, a Ray actor) submit
 callables with `call(fn)` and get a concurrent Future; `on_deltas` receives
-each step's deltas (all requests of the step at once) on the loop thread.
+each step's deltas (all requests of the step at once) on the loop thread, and
+before the step's forward the `admitted` deltas of hand-offs it takes in.
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ class EngineLoop:
         trace = self.step_trace
         if trace is not None:
             t_unix, p0, c0 = time.time(), time.perf_counter(), time.thread_time()
-        deltas = self.engine.step()
+        deltas = self.engine.step(self._on_deltas)   # admissions go out before the step's forward
         if trace is not None:
             p1, c1 = time.perf_counter(), time.thread_time()
         self.steps += 1

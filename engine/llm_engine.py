@@ -152,6 +152,7 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: its KV is ready but no first token was given; "
                              "pass first_token to add_remote_request or remote_kv_ready")
         self.scheduler.remote_kv_ready(request_id, seq.pending_first_token)
+        seq.announce_admission = True
         return True
 
     @staticmethod
@@ -200,7 +201,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._seqs) and self.scheduler.has_unfinished()
 
-    def step(self) -> list[StepDelta]:
+    def step(self, on_admitted: Callable[[list[StepDelta]], None] | None = None) -> list[StepDelta]:
+        """One engine step: its deltas. `on_admitted` receives, before the step's forward, the
+        tokenless `admitted` deltas of handed-off requests this step takes into the batch
+        (without it they lead the returned deltas)."""
         sched = self.scheduler.schedule()
         self._num_preemptions += len(sched.preempted_ids)
         self.last_step_tokens = sched.num_tokens
@@ -209,11 +213,10 @@ class LLMEngine:
         if sched.is_empty:
             self.runner.apply_kv_moves(sched.moves())     # e.g. swap-outs of a step that ran nothing
             return []
-        now = self._clock()
-        for s in sched.seqs:
-            seq = self._seqs.get(s.request.request_id)
-            if seq is not None and seq.first_scheduled is None:
-                seq.first_scheduled = now
+        admitted = self._admitted(sched)
+        if admitted and on_admitted is not None:
+            on_admitted(admitted)
+            admitted = []
         t0 = time.perf_counter()
         logits = self.runner.execute(sched)
         if any(s.num_new_tokens > 1 for s in sched.seqs):
@@ -228,8 +231,24 @@ class LLMEngine:
         self.scheduler.update_from_output(sched, sampled)
         self._events.extend(self.scheduler.kv.drain_events())
         self._fork_children(targets, out.token_ids)
-        return self._chunk_progress(sched) + [self._finish_token(t, tok, lp)
-                                              for t, tok, lp in zip(targets, out.token_ids, out.logprobs)]
+        return admitted + self._chunk_progress(sched) + [self._finish_token(t, tok, lp)
+                                                         for t, tok, lp in zip(targets, out.token_ids, out.logprobs)]
+
+    def _admitted(self, sched) -> list[StepDelta]:
+        """Mark first-scheduled sequences (queue time); a tokenless `admitted` delta for each
+        handed-off one whose KV landed: this step computes its next token."""
+        now, out = self._clock(), []
+        for s in sched.seqs:
+            seq = self._seqs.get(s.request.request_id)
+            if seq is None:
+                continue
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+            if seq.announce_admission:
+                seq.announce_admission = False
+                out.append(StepDelta(request_id=seq.group_id, new_token_ids=(), admitted=True,
+                                     num_prompt_tokens=seq.request.num_prompt_tokens))
+        return out
 
     def _chunk_progress(self, sched) -> list[StepDelta]:
         """A tokenless delta per prefill_only request that computed a prompt chunk this

@@ -62,3 +62,6 @@ class StepDelta:
     # the prompt blocks whose KV is complete so far, in order (a pipelined hand-off reads them now)
     computed_block_ids: tuple[int, ...] = ()
     preemptions: int = 0                # prefill_only: times it was preempted (its blocks recomputed) so far
+    # decode role, tokenless: a handed-off request joined the running batch (its KV is in, and the
+    # step now running computes its next token); sent when the step is scheduled, before its forward
+    admitted: bool = False

@@ -23,6 +23,7 @@ class Sequence:
     stop: StopChecker
     pending_first_token: int | None = None   # decode role: token the prefill node sampled
     first_scheduled: float | None = None     # engine clock when first scheduled (queue time)
+    announce_admission: bool = False         # decode role: KV landed; say so when a step first schedules it
 
 
 @dataclass

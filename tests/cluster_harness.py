@@ -46,6 +46,18 @@ class Cluster:
             assert time.monotonic() < end, f"workers not idle: {states}"
             time.sleep(0.1)
 
+    def settle(self, timeout: float = 120.0) -> dict:
+        """Every worker back (Ray restarts a killed one) and idle: no block or lease left."""
+        import ray
+
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                return self.wait_idle(timeout)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):   # still restarting
+                assert time.monotonic() < end, "a killed worker never came back"
+                time.sleep(0.5)
+
     def close(self) -> None:
         try:
             self.loop.run(self.stack.drain_and_stop(1.0))

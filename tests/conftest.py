@@ -23,6 +23,13 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_hf(tiny_llama_dir):
+    """transformers' model on the tiny Llama's weights: the greedy reference."""
+    from tiny_models import load_hf_model
+    return load_hf_model(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     from tiny_models import make_tiny_model
     return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tie_word_embeddings=True)

@@ -176,3 +176,17 @@ def http_frontend(model_dir, **frontend_kwargs):
         f.loop.run(f.http.stop(5))
     finally:
         f.close()
+
+
+def http_greedy_tokens(url: str, ids: list[int], max_tokens: int) -> list[int]:
+    """A greedy /v1/completions call (ignore_eos): the completion's token ids."""
+    import json
+    import urllib.request
+
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.loads(r.read())
+    return [int(t.removeprefix("token_id:")) for t in out["choices"][0]["logprobs"]["tokens"]]

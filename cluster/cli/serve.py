@@ -80,6 +80,10 @@ HELP = {
                              "hand-off pulls at once (--no-reserve-decode-blocks: allocate after the prefill)",
     "pipelined_handoff": "with reserved decode blocks, read each prompt block as soon as the prefill node "
                          "completes it (chunked prefill), not all after the first token",
+    "first_token_release": "when a handed-off request's first token reaches the client: 'prefill' (as the "
+                           "prefill node samples it) or 'decode' (held until the decode node has taken the "
+                           "request into its running batch: the second token then follows one decode step "
+                           "later; TTFT grows by the pull's rest and the wait for a step; docs/kvtransfer.md)",
     "max_queued_requests": "requests admitted at once; more get RESOURCE_EXHAUSTED",
     "max_queued_tokens": "prompt + output tokens admitted at once; more get RESOURCE_EXHAUSTED",
     "max_worker_queue": "requests one worker queues before refusing more (sent to another worker; "

@@ -44,8 +44,10 @@ class Metrics:
                                  registry=r)
         self.handoff = H("pdserve_handoff_seconds", "The gap between a request's first token (the prefill "
                          "node's) and its second (the decode node's), by stage: join (the decode node's "
-                         "submit: KV room + pull), room (waiting for KV blocks), pull (the KV read), "
-                         "first_step (joined to the second token at the frontend), total", ["stage"],
+                         "submit: KV room + pull), room (waiting for KV blocks), pull (the KV read), admit (the "
+                         "decode node reported it in its batch), hold (the first token held for that: "
+                         "first_token_release=decode), first_step (joined to the second token at the "
+                         "frontend), client_gap (first token released to the second), total", ["stage"],
                          registry=r, buckets=LATENCY_BUCKETS)
         self.requests = C("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = C("pdserve_prompt_tokens", "Prompt tokens processed", registry=r)

@@ -7,7 +7,9 @@
 
 `Handoff.run()` reads top to bottom: route, prefill on a prefill node (first
 token + KV handle), submit to the decode node (it pulls the blocks it lacks
-while the first token streams), then stream the decode node's deltas. When
+while the first token streams; with `first_token_release: decode` the token is
+held until the decode node reports the request admitted to its batch:
+first_token_hold.py), then stream the decode node's deltas. When
 something fails on the way:
 
 - prefill node lost: `prefill_failure_policy` decides. `recompute` (default):
@@ -37,6 +39,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from cluster.config import ServeConfig
 from cluster.observability.metrics import Metrics
 from cluster.orchestration.backend import BackendError, GenerateJob
+from cluster.orchestration.first_token_hold import FirstTokenHold
 from cluster.orchestration.handoff_timing import HandoffClock, observe_handoff, observe_transfer
 from cluster.orchestration.journal import Journal, Recovery, attempt_id, describe_decision, describe_submit
 from cluster.orchestration.messages import Counted, Moved, Tokens, WorkerLost
@@ -119,6 +122,7 @@ class Handoff:
         self.continued = False                # moved on from prompt + emitted at least once
         self.clock: HandoffClock | None = None        # while the first decode token after a hand-off is awaited
         self.reservation: Reservation | None = None
+        self.hold: FirstTokenHold | None = None       # while the first token waits for the decode node's admission
         shared.by_wid[self.wid] = self
 
     def _to(self, stage: Stage) -> None:
@@ -144,11 +148,16 @@ class Handoff:
             else:
                 remaining -= bool(result.first.finish_reason)
                 self.emitted.extend(result.first.new_token_ids)
-                if remaining:   # the decode node joins while the first token streams to the client
+                if remaining:   # the decode node joins while the first token streams to the client (or waits)
                     self.clock = HandoffClock(time.monotonic())
+                    if self.config.first_token_release == "decode":
+                        self.hold = FirstTokenHold()
                     joining = asyncio.ensure_future(self._submit(job, decision.decode_worker_id, result.handle,
                                                                  first_token=result.first_token))
+                    if self.hold is not None:
+                        await self.hold.wait(joining)
                 done = not remaining
+                self._release_first()
                 yield result.first
                 if done:
                     return
@@ -182,6 +191,23 @@ class Handoff:
             if self.continued:
                 delta = replace(delta, num_prompt_tokens=len(self.job.prompt_token_ids))
             return delta
+
+    def _release_first(self) -> None:
+        """The prefill node's first token goes to the client now."""
+        hold, self.hold = self.hold, None
+        held = self.clock.released() if self.clock is not None else None
+        if hold is not None or held is not None:
+            self.s.journal.trace(self.job.request_id, "first token released" + (
+                f" after {held * 1e3:.1f} ms" if held is not None else "") + (f" ({hold.reason})" if hold else ""))
+
+    def _admitted(self, worker_id: str) -> None:
+        """The decode node took the request into its running batch: the step now running
+        computes the next token."""
+        if self.clock is not None:
+            self.clock.admitted()
+        self.s.journal.trace(self.job.request_id, f"admitted by {worker_id} into its running batch")
+        if self.hold is not None:
+            self.hold.end("admitted")
 
     def _second_token(self) -> None:
         if self.clock is not None:
@@ -317,6 +343,8 @@ class Handoff:
                 self.s.journal.note(self.wid, Recovery.RECOMPUTED)
         if sub.joined:
             self._to(Stage.DECODING)
+            if self.hold is not None and not (sub.recomputed or sub.local_prefill or sub.error):
+                self.hold.expect_admission = True
         else:
             await self._continue(ContinueMode.REPREFILL, exclude=[failed_on] if failed_on else [])
 
@@ -373,6 +401,8 @@ class Handoff:
         """Continue from prompt + streamed tokens, as a new attempt."""
         self._to(Stage.MIGRATING)
         self.clock = None   # a gap measured across a migration would mix two hand-offs
+        if self.hold is not None:   # the token streams now, counted in `emitted` already
+            self.hold.end(f"{mode.value} before admission")
         if self._take_queued():
             return
         cont = self._next_attempt()
@@ -429,16 +459,27 @@ class Handoff:
     # --------------------------------------------------------------- events
     def deliver(self, worker_id: str, delta: StepDelta) -> None:
         """A decode worker's delta for this request's current attempt."""
-        if worker_id == self.decode_id:   # not a migrated-away copy
-            self.queue.put_nowait(Tokens(delta))
+        if worker_id != self.decode_id:   # a migrated-away copy
+            return
+        if delta.admitted:   # tokenless: nothing for the client
+            self._admitted(worker_id)
+            return
+        self._unhold("a token came first")
+        self.queue.put_nowait(Tokens(delta))
 
     def worker_lost(self, worker_id: str, error: BackendError) -> None:
         if worker_id == self.decode_id:
+            self._unhold("decode worker lost")
             self.queue.put_nowait(WorkerLost(error))
 
     def moved(self, worker_id: str) -> None:
         if worker_id == self.decode_id:
+            self._unhold("decode worker draining")
             self.queue.put_nowait(Moved(worker_id))
+
+    def _unhold(self, reason: str) -> None:
+        if self.hold is not None:
+            self.hold.end(reason)
 
     def uses(self, worker_id: str) -> bool:
         return worker_id in (self.decode_id, self.prefill_id)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 import ray
@@ -50,15 +49,7 @@ def prompts(seed: int, n: int) -> list[list[int]]:
 
 
 def settle(cluster: Cluster, timeout: float = 120.0) -> None:
-    """Every worker back (Ray restarts a killed one) and idle: no block or lease left."""
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            cluster.wait_idle(timeout)
-            return
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):   # still restarting
-            assert time.monotonic() < end, "a killed worker never came back"
-            time.sleep(0.5)
+    cluster.settle(timeout)
 
 
 async def stream(target: str, ids: list[int], on_token=None) -> list[int]:

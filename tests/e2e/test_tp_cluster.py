@@ -56,12 +56,15 @@ def _serve_and_compare(cluster: Cluster, model_dir, kv_heads: int, decode_tp: in
     prompts = _prompts()
     blocks0 = cluster.sample("pdserve_kv_transfer_blocks_total")
     bytes0 = cluster.sample("pdserve_kv_transfer_bytes_sum")
+    admits0 = cluster.sample("pdserve_handoff_seconds_count", stage="admit")
     for p in prompts:
         got = asyncio.run(_complete(cluster.target, p))
         assert got.tokens == hf_greedy(hf, p, MAX_NEW), f"prompt of {len(p)} tokens"
     blocks = cluster.sample("pdserve_kv_transfer_blocks_total") - blocks0
     moved = cluster.sample("pdserve_kv_transfer_bytes_sum") - bytes0
     assert blocks == sum(-(-len(p) // BS) for p in prompts)
+    assert cluster.sample("pdserve_handoff_seconds_count", stage="admit") - admits0 == len(prompts), \
+        "the decode worker (rank 0's engine) announces every hand-off's admission"
     replicas = max(1, decode_tp // kv_heads)     # decode ranks beyond the KV heads each read their replica
     assert moved == blocks * 2 * LAYERS * kv_heads * TILE * replicas, "every rank's heads of every block, once"
     cluster.wait_idle()                   # leases all ended: every decode rank read, then rank 0 notified

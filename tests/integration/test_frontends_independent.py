@@ -4,15 +4,13 @@ same tokens either way as with both on. Both off is refused before anything star
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 
 import pytest
 
 from cluster.cli.client import GenerationClient
 from cluster.config import ServeConfig
 from cluster.server_stack import start_stack
-from grpc_harness import LoopThread, free_port
+from grpc_harness import LoopThread, free_port, http_greedy_tokens
 from tiny_models import hf_greedy, load_hf_model
 
 PROMPT = "The quick brown fox"
@@ -35,13 +33,7 @@ def _stop(loop: LoopThread, stack) -> None:
 
 
 def _http_tokens(url: str, ids: list[int]) -> list[int]:
-    body = {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0,
-            "return_tokens_as_token_ids": True}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        out = json.loads(r.read())
-    return [int(t.removeprefix("token_id:")) for t in out["choices"][0]["logprobs"]["tokens"]]
+    return http_greedy_tokens(url, ids, MAX_TOKENS)
 
 
 def _grpc_tokens(target: str, ids: list[int]) -> list[int]:

@@ -17,10 +17,10 @@ def test_stats_count_a_request_added_before_the_step_that_computes_it_ends(tiny_
     release, stepping = threading.Event(), threading.Event()
     step = engine.step
 
-    def slow_step():
+    def slow_step(on_admitted=None):
         stepping.set()
         release.wait(10)
-        return step()
+        return step(on_admitted)
 
     engine.step = slow_step                       # type: ignore[method-assign]
     loop = EngineLoop(engine, on_deltas=lambda deltas: None).start()

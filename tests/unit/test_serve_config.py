@@ -46,3 +46,15 @@ def test_port_flags_say_zero_turns_a_frontend_off():
     args = parser.parse_args(["serve", "--grpc-port", "0", "--http-port", "8001"])
     cfg = serve_cli.config_from_args(args)
     assert (cfg.grpc_port, cfg.http_port) == (0, 8001)
+
+
+def test_first_token_release_from_flag_env_and_yaml_and_bad_values_say_the_choices(tmp_path):
+    parser = argparse.ArgumentParser()
+    serve_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--first-token-release", "decode", "--no-ray"])
+    assert serve_cli.config_from_args(args).first_token_release == "decode"
+    assert ServeConfig.from_sources(env={"PDSERVE_FIRST_TOKEN_RELEASE": "decode"}).first_token_release == "decode"
+    (tmp_path / "c.yaml").write_text("first_token_release: decode\n")
+    assert ServeConfig.from_sources(str(tmp_path / "c.yaml"), env={}).first_token_release == "decode"
+    with pytest.raises(ValueError, match="first_token_release must be one of prefill, decode"):
+        ServeConfig(first_token_release="client")
