@@ -50,7 +50,10 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
             prefill=PoolBounds(max(1, n // 20), n), decode=PoolBounds(max(1, n // 20), n),
             max_total_workers=n if args.fleet_cap else None, decode_first_under_cap=args.decode_first,
             ttft_miss_budget=args.ttft_miss_budget if args.ttft_miss_budget > 0 else 0.002,
-            predict_ahead_s=args.startup_delay, cooldown_out_s=max(args.startup_delay, args.interval))
+            predict_ahead_s=args.startup_delay, cooldown_out_s=max(args.startup_delay, args.interval),
+            # the controller's default lull (30 s without a prompt) before both pools go to their
+            # minimum; the simulator's prompt rate is over its window, which already holds that much
+            idle_hold_s=max(0.0, 30.0 - args.window))
         scale = SimAutoscale(config, interval_s=args.interval, window_s=args.window, startup_s=args.startup_delay,
                              ttft_wait_misses=args.ttft_miss_budget > 0)
     sched = cost.meta.get("scheduler", {})

@@ -53,7 +53,7 @@ def autoscale_config(cfg: ServeConfig) -> AutoscaleConfig:
                            prefill=PoolBounds(*cfg.pool_bounds("prefill")),
                            decode=PoolBounds(*cfg.pool_bounds("decode")),
                            predict_ahead_s=cool / 2, scale_in_hold_s=cool, cooldown_out_s=cool / 2,
-                           cooldown_in_s=cool)
+                           cooldown_in_s=cool, idle_hold_s=cool)
 
 
 class Autoscaler:

@@ -287,3 +287,38 @@ def test_fleet_cap_counts_draining_workers():
     assert dec.prefill.target + dec.decode.target == 8
     with pytest.raises(ValueError, match="draining"):
         FleetSignals(prefill(3, 1000), decode(3, 10), draining=-1)
+
+
+def test_waiting_requests_count_as_the_kv_they_will_take():
+    # 10 workers at 70% KV (under the 75% target; long contexts, so the sequence count alone
+    # asks for 6) and 40 requests waiting for room: they hold no KV yet and will take 40 / 40 = 1
+    # worker's worth: (7 + 1) / 0.75 -> 11 workers
+    out = replay(config(), [({"rate": 1000}, {"running": 150, "waiting": 40, "kv": 0.7})], d0=10)
+    assert out[0].decode.reason is Reason.KV_ROOM and out[0].decode.target == 11
+    # the same KV use with nothing waiting fits the 10 it has
+    out = replay(config(), [({"rate": 1000}, {"running": 150, "kv": 0.7})], d0=10)
+    assert out[0].decode.target == 10 and out[0].decode.reason is Reason.STEADY
+
+
+def test_no_prompts_for_the_idle_hold_drains_both_pools_to_min_at_once():
+    cfg = config(idle_hold_s=10.0, prefill=PoolBounds(2, 20), decode=PoolBounds(3, 20))
+    busy = ({"rate": 60_000}, {"running": 150})
+    quiet = ({"rate": 0.0}, {"running": 40})
+    out = replay(cfg, [busy] * 4 + [quiet] * 4, p0=8, d0=6)
+    # t=20 first quiet interval, t=25 still under the 10 s hold, t=30 the hold is over: both pools
+    # go to their minimum in one decision (not a step per cool-down), decode with sequences still
+    # running (the drained workers finish them)
+    assert [(d.prefill.target, d.decode.target) for d in out[4:6]] == [(8, 6), (8, 6)]
+    assert (out[6].prefill.target, out[6].decode.target) == (2, 3)
+    assert out[6].prefill.reason is Reason.IDLE and out[6].decode.reason is Reason.IDLE
+    assert out[7].prefill.reason is Reason.AT_MIN and out[7].decode.reason is Reason.AT_MIN
+    # a lull shorter than the hold, or prompts still queued, is not idle
+    out = replay(cfg, ([busy] + [quiet] * 2) * 4, p0=8, d0=6)
+    assert all(d.prefill.reason is not Reason.IDLE and d.decode.reason is not Reason.IDLE for d in out)
+    out = replay(cfg, [busy] + [({"rate": 0.0, "queued": 5000}, {"running": 40})] * 6, p0=8, d0=6)
+    assert all(d.prefill.target == 8 and d.decode.target == 6 for d in out)
+    # off (None): the ordinary hold and steps only
+    out = replay(config(idle_hold_s=None), [busy] * 4 + [quiet] * 4, p0=8, d0=6)
+    assert all(d.prefill.target == 8 and d.decode.target == 6 for d in out)
+    with pytest.raises(ValueError, match="idle_hold_s"):
+        config(idle_hold_s=-1.0)

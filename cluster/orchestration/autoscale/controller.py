@@ -37,7 +37,9 @@ Which signals decide each pool, and why:
 - **Decode** serves concurrent sequences, bounded by KV room, so its load is
   the sequences it holds (running + waiting) against what one worker holds, and
   the KV blocks in use (measured, so it also sees long contexts the
-  per-worker figure underestimates). Requests waiting while KV is above its
+  per-worker figure underestimates) plus what the waiting will take once
+  admitted (waiting / the per-worker figure: a backlog waiting for room is not
+  in the KV use yet, and the mean KV use hides the full nodes it waits on). Requests waiting while KV is above its
   target mean no room now: at least one more worker (KV_ROOM); waiting with
   room to spare is a batch slot a step away, counted as load only. ITL p90
   above target grows the pool by the relative miss (a large batch slows every
@@ -58,6 +60,12 @@ said was enough lowers it so the figure asks for the grown size, and it
 recovers toward 1 by ``capacity_recovery_per_s`` while the SLO holds with
 margin; shrinking then has to wait until the recovered figure says the load
 fits in fewer workers.
+
+**Idle**: no prompt tokens arrived and none queued for ``idle_hold_s``: neither pool
+gets new work, and more workers cannot speed up what is in flight (requests do not
+move), so both pools drain to their minimum at once instead of a step per cool-down;
+the drained workers finish what they hold. This is where an autoscaled fleet stops
+paying for a fixed fleet's idle tail.
 
 Against flapping: a hysteresis band (scale out above ``target_utilization``,
 scale in only when the load fits at ``scale_in_utilization`` in fewer workers
@@ -159,6 +167,7 @@ class ControllerState:
     """What the caller keeps between intervals (start with ``ControllerState()``)."""
     prefill: PoolState = PoolState()
     decode: PoolState = PoolState()
+    idle_since: float | None = None   # no prompt arrived and none queued since then
 
 
 @dataclass(frozen=True)
@@ -250,7 +259,9 @@ def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
     seqs_in = max(seqs_obs, st.ewma or 0.0, pred)
     spw = s.seqs_per_worker * st.capacity_scale
     by_seqs = _ceil(seqs_out / (spw * c.target_utilization))
-    kv_workers = s.kv_usage * s.ready_workers        # workers' worth of KV in use
+    # workers' worth of KV in use, and what the waiting will take once admitted (at the context the
+    # per-worker figure assumes): a backlog waiting for room is not in kv_usage yet
+    kv_workers = s.kv_usage * s.ready_workers + s.waiting / s.seqs_per_worker
     by_kv = _ceil(kv_workers / c.target_kv_usage)
     if s.waiting > 0 and s.kv_usage >= c.target_kv_usage:
         by_kv = max(by_kv, s.workers + 1)            # requests wait and KV is full: at least one more
@@ -303,6 +314,16 @@ def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c
     return done(cur, Reason.STEADY, replace(st, below_since=None, needs=()))
 
 
+def _to_min(d: PoolDecision, st: PoolState, bounds: PoolBounds, now: float) -> tuple[PoolDecision, PoolState]:
+    """No prompt arrived and none waited for ``idle_hold_s``: neither pool gets new work, and
+    more workers cannot speed up what is in flight (it does not move), so each pool drains to its
+    minimum at once, not a step per cool-down (the drained workers finish what they hold first)."""
+    if d.current <= bounds.min_workers:
+        return replace(d, target=bounds.min_workers, reason=Reason.AT_MIN), st
+    return (replace(d, target=bounds.min_workers, reason=Reason.IDLE),
+            replace(st, last_change_t=now, below_since=None, needs=()))
+
+
 def _fleet_cap(p: PoolDecision, d: PoolDecision, cap: int | None, decode_first: bool = False,
                prefill_min: int = 1, draining: int = 0) -> tuple[PoolDecision, PoolDecision]:
     """Trim growth so both pools together, and the ``draining`` workers still held, stay within
@@ -343,6 +364,11 @@ def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerStat
     ds = _learn(ds, wd, signals.decode.workers, dt_d, config)
     p, ps = _pool("prefill", signals.prefill.workers, wp, ps, config.prefill, config, now)
     d, ds = _pool("decode", signals.decode.workers, wd, ds, config.decode, config, now)
+    idle = signals.prefill.prompt_tokens_per_s == 0 and signals.prefill.queued_tokens == 0
+    idle_since = (state.idle_since if state.idle_since is not None else now) if idle else None
+    if config.idle_hold_s is not None and idle_since is not None and now - idle_since >= config.idle_hold_s:
+        p, ps = _to_min(p, ps, config.prefill, now)
+        d, ds = _to_min(d, ds, config.decode, now)
     p2, d2 = _fleet_cap(p, d, config.max_total_workers, config.decode_first_under_cap, config.prefill.min_workers,
                         signals.draining)
     # a trimmed scale-out that ended at no change must not start the scale-out cool-down
@@ -352,4 +378,4 @@ def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerStat
         ps = replace(ps, last_out_t=state.prefill.last_out_t, last_change_t=now)
     if d2.target == d2.current and d.target > d.current:
         ds = replace(ds, last_out_t=state.decode.last_out_t, last_change_t=state.decode.last_change_t)
-    return FleetDecision(p2, d2), ControllerState(ps, ds)
+    return FleetDecision(p2, d2), ControllerState(ps, ds, idle_since)

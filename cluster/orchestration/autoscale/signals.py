@@ -146,6 +146,9 @@ class AutoscaleConfig:
     trend_alpha: float = 0.3
     predict_ahead_s: float = 30.0          # forecast horizon (about a worker's start-up time)
     scale_in_hold_s: float = 60.0
+    # no prompt tokens arrived and none queued for this long: both pools drain to their minimum at
+    # once (None: never; the caller's window adds to it, as the rate is over its window)
+    idle_hold_s: float | None = 30.0
     cooldown_out_s: float = 30.0
     cooldown_in_s: float = 30.0
     max_step_up: float = 0.5
@@ -169,6 +172,8 @@ class AutoscaleConfig:
                      "max_step_up", "max_step_down"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.idle_hold_s is not None and self.idle_hold_s < 0:
+            raise ValueError(f"idle_hold_s must be >= 0 seconds (or None: never), got {self.idle_hold_s}")
         if self.max_total_workers is not None and \
                 self.max_total_workers < self.prefill.min_workers + self.decode.min_workers:
             raise ValueError(f"max_total_workers {self.max_total_workers} is below the pools' minimums "

@@ -224,7 +224,8 @@ def autoscale_of(args, prefill_nodes: int, decode_nodes: int):
         prefill=PoolBounds(args.min_prefill_workers, args.max_prefill_workers or fleet),
         decode=PoolBounds(args.min_decode_workers, args.max_decode_workers or fleet),
         max_total_workers=args.max_total_workers, predict_ahead_s=args.startup_delay,
-        cooldown_out_s=max(args.startup_delay, args.autoscale_interval))
+        cooldown_out_s=max(args.startup_delay, args.autoscale_interval),
+        idle_hold_s=max(0.0, 30.0 - args.autoscale_window))   # 30 s without a prompt, the window's included
     return SimAutoscale(config, interval_s=args.autoscale_interval, window_s=args.autoscale_window,
                         startup_s=args.startup_delay)
 
