@@ -82,14 +82,16 @@ def child_pdserve(spec: dict) -> dict:
 
     llm = LLM(spec["model"], dtype=spec["dtype"], kv_cache_memory_bytes=KV_GIB << 30, max_num_seqs=MAX_SEQS,
               max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-              packed_weights=spec["mode"] != "pdserve_plain")
+              packed_weights=spec["mode"] != "pdserve_plain",
+              block_size=128 if spec["mode"] == "pdserve_b128" else 16)
 
     def generate(prompts, max_tokens):
         res = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         return [list(r.outputs[0].token_ids) for r in res]
 
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": torch.get_num_threads(), **_run_workloads(spec, generate)}
+            "threads": torch.get_num_threads(), "block_size": llm.engine.config.cache.block_size,
+            **_run_workloads(spec, generate)}
 
 
 def child_vllm(spec: dict) -> dict:
@@ -107,7 +109,11 @@ def child_vllm(spec: dict) -> dict:
                            use_tqdm=False)
         return [list(r.outputs[0].token_ids) for r in res]
 
-    return {"vllm": vllm.__version__, "torch": torch.__version__,
+    try:   # the block size vLLM chose (its CPU platform's default unless set)
+        block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    except AttributeError:
+        block_size = None
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "block_size": block_size,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             **_run_workloads(spec, generate)}
 
@@ -223,7 +229,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--modes", nargs="+", default=["pdserve", "vllm_eager", "vllm_compiled"],
-                   choices=("pdserve", "pdserve_plain", "vllm_eager", "vllm_compiled"))
+                   choices=("pdserve", "pdserve_plain", "pdserve_b128", "vllm_eager", "vllm_compiled"),
+                   help="pdserve_b128: pdserve with 128-token KV blocks, the block size vLLM's CPU build "
+                   "uses by default (pdserve's default is 16)")
     p.add_argument("--pdserve-plain", action="store_true", help="add the pdserve_plain mode (F.linear on plain "
                    "weights, as before oneDNN packing)")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -261,6 +269,7 @@ def main() -> int:
     print(json.dumps({
         "bench": "vs_vllm", "machine": machine(),
         "cpu_capability": {m: first[m].get("cpu_capability") for m in modes},
+        "block_size": {m: first[m].get("block_size") for m in modes},
         "vllm_version": next((first[m]["vllm"] for m in vl_modes), None),
         "vllm_modes": {m: ("enforce_eager" if m == "vllm_eager" else "torch.compile (default)") for m in vl_modes},
         "model": str(model_dir), "dtype": args.dtype, "rounds": args.rounds,
