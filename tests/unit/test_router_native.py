@@ -13,7 +13,7 @@ from cluster.router import native
 from cluster.router.inflight import InFlightMatch, InFlightPrefixes
 from cluster.router.index import PrefixIndex
 from engine.kv_events import KVEvent, KVEventKind, Tier
-from tests.unit.test_router_index_search import _chains, _Feed, reference_match
+from test_router_index_search import _chains, _Feed, reference_match
 
 pytestmark = pytest.mark.skipif(native.module() is None, reason="no C compiler: the Python paths serve")
 
