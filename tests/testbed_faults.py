@@ -7,6 +7,7 @@ tests/chaos/test_multi_host_faults.py (the full counts)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -15,6 +16,10 @@ import grpc
 
 from cluster.cli.client import GenerationClient, build_request
 from tiny_models import hf_greedy
+
+# bytes the prefill host sends before the kill: 40% of one prompt's KV (368 KB), ~0.6 s into
+# the reads at 2 Mbit/s, far more than the requests and Ray's reports send meanwhile
+KV_ON_WIRE = 150_000
 
 
 @dataclass
@@ -108,28 +113,46 @@ def decode_host_kill(bed, serve, hf, trial: int, tally: Tally, host: str = "h3")
 
 
 def prefill_host_kill(bed, serve, hf, trial: int, tally: Tally, host: str = "h2") -> None:
-    """The prefill host dies whole as the first KV hand-off goes out (its link slowed to
-    2 Mbit/s, so the pulls are on the wire: a 480-token prompt of the tiny model is 368 KB
-    of KV, about 1.5 s at that rate, and the kill lands 100-200 ms after the first token;
-    at 20 Mbit/s a pull took 130 ms and could finish first): the decode side gives up the
-    read, the requests are recomputed there, token-identical; no decode block leaks."""
+    """The prefill host dies whole while the KV hand-offs are on the wire (its link slowed
+    to 2 Mbit/s: a 480-token prompt of the tiny model is 368 KB of KV, about 1.5 s at that
+    rate, six prompts about 9 s). The kill fires once the host has sent KV_ON_WIRE bytes
+    since the load began (the requests' own bytes and Ray's reports are a few KB), or at
+    the client's first token if that comes first: with the default first_token_release=
+    decode the first token reaches the client only after its KV is in, so the token alone
+    would fire after the reads. The decode side gives up the read, the requests are
+    recomputed there, token-identical; no decode block leaks."""
     victim = serve.worker_on(host)
     h = bed.host(host)
     prompts = {f"pk{trial}-{i}": prompt_of(2000 * trial + i, 480) for i in range(6)}
-    killed = []
+    killed: list[float] = []
+    lock = threading.Lock()
+
+    def kill_once() -> None:
+        with lock:
+            if not killed:
+                killed.append(time.monotonic())
+                h.kill()
 
     def on_token(n):
-        if not killed:
-            killed.append(time.monotonic())
-            h.kill()
+        kill_once()
+
+    def watch(sent_before: int, done: threading.Event) -> None:
+        while not done.wait(0.01) and not killed:
+            if h.link_bytes()[0] - sent_before >= KV_ON_WIRE:
+                kill_once()
 
     async def load():
         return await asyncio.gather(*[stream(serve.grpc_target, rid, p, 16, 120, on_token)
                                       for rid, p in prompts.items()])
     h.limit(0.002)
+    done = threading.Event()
+    watcher = threading.Thread(target=watch, args=(h.link_bytes()[0], done), daemon=True)
+    watcher.start()
     try:
         outs = asyncio.run(load())
     finally:
+        done.set()
+        watcher.join()
         h.unlimit()
     assert killed, "the fault never fired"
     _check(serve, hf, prompts, outs, 16, 120, set(), tally)
