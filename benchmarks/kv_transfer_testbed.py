@@ -39,7 +39,7 @@ def socket_source(host: str, out: Path) -> None:
     with socket.create_server((host, 0)) as srv:
         out.write_bytes(pickle.dumps(srv.getsockname()))
         srv.settimeout(1.0)
-        while not sys.stdin.closed:
+        while True:   # until the parent closes stdin (checked between connections)
             try:
                 conn, _ = srv.accept()
             except TimeoutError:
@@ -51,9 +51,9 @@ def socket_source(host: str, out: Path) -> None:
 
 
 def _stdin_closed() -> bool:
+    """The parent never writes to stdin: readable means it was closed."""
     import select
-    ready, _, _ = select.select([sys.stdin], [], [], 0)
-    return bool(ready) and not sys.stdin.read(1)
+    return bool(select.select([sys.stdin], [], [], 0)[0])
 
 
 def socket_reader(peer_file: Path, iters: int) -> None:
