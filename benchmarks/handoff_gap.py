@@ -22,7 +22,11 @@ arrivals in every mode; rounds alternate the modes' order and pool their request
 Modes: `prefill-release` (the decode blocks reserved during the prefill, the first
 token streamed as the prefill node samples it), `decode-release` (the same, the
 first token held until the decode node admitted the request) and `no-reserve`
-(blocks allocated after the prefill, token streamed at once). Prints one JSON
+(blocks allocated after the prefill, token streamed at once). `--pin-decode` puts the decode worker on
+a CPU of its own and everything else of the run (prefill worker, frontend, load
+generator, Ray) on the others, as when the decode pool has its own machine: on a
+shared 2-core host the prefill's compute otherwise lands in the decode steps' tail.
+Prints one JSON
 line: per mode, client-side TTFT, first gap and steady gaps (p50 / p99), the
 ratio, and each stage's mean and share of the total.
 """
@@ -32,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import tempfile
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -79,6 +84,47 @@ def stage_means(sums: list[tuple[dict, dict]]) -> dict[str, dict]:
     return out
 
 
+def descendants(root: int) -> list[int]:
+    """Every live process below `root` (from /proc), so the run pins only its own processes."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [root]
+    while todo:
+        at = todo.pop()
+        kids = [pid for pid, pp in parent.items() if pp == at]
+        out += kids
+        todo += kids
+    return out
+
+
+def pin_decode_worker() -> dict:
+    """The decode worker's threads on the last CPU, every other thread of the run on the rest."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise ValueError("--pin-decode needs at least 2 CPUs in this process's affinity mask")
+    decode, rest = {cpus[-1]}, set(cpus[:-1])
+    pinned = {"decode_cpus": sorted(decode), "other_cpus": sorted(rest), "decode_pids": []}
+    for pid in [os.getpid()] + descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                is_decode = f.read().startswith(b"ray::DecodeWorker")
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), decode if is_decode else rest)
+        except (FileNotFoundError, ProcessLookupError):
+            continue   # exited meanwhile
+        if is_decode:
+            pinned["decode_pids"].append(pid)
+    if not pinned["decode_pids"]:
+        raise RuntimeError("--pin-decode found no ray::DecodeWorker process below this one")
+    return pinned
+
+
 async def run_mode(args, mode: str) -> tuple[list, tuple[dict, dict]]:
     """One cluster, one load: the finished requests and the stage sums before / after."""
     import ray
@@ -92,6 +138,8 @@ async def run_mode(args, mode: str) -> tuple[list, tuple[dict, dict]]:
                       ray_temp_dir=tempfile.mkdtemp(prefix="pdserve-bench-ray-"))
     stack = await start_stack(cfg)
     try:
+        if args.pin_decode:
+            print(json.dumps({"pinned": pin_decode_worker()}), file=sys.stderr)
         info = stack.backend.model_info()
         warm = ds.random_dataset(ds.RandomSpec(64, 4), 4, info.vocab_size, 12345)
         await run_load(stack.grpc.target, warm, [0.0] * len(warm), RunnerConfig(progress=False))
@@ -134,7 +182,8 @@ async def main_async(args) -> dict:
             runs[mode][1].append(sums)
     return {"benchmark": "handoff_gap", "machine": machine(),
             "workload": {"rate_per_s": args.rate, "requests": args.requests, "input_len": args.input_len,
-                         "output_len": args.output_len, "max_num_seqs": args.max_num_seqs, "rounds": args.rounds},
+                         "output_len": args.output_len, "max_num_seqs": args.max_num_seqs, "rounds": args.rounds,
+                         "pin_decode": args.pin_decode},
             "modes": {m: summary(*runs[m]) for m in names}, "goal": "first gap p99 under two steady gaps (p50)"}
 
 
@@ -150,6 +199,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="prefill-release,decode-release", help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--rounds", type=int, default=1, help="runs per mode, the order alternating; requests pooled")
+    p.add_argument("--pin-decode", action="store_true",
+                   help="the decode worker on a CPU of its own, the rest of the run on the others")
     print(json.dumps(asyncio.run(main_async(p.parse_args()))))
 
 

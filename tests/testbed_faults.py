@@ -188,8 +188,9 @@ def prefill_host_partition(bed, serve, hf, trial: int, tally: Tally, host: str =
         assert (tokens, code) == (hf_greedy(hf, p, 8), ""), (rid, code, serve.trace(rid))
         if any(t.startswith(f"prefilled on {serve.worker_on(host)}") for t in serve.trace(rid)):
             break
-        assert time.monotonic() < end, f"{host} never took a request after the partition: {serve.trace(rid)}"
+        assert time.monotonic() < end, (f"{host} never took a request after the partition: "
+                                        f"{serve.trace(rid)}\n{serve.diagnose()}")
         time.sleep(1)
-    assert serve.ray_active_nodes() == len(bed.hosts)
+    assert serve.ray_active_nodes() == len(bed.hosts), serve.diagnose()
     serve.wait_idle()
     tally.trials += 1

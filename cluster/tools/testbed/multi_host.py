@@ -145,11 +145,18 @@ class MultiHostServe:
                 return s.value
         return None
 
+    def ray_status(self) -> str:
+        return self.head.run([str(BIN / "ray"), "status", "--address", f"{self.head.address}:{RAY_PORT}"],
+                             env=host_env(), timeout=60).stdout
+
     def ray_active_nodes(self) -> int:
-        res = self.head.run([str(BIN / "ray"), "status", "--address", f"{self.head.address}:{RAY_PORT}"],
-                            env=host_env(), timeout=60)
-        block = res.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
+        block = self.ray_status().split("Active:", 1)[-1].split("Pending:", 1)[0]
         return len(re.findall(r"node_", block))
+
+    def diagnose(self, lines: int = 40) -> str:
+        """For a failed check: the server's last log lines other than request traces, and Ray's view."""
+        own = [line for line in self.log().splitlines() if "pdserve.requests" not in line]
+        return "\n".join(own[-lines:]) + "\n--- ray status ---\n" + self.ray_status()
 
     def stop(self, timeout: float = 60) -> int | None:
         if self.proc.poll() is None:
