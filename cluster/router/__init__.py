@@ -14,7 +14,8 @@ from cluster.router.index import ApplyResult, MatchInfo, PrefixIndex
 from cluster.router.policy import (POLICIES, ClusterView, CostInputs, DecisionKind, NoWorkerAvailable,
                                    PolicyConfig, RoutingDecision, RoutingPolicy, RoutingRequest,
                                    WorkerLoad, WorkerView, make_policy)
-from cluster.router.router import LoadReport, Router, RouterConfig, load_from_stats
+from cluster.router.load import LoadReport, load_from_stats
+from cluster.router.router import Router, RouterConfig
 
 __all__ = [
     "ApplyResult", "ClusterView", "CostInputs", "CostWeights", "DecisionKind", "InFlightMatch",
