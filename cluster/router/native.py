@@ -1,4 +1,5 @@
-"""The router's C tables (``csrc/routerfast.c``), built on first use; None where they cannot be.
+"""The router's C module (``csrc/*.c``, one extension ``routerfast``), built on first use;
+None where it cannot be.
 
 A routing decision's cost was memory latency, not the interpreter: probing a
 794k-entry dict along a 125-block prompt is a few dependent cache misses per
@@ -8,12 +9,14 @@ open-addressing table and walks a whole prompt in one call with prefetches
 running ahead, so the misses overlap; ``InFlightTable`` holds
 ``InFlightPrefixes``' two generations the same way. Both answer exactly what
 the pure-Python paths answer (tests compare them); those paths stay, for a
-host without a C compiler or with ``PDSERVE_ROUTER_NATIVE=0``.
+host without a C compiler or with ``PDSERVE_ROUTER_NATIVE=0``. ``Decider``
+(csrc/decider.c, decide.c, records.c) makes a whole prefix_aware decision over
+those tables in one call (native_router.py says when the Router uses it).
 
 The module is compiled with the system C compiler against this Python's
 headers (stdlib ``sysconfig`` + ``subprocess``: no torch, no build
 dependency) into ``$PDSERVE_KERNEL_DIR`` or ``~/.cache/pdserve/kernels``,
-keyed by the source, the compiler flags and the Python ABI, and written by an
+keyed by the sources, the compiler flags and the Python ABI, and written by an
 atomic rename, so concurrent processes share one build.
 """
 from __future__ import annotations

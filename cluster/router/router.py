@@ -11,6 +11,11 @@ uncached tokens to the queued prefill tokens of the node that prefills it,
 and one running sequence to its decode node, so a burst does not pile onto
 the node that looked idle in the last report. A load report replaces these
 additions; without one they lapse after ``pending_ttl_s`` (injected clock).
+
+With the default policy at temperature 0 a decision is one C call
+(native_router.py): the loads, these additions included, then live in the C
+decider's arrays (a report is written there when it comes) and ``view`` is
+read back from them; the Python path below decides otherwise, the same way.
 """
 from __future__ import annotations
 
