@@ -21,14 +21,12 @@ import gc
 import json
 import os
 import random
-import sys
 import time
 
 from cluster.router import PolicyConfig, Router, RouterConfig, RoutingRequest, WorkerLoad
 from engine.block_hash import block_hashes
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import router_overhead as ro  # noqa: E402
+import router_overhead as ro          # this folder's: the script's own folder is on the path
 
 
 def main() -> None:
@@ -51,17 +49,19 @@ def main() -> None:
     fast = router._fast
     assert fast is not None, "no C decider: nothing to profile (PDSERVE_ROUTER_NATIVE=0 or no compiler)"
     core, table, flight = fast._core, router.index.native_table, router.in_flight
-    pieces = {"walk": [], "in_flight_match": [], "decide": [], "route": []}
+    assert table is not None
+    pieces: dict[str, list[tuple[float, float]]] = {"walk": [], "in_flight_match": [], "decide": [], "route": []}
     for i in range(args.decisions):
         prompt = ro.make_prompt(world_args, world, rng, i)
         hashes = tuple(block_hashes(prompt, world_args.block_size, None))
         req = RoutingRequest(f"r{i}", len(prompt), hashes, world_args.block_size)
-        name = ("walk", "in_flight_match", "decide", "route")[i % 4]
+        names = ("walk", "in_flight_match", "decide", "route") if args.track_in_flight else ("walk", "decide", "route")
+        name = names[i % len(names)]
         c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         if name == "walk":
             table.walk(hashes)
-        elif name == "in_flight_match" and args.track_in_flight:
-            flight.table.match(hashes, clock.now, flight.epochs)
+        elif name == "in_flight_match":
+            flight.table.match(hashes, clock.now, flight.epochs)  # type: ignore[union-attr]
         elif name == "decide":
             core.decide(hashes, req.prompt_tokens, req.block_size, req.request_id, 0, clock.now)
         else:
@@ -78,6 +78,8 @@ def main() -> None:
     out = {"bench": "router_pieces", "decisions": args.decisions, "track_in_flight": bool(args.track_in_flight),
            "loadavg_1m": round(os.getloadavg()[0], 2)}
     for name, xs in pieces.items():
+        if not xs:
+            continue
         for k, label in ((0, "cpu"), (1, "wall")):
             vals = [x[k] for x in xs]
             out[f"{name}_{label}_p50_us"] = round(ro.pct(vals, 0.5), 2)

@@ -89,6 +89,7 @@ static PyObject *dc_set_bit(Decider *d, PyObject *args) {
     int bit; int slot;
     if (!PyArg_ParseTuple(args, "ii", &bit, &slot)) return NULL;
     if (bit < 0 || bit >= LANE) { PyErr_SetString(PyExc_ValueError, "index bits are 0..63 here"); return NULL; }
+    if (slot != -1 && !slot_at(d, slot)) return NULL;
     d->bit_slot[bit] = slot;
     Py_RETURN_NONE;
 }
