@@ -1,9 +1,9 @@
 /* The decision's records built in C: RoutingDecision, CostInputs, MatchInfo and WorkerLoad are
  * frozen dataclasses with __slots__, so an instance is its type's allocation plus one object
- * pointer per field, at the offset the type's member table gives. Building them here (values
- * already checked: counts >= 0, a live worker) takes about 0.3 us where their Python
- * constructors took about 4 us a decision (each field through object.__setattr__, plus the
- * __post_init__ checks). tests/unit/test_router_decider.py compares them with the Python path's. */
+ * pointer per field, at the offset the type's member table gives. Filling them here (values
+ * already checked: counts >= 0, a live worker) saves the seven Python constructor calls of a
+ * decision (about 4.5 us: each field through object.__setattr__, plus the __post_init__
+ * checks). tests/unit/test_router_decider.py compares them with the Python path's. */
 #include "records.h"
 #include <structmember.h>
 #ifndef Py_T_OBJECT_EX
