@@ -213,7 +213,8 @@ def main() -> None:
                     help="another checkout: run its router and this one side by side (see above)")
     ap.add_argument("--rounds", type=int, default=2, help="with --compare-tree: runs of each side")
     ap.add_argument("--compare-full-scan", action="store_true",
-                    help="also time the same prompts with prefix_aware costing every worker")
+                    help="also time the same prompts with prefix_aware costing every worker (the Python "
+                         "policy decides throughout, not the C decider)")
     args = ap.parse_args()
     if args.compare_tree:
         compare(args)
@@ -224,7 +225,8 @@ def main() -> None:
     in_flight = {} if args.track_in_flight is None else {"track_in_flight": bool(args.track_in_flight)}
     router = Router(RouterConfig(policy=args.policy, policy_config=PolicyConfig(temperature=args.temperature),
                                  **in_flight),
-                    rng=random.Random(args.seed + 1), clock=clock)
+                    rng=random.Random(args.seed + 1), clock=clock,
+                    **({"native_decisions": False} if args.compare_full_scan else {}))   # the policy's own picks
     n_prefill = int(args.workers * args.prefill_share)
     for i in range(args.workers):
         router.add_worker(f"w{i:03d}", "prefill" if i < n_prefill else "decode")

@@ -6,7 +6,9 @@
 - policy.py  `RoutingPolicy` + `prefix_aware` / `round_robin` / `least_loaded`
 - cost_vector.py `RoleCosts`: one role's load-only costs as an array (prefix_aware costs all workers at once)
 - router.py  `Router`: index + load view + policy, the object the backend holds
-- native.py  builds csrc/routerfast.c on first use: the C tables behind the index's match and the in-flight map
+- native.py  builds csrc/*.c on first use: the C tables behind the index's match and the in-flight map,
+             and the C decider (native_router.py: a whole prefix_aware decision in one call)
+- load.py    a worker's load report and the router's optimistic additions to it
 """
 from cluster.router.cost import CostWeights
 from cluster.router.inflight import InFlightMatch, InFlightPrefixes
@@ -14,7 +16,8 @@ from cluster.router.index import ApplyResult, MatchInfo, PrefixIndex
 from cluster.router.policy import (POLICIES, ClusterView, CostInputs, DecisionKind, NoWorkerAvailable,
                                    PolicyConfig, RoutingDecision, RoutingPolicy, RoutingRequest,
                                    WorkerLoad, WorkerView, make_policy)
-from cluster.router.router import LoadReport, Router, RouterConfig, load_from_stats
+from cluster.router.load import LoadReport, load_from_stats
+from cluster.router.router import Router, RouterConfig
 
 __all__ = [
     "ApplyResult", "ClusterView", "CostInputs", "CostWeights", "DecisionKind", "InFlightMatch",

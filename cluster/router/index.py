@@ -615,6 +615,20 @@ class PrefixIndex:
             cache.append(MatchInfo(len(cache)))
         return cache[length]
 
+    @property
+    def native_table(self) -> native.BlockTable | None:
+        """The C mirror ``match`` walks, None: the Python search serves (native_router.py reads it)."""
+        return self._native
+
+    @property
+    def bit_ids(self) -> Sequence[str]:
+        """Index bit -> worker id (appended to, never reordered; read-only by convention)."""
+        return self._ids
+
+    def bit_of(self, worker_id: str) -> int | None:
+        """The worker's index bit (kept across its removal), None before its first event."""
+        return self._indices.get(worker_id)
+
     def worker_blocks(self, worker_id: str) -> Mapping[int, Tier]:
         """Read-only view of the hashes a worker holds and their tiers."""
         w = self._workers.get(worker_id)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from cluster.router import native
+from cluster.router.native import InFlightTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,16 @@ class InFlightPrefixes:
         """Whether the C table holds the entries (else the dicts)."""
         return self._table is not None
 
+    @property
+    def table(self) -> InFlightTable | None:
+        """The C table holding the entries, None: the dicts (native_router.py decides through it)."""
+        return self._table
+
+    @property
+    def epochs(self) -> list[int]:
+        """Worker number -> its epoch (the list the C table reads; never replaced)."""
+        return self._epoch_of
+
     def record(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
         """``block_hashes`` (a prompt's chain from its first block) were sent to ``worker_id``."""
         if not block_hashes:
@@ -68,7 +79,7 @@ class InFlightPrefixes:
         epoch = self._epochs.get(worker_id, 0)
         if self._table is not None:
             try:
-                self._table.record(block_hashes, self._number(worker_id), epoch, now + self.ttl_s)
+                self._table.record(block_hashes, self.number(worker_id), epoch, now + self.ttl_s)
                 return
             except (OverflowError, TypeError):
                 self._to_dicts()
@@ -125,7 +136,8 @@ class InFlightPrefixes:
             return len(self._table)
         return len(self._cur.keys() | self._prev.keys())
 
-    def _number(self, worker_id: str) -> int:
+    def number(self, worker_id: str) -> int:
+        """The worker's number in the C table (given on first use)."""
         number = self._numbers.get(worker_id)
         if number is None:
             number = self._numbers[worker_id] = len(self._names)
@@ -140,6 +152,7 @@ class InFlightPrefixes:
         names = self._names
         self._cur = {h: (names[w], e, x) for h, w, e, x in cur}
         self._prev = {h: (names[w], e, x) for h, w, e, x in prev}
+        self._gen_start = self._table.gen_start()
         self._table = None
 
     def _live(self, h: int, now: float) -> tuple[str, int, float] | None:
@@ -149,12 +162,13 @@ class InFlightPrefixes:
         return v
 
     def _age(self, now: float) -> None:
+        if self._table is not None:
+            self._table.age(now, self.ttl_s)         # the same, the generation's start kept in C
+            return
         if self._gen_start is None:
             self._gen_start = now
         elif now - self._gen_start >= self.ttl_s:
             keep = now - self._gen_start < 2 * self.ttl_s
-            if self._table is not None:
-                self._table.rotate(keep)
             self._prev = self._cur if keep else {}
             self._cur = {}
             self._gen_start = now

@@ -1,4 +1,5 @@
-"""The router's C tables (``csrc/routerfast.c``), built on first use; None where they cannot be.
+"""The router's C module (``csrc/*.c``, one extension ``routerfast``), built on first use;
+None where it cannot be.
 
 A routing decision's cost was memory latency, not the interpreter: probing a
 794k-entry dict along a 125-block prompt is a few dependent cache misses per
@@ -8,12 +9,14 @@ open-addressing table and walks a whole prompt in one call with prefetches
 running ahead, so the misses overlap; ``InFlightTable`` holds
 ``InFlightPrefixes``' two generations the same way. Both answer exactly what
 the pure-Python paths answer (tests compare them); those paths stay, for a
-host without a C compiler or with ``PDSERVE_ROUTER_NATIVE=0``.
+host without a C compiler or with ``PDSERVE_ROUTER_NATIVE=0``. ``Decider``
+(csrc/decider.c, decide.c, records.c) makes a whole prefix_aware decision over
+those tables in one call (native_router.py says when the Router uses it).
 
 The module is compiled with the system C compiler against this Python's
 headers (stdlib ``sysconfig`` + ``subprocess``: no torch, no build
 dependency) into ``$PDSERVE_KERNEL_DIR`` or ``~/.cache/pdserve/kernels``,
-keyed by the source, the compiler flags and the Python ABI, and written by an
+keyed by the sources, the compiler flags and the Python ABI, and written by an
 atomic rename, so concurrent processes share one build.
 """
 from __future__ import annotations
@@ -32,8 +35,9 @@ from typing import Any, Protocol, Sequence
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "routerfast.c"
-_FLAGS = ["-O2", "-shared", "-fPIC", "-fno-strict-aliasing"]
+_CSRC = Path(__file__).resolve().parent / "csrc"
+# -ffp-contract=off: no fused multiply-adds, so the decider's costs round as Python's do
+_FLAGS = ["-O2", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off"]
 
 
 class BlockTable(Protocol):
@@ -46,12 +50,30 @@ class BlockTable(Protocol):
 
 class InFlightTable(Protocol):
     def record(self, hashes: Sequence[int], worker: int, epoch: int, expiry: float, /) -> None: ...
-    def rotate(self, keep: bool, /) -> None: ...
+    def age(self, now: float, ttl: float, /) -> None: ...
+    def gen_start(self) -> float | None: ...
     def match(self, hashes: Sequence[int], now: float, epochs: list[int], /) -> tuple[int, int] | None: ...
     def on_removed(self, worker: int, hashes: Sequence[int], /) -> None: ...
     def empty(self) -> bool: ...
     def dump(self) -> tuple[list[tuple[int, int, int, float]], list[tuple[int, int, int, float]]]: ...
     def __len__(self) -> int: ...
+
+
+def _sources() -> list[Path]:
+    return sorted(_CSRC.glob("*.c"))
+
+
+class Decider(Protocol):
+    def add(self, worker_id: str, in_flight_number: int, /) -> int: ...
+    def remove(self, slot: int, /) -> None: ...
+    def set_load(self, slot: int, queued: int, running: int, waiting: int, kv_usage: float, /) -> None: ...
+    def set_bit(self, bit: int, slot: int, /) -> None: ...
+    def set_roles(self, prefill: Sequence[int], decode: Sequence[int], /) -> None: ...
+    def load(self, slot: int, /) -> tuple[int, int, int, float]: ...
+    def pending(self, slot: int, /) -> tuple[int, int, float | None]: ...
+    def next_expiry(self) -> float | None: ...
+    def decide(self, hashes: Sequence[int], prompt_tokens: int, block_size: int, request_id: str,
+               tie_key: int, now: float, /) -> Any: ...
 
 
 def _cache_dir() -> Path:
@@ -64,7 +86,8 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [*cc.split(), *_FLAGS, f"-I{sysconfig.get_paths()['include']}", str(_SOURCE), "-o", tmp]
+        cmd = [*cc.split(), *_FLAGS, f"-I{sysconfig.get_paths()['include']}", f"-I{_CSRC}",
+               *map(str, _sources()), "-o", tmp]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -78,7 +101,8 @@ def module() -> Any:
     if os.environ.get("PDSERVE_ROUTER_NATIVE", "1") == "0":
         return None
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + suffix.encode()).hexdigest()[:16]
+    text = b"".join(p.name.encode() + p.read_bytes() for p in sorted(_CSRC.glob("*.[ch]")))
+    key = hashlib.sha256(text + " ".join(_FLAGS).encode() + suffix.encode()).hexdigest()[:16]
     target = _cache_dir() / f"routerfast-{key}{suffix}"
     try:
         if not target.exists():
@@ -103,3 +127,9 @@ def block_table() -> BlockTable | None:
 def in_flight_table() -> InFlightTable | None:
     mod = module()
     return None if mod is None else mod.InFlightTable()
+
+
+def decider(*args: Any) -> Decider | None:
+    """A ``routerfast.Decider`` (arguments: see native_router.py), or None without the module."""
+    mod = module()
+    return None if mod is None else mod.Decider(*args)

@@ -34,6 +34,9 @@ class NoWorkerAvailable(RuntimeError):
     """No live worker can take the request (map to gRPC UNAVAILABLE)."""
 
 
+NO_DECODE_WORKER = "no live decode worker: wait for one to report, or start decode workers (--decode-workers)"
+
+
 class DecisionKind(str, Enum):
     REMOTE_PREFILL = "remote_prefill"
     LOCAL_PREFILL = "local_prefill"
@@ -164,8 +167,7 @@ class RoutingPolicy(abc.ABC):
         """``in_flight``: the prompt's deepest block already sent to a node and
         not yet reported there (inflight.py); counted beyond that node's indexed prefix."""
         if not view.decode:
-            raise NoWorkerAvailable("no live decode worker: wait for one to report, or start "
-                                    "decode workers (--decode-workers)")
+            raise NoWorkerAvailable(NO_DECODE_WORKER)
         matches = index.match(req.block_hashes)
         if in_flight is not None:
             with_in_flight(matches, in_flight)

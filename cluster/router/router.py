@@ -11,18 +11,25 @@ uncached tokens to the queued prefill tokens of the node that prefills it,
 and one running sequence to its decode node, so a burst does not pile onto
 the node that looked idle in the last report. A load report replaces these
 additions; without one they lapse after ``pending_ttl_s`` (injected clock).
+
+With the default policy at temperature 0 a decision is one C call
+(native_router.py): the loads, these additions included, then live in the C
+decider's arrays (a report is written there when it comes) and ``view`` is
+read back from them; the Python path below decides otherwise, the same way.
 """
 from __future__ import annotations
 
 import bisect
 import random
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable
 
 from cluster.router.inflight import InFlightPrefixes, NoInFlightPrefixes
 from cluster.router.index import ApplyResult, PrefixIndex
-from cluster.router.policy import (POOLS, ClusterView, PolicyConfig, RoutingDecision,
-                                   RoutingRequest, WorkerLoad, WorkerView, make_policy)
+from cluster.router.load import LoadReport, LoadSlot, load_from_stats
+from cluster.router.native_router import NativeDecisions
+from cluster.router.policy import (NO_DECODE_WORKER, POOLS, ClusterView, NoWorkerAvailable, PolicyConfig,
+                                   RoutingDecision, RoutingRequest, WorkerLoad, WorkerView, make_policy)
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot
 
 
@@ -41,68 +48,25 @@ class RouterConfig:
 
 
 
-class LoadReport(Protocol):
-    """What ``Router.observe_stats`` reads from a worker's periodic stats report
-    (the frontend's ``WorkerStats`` has these fields; the router does not import it)."""
-    @property
-    def worker_id(self) -> str: ...
-    @property
-    def pool(self) -> str: ...
-    @property
-    def running(self) -> int: ...
-    @property
-    def waiting(self) -> int: ...
-    @property
-    def kv_blocks_used(self) -> int: ...
-    @property
-    def kv_blocks_total(self) -> int: ...
-
-
-def load_from_stats(stats: LoadReport, queued_prefill_tokens: int = 0) -> WorkerLoad:
-    return WorkerLoad(queued_prefill_tokens=queued_prefill_tokens, running=stats.running,
-                      waiting=stats.waiting, kv_usage=stats.kv_blocks_used / max(1, stats.kv_blocks_total))
-
-
-class _Slot:
-    """Internal per-worker load state."""
-    __slots__ = ("worker_id", "pool", "reported", "pending_tokens", "pending_running",
-                 "pending_until", "view")
-
-    def __init__(self, worker_id: str, pool: str) -> None:
-        self.worker_id = worker_id
-        self.pool = pool
-        self.reported = WorkerLoad()
-        self.pending_tokens = 0
-        self.pending_running = 0
-        self.pending_until: float | None = None
-        self.view = WorkerView(worker_id, pool, self.reported)
-
-    def refresh(self) -> None:
-        r = self.reported
-        load = r if not (self.pending_tokens or self.pending_running) else WorkerLoad(
-            r.queued_prefill_tokens + self.pending_tokens, r.running + self.pending_running,
-            r.waiting, r.kv_usage, r.alive)
-        self.view = WorkerView(self.worker_id, self.pool, load)
-
-    def clear_pending(self) -> None:
-        self.pending_tokens = self.pending_running = 0
-        self.pending_until = None
-
-
 class Router:
     def __init__(self, config: RouterConfig, *, rng: random.Random, clock: Callable[[], float],
-                 index: PrefixIndex | None = None) -> None:
+                 index: PrefixIndex | None = None, native_decisions: bool = True) -> None:
+        """``native_decisions``: decide in one C call where it can (native_router.py); False:
+        the Python policy decides (the same decisions; tests compare them)."""
         self.config = config
         self.index = index if index is not None else PrefixIndex()
         self.policy = make_policy(config.policy, config.policy_config, rng)
         self.in_flight = (InFlightPrefixes(config.in_flight_ttl_s) if config.track_in_flight
                           else NoInFlightPrefixes())
         self._clock = clock
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, LoadSlot] = {}
         self._order: list[str] = []            # worker ids, sorted
         self._view: ClusterView | None = None  # None: rebuild from the slots
         self._pos: dict[str, tuple[str, int]] = {}   # worker in view -> (role, position)
         self._next_expiry: float | None = None
+        # the whole decision in C where it can be (native_router.py); it then holds the pending loads
+        self._fast = NativeDecisions.make(config.policy_config, self.policy, config.pending_ttl_s,
+                                          self.index, self.in_flight) if native_decisions else None
 
     # ---- workers and load -----------------------------------------------
     def add_worker(self, worker_id: str, pool: str) -> None:
@@ -114,12 +78,21 @@ class Router:
                 raise ValueError(f"worker {worker_id!r} is registered in pool {slot.pool!r}, not "
                                  f"{pool!r}: give each worker one id per pool")
             return
-        self._slots[worker_id] = _Slot(worker_id, pool)
+        self._slots[worker_id] = LoadSlot(worker_id, pool)
         bisect.insort(self._order, worker_id)
         self._view = None
+        if self._fast is not None:
+            self._fast.add(worker_id)
+            self._fast_roles()
 
     def update_load(self, worker_id: str, load: WorkerLoad) -> None:
         slot = self._slot(worker_id)
+        if self._fast is not None:
+            was_alive, slot.reported, self._view = slot.reported.alive, load, None
+            self._fast.set_load(worker_id, load)
+            if load.alive != was_alive:
+                self._fast_roles()
+            return
         if load == slot.reported and slot.pending_until is None and not (slot.pending_tokens or
                                                                          slot.pending_running):
             return      # the same report again, nothing optimistic to clear: the view stays
@@ -146,6 +119,9 @@ class Router:
         if self._slots.pop(worker_id, None) is not None:
             self._order.remove(worker_id)
             self._view = None
+            if self._fast is not None:
+                self._fast.remove(worker_id)
+                self._fast_roles()
 
     # ---- KV events ------------------------------------------------------
     def on_events(self, worker_id: str, events: Iterable[KVEvent]) -> ApplyResult:
@@ -167,6 +143,20 @@ class Router:
     # ---- routing --------------------------------------------------------
     def route(self, request: RoutingRequest) -> RoutingDecision:
         now = self._clock()
+        fast = self._fast
+        if fast is not None:
+            if fast.current():
+                try:
+                    decision = fast.decide(request, now)
+                except OverflowError:              # a hash the C tables cannot hold: Python from now on
+                    self._leave_fast()
+                else:
+                    self._view = None
+                    if decision is None:
+                        raise NoWorkerAvailable(NO_DECODE_WORKER)
+                    return decision
+            else:
+                self._leave_fast()
         if self._next_expiry is not None and now >= self._next_expiry:
             self._expire(now)
         decision = self.policy.route(request, self.view, self.index,
@@ -178,6 +168,10 @@ class Router:
 
     @property
     def view(self) -> ClusterView:
+        if self._view is None and self._fast is not None:
+            slots = self._slots
+            self._view = self._fast.view(self._order, {w: s.pool for w, s in slots.items()},
+                                         {w: s.reported.alive for w, s in slots.items()})
         if self._view is None:
             live = [self._slots[w].view for w in self._order if self._slots[w].view.load.alive]
             prefill = tuple(v for v in live if v.pool == "prefill")
@@ -188,7 +182,7 @@ class Router:
             self.policy.sync(self._view)
         return self._view
 
-    def _refresh(self, *slots: _Slot) -> None:
+    def _refresh(self, *slots: LoadSlot) -> None:
         """Rebuild these workers' views; patch them into the cluster view in place
         when their liveness is unchanged (the per-decision path: one new
         ClusterView for both workers of a decision), else rebuild."""
@@ -242,7 +236,23 @@ class Router:
                 nxt = slot.pending_until
         self._next_expiry = nxt
 
-    def _slot(self, worker_id: str) -> _Slot:
+    def _fast_roles(self) -> None:
+        """The live workers by role, in the view's order, to the C decider."""
+        assert self._fast is not None
+        live = [w for w in self._order if self._slots[w].reported.alive]
+        self._fast.set_roles([w for w in live if self._slots[w].pool == "prefill"],
+                             [w for w in live if self._slots[w].pool != "prefill"])
+
+    def _leave_fast(self) -> None:
+        """The Python path decides from now on: the C decider's pending loads copied back."""
+        fast, self._fast, self._view = self._fast, None, None
+        assert fast is not None
+        for worker_id, slot in self._slots.items():
+            slot.pending_tokens, slot.pending_running, slot.pending_until = fast.pending(worker_id)
+            slot.refresh()
+        self._next_expiry = fast.next_expiry()
+
+    def _slot(self, worker_id: str) -> LoadSlot:
         slot = self._slots.get(worker_id)
         if slot is None:
             raise ValueError(f"unknown worker {worker_id!r}: call add_worker(worker_id, pool) first")

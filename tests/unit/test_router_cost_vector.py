@@ -69,7 +69,7 @@ def test_matches_reads_as_a_mapping_later_groups_override_and_bitless_workers_go
 
 def _router(n: int, temperature: float = 0.0, seed: int = 1) -> Router:
     r = Router(RouterConfig(policy_config=PolicyConfig(temperature=temperature)),
-               rng=random.Random(seed), clock=lambda: 0.0)
+               rng=random.Random(seed), clock=lambda: 0.0, native_decisions=False)   # the Python policy
     for i in range(n):
         r.add_worker(f"w{i:03d}", "prefill" if i % 2 else "decode")
     return r

@@ -1,0 +1,201 @@
+/* InFlightTable: InFlightPrefixes' two generations (hash -> worker, epoch, expiry) as two flat
+ * tables, and their ageing (InFlightPrefixes._age: the generation's start lives here). */
+#include "routerfast.h"
+
+static int fg_alloc(FGen *g, uint64_t cap) {
+    FSlot *s = PyMem_RawMalloc(cap * sizeof(FSlot));
+    if (!s) { PyErr_NoMemory(); return -1; }
+    want_huge_pages(s, cap * sizeof(FSlot));
+    for (uint64_t i = 0; i < cap; i++) s[i].worker = -1;
+    g->slots = s; g->mask = cap - 1; g->count = 0;
+    return 0;
+}
+
+#define F_EMPTY(s) ((s)->worker < 0)
+#define F_CLEAR(s) ((s)->worker = -1)
+OPEN_ADDRESSING(fg, FGen, FSlot, F_EMPTY, F_CLEAR)
+
+static PyObject *ft_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    InFlightTable *t = (InFlightTable *)type->tp_alloc(type, 0);
+    if (!t) return NULL;
+    if (fg_alloc(&t->cur, 1u << MIN_BITS) < 0) { Py_DECREF(t); return NULL; }
+    if (fg_alloc(&t->prev, 1u << MIN_BITS) < 0) { Py_DECREF(t); return NULL; }
+    return (PyObject *)t;
+}
+
+static void ft_dealloc(InFlightTable *t) {
+    PyMem_RawFree(t->cur.slots);
+    PyMem_RawFree(t->prev.slots);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+int ft_record_keys(InFlightTable *t, const Keys *K, int32_t worker, uint32_t epoch, double expiry) {
+    FGen *g = &t->cur;
+    const uint64_t *keys = K->keys; Py_ssize_t n = K->n;
+    if (K->bad) { PyErr_SetString(PyExc_OverflowError, "block hashes must be 64-bit unsigned ints"); return -1; }
+    while ((uint64_t)(g->count + n) * 4 > (g->mask + 1) * 3)     /* load <= 0.75 after this send */
+        if (fg_grow(g) < 0) return -1;
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) __builtin_prefetch(&g->slots[mix(keys[i]) & g->mask], 1);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) __builtin_prefetch(&g->slots[mix(keys[i + PREFETCH_AHEAD]) & g->mask], 1);
+        FSlot *s = fg_find(g, keys[i]);
+        FSlot v = {keys[i], expiry, worker, epoch};
+        if (s) *s = v; else fg_place(g, &v);
+    }
+    return 0;
+}
+
+/* record(hashes, worker, epoch, expiry): the current generation maps each hash to this send. */
+static PyObject *ft_record(InFlightTable *t, PyObject *args) {
+    PyObject *hashes; int worker; unsigned int epoch; double expiry;
+    if (!PyArg_ParseTuple(args, "OiId", &hashes, &worker, &epoch, &expiry)) return NULL;
+    if (worker < 0) { PyErr_SetString(PyExc_ValueError, "worker index must be >= 0"); return NULL; }
+    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
+    if (!seq) return NULL;
+    PyObject *ret = NULL;
+    Keys K;
+    if (keys_load(&K, PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq)) == 0) {
+        if (ft_record_keys(t, &K, worker, epoch, expiry) == 0) ret = Py_NewRef(Py_None);
+        keys_free(&K);
+    }
+    Py_DECREF(seq);
+    return ret;
+}
+
+/* prev = cur if keep else empty; cur = empty. */
+static int ft_rotate_gens(InFlightTable *t, int keep) {
+    FGen fresh, fresh2;
+    if (fg_alloc(&fresh, 1u << MIN_BITS) < 0) return -1;
+    if (keep) { PyMem_RawFree(t->prev.slots); t->prev = t->cur; t->cur = fresh; return 0; }
+    if (fg_alloc(&fresh2, 1u << MIN_BITS) < 0) { PyMem_RawFree(fresh.slots); return -1; }
+    PyMem_RawFree(t->prev.slots); PyMem_RawFree(t->cur.slots);
+    t->prev = fresh2; t->cur = fresh;
+    return 0;
+}
+
+/* InFlightPrefixes._age: a generation lasts ttl; one older than 2 ttl is dropped whole. */
+int ft_age(InFlightTable *t, double now, double ttl) {
+    if (!t->has_gen) { t->gen_start = now; t->has_gen = 1; return 0; }
+    if (now - t->gen_start < ttl) return 0;
+    if (ft_rotate_gens(t, now - t->gen_start < 2 * ttl) < 0) return -1;
+    t->gen_start = now;
+    return 0;
+}
+
+static PyObject *ft_age_py(InFlightTable *t, PyObject *args) {
+    double now, ttl;
+    if (!PyArg_ParseTuple(args, "dd", &now, &ttl)) return NULL;
+    if (ft_age(t, now, ttl) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ft_gen_start(InFlightTable *t, PyObject *unused) {
+    return t->has_gen ? PyFloat_FromDouble(t->gen_start) : Py_NewRef(Py_None);
+}
+
+/* The live entry for key k (InFlightPrefixes._live): cur's if any, else prev's; NULL when absent,
+ * expired or of an older epoch (epochs: list of ints by worker index). */
+static const FSlot *ft_live(const InFlightTable *t, uint64_t k, double now, PyObject *epochs) {
+    const FSlot *s = fg_find(&t->cur, k);
+    if (!s) s = fg_find(&t->prev, k);
+    if (!s || s->expiry <= now) return NULL;
+    if (s->worker >= PyList_GET_SIZE(epochs)) return s->epoch == 0 ? s : NULL;
+    unsigned long e = PyLong_AsUnsignedLongMask(PyList_GET_ITEM(epochs, s->worker));
+    return (uint32_t)e == s->epoch ? s : NULL;
+}
+
+int32_t ft_match_keys(const InFlightTable *t, const Keys *K, double now, PyObject *epochs, Py_ssize_t *depth) {
+    Py_ssize_t lo = 0, hi = K->n;
+    const FSlot *best = K->n && K->ok[0] ? ft_live(t, K->keys[0], now, epochs) : NULL;
+    while (best && hi - lo > 1) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        const FSlot *v = K->ok[mid] ? ft_live(t, K->keys[mid], now, epochs) : NULL;
+        if (v) { lo = mid; best = v; } else hi = mid;
+    }
+    *depth = lo + 1;
+    return best ? best->worker : -1;
+}
+
+/* match(hashes, now, epochs) -> (worker, blocks) or None: the deepest live block, by binary search. */
+static PyObject *ft_match(InFlightTable *t, PyObject *args) {
+    PyObject *hashes, *epochs; double now;
+    if (!PyArg_ParseTuple(args, "OdO!", &hashes, &now, &PyList_Type, &epochs)) return NULL;
+    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
+    if (!seq) return NULL;
+    Keys K;
+    int32_t worker = -1; Py_ssize_t depth = 0;
+    if (keys_load(&K, PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq)) < 0) { Py_DECREF(seq); return NULL; }
+    worker = ft_match_keys(t, &K, now, epochs, &depth);
+    keys_free(&K);
+    Py_DECREF(seq);
+    if (worker < 0) Py_RETURN_NONE;
+    return Py_BuildValue("(in)", worker, depth);
+}
+
+/* on_removed(worker, hashes): drop these hashes' entries owned by worker, in both generations. */
+static PyObject *ft_on_removed(InFlightTable *t, PyObject *args) {
+    PyObject *hashes; int worker;
+    if (!PyArg_ParseTuple(args, "iO", &worker, &hashes)) return NULL;
+    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (int gi = 0; gi < 2; gi++) {
+        FGen *g = gi ? &t->prev : &t->cur;
+        for (Py_ssize_t i = 0; g->count && i < n; i++) {
+            uint64_t k;
+            if (to_key(items[i], &k) < 0) { PyErr_Clear(); continue; }
+            FSlot *s = fg_find(g, k);
+            if (s && s->worker == worker) fg_remove(g, s);
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+/* Distinct hashes in either generation (len of InFlightPrefixes). */
+static Py_ssize_t ft_len(InFlightTable *t) {
+    Py_ssize_t n = t->cur.count;
+    for (uint64_t i = 0; i <= t->prev.mask; i++)
+        if (t->prev.slots[i].worker >= 0 && !fg_find(&t->cur, t->prev.slots[i].key)) n++;
+    return n;
+}
+
+int ft_is_empty(const InFlightTable *t) { return !t->cur.count && !t->prev.count; }
+
+static PyObject *ft_empty(InFlightTable *t, PyObject *unused) {
+    return PyBool_FromLong(ft_is_empty(t));
+}
+
+/* dump() -> (cur, prev): [(hash, worker, epoch, expiry)] per generation (to fall back to dicts). */
+static PyObject *ft_dump(InFlightTable *t, PyObject *unused) {
+    PyObject *out = PyTuple_New(2);
+    for (int gi = 0; out && gi < 2; gi++) {
+        const FGen *g = gi ? &t->prev : &t->cur;
+        PyObject *lst = PyList_New(0);
+        if (!lst) { Py_CLEAR(out); break; }
+        PyTuple_SET_ITEM(out, gi, lst);
+        for (uint64_t i = 0; i <= g->mask; i++) {
+            const FSlot *s = &g->slots[i];
+            if (s->worker < 0) continue;
+            PyObject *item = Py_BuildValue("(KiId)", (unsigned long long)s->key, s->worker, s->epoch, s->expiry);
+            if (!item || PyList_Append(lst, item) < 0) { Py_XDECREF(item); Py_CLEAR(out); break; }
+            Py_DECREF(item);
+        }
+    }
+    return out;
+}
+
+static PyMethodDef ft_methods[] = {
+    {"dump", (PyCFunction)ft_dump, METH_NOARGS, "dump() -> (cur, prev) lists of (hash, worker, epoch, expiry)"},
+    {"record", (PyCFunction)ft_record, METH_VARARGS, "record(hashes, worker, epoch, expiry)"},
+    {"age", (PyCFunction)ft_age_py, METH_VARARGS, "age(now, ttl): start a generation every ttl (InFlightPrefixes._age)"},
+    {"gen_start", (PyCFunction)ft_gen_start, METH_NOARGS, "the current generation's start, or None"},
+    {"match", (PyCFunction)ft_match, METH_VARARGS, "match(hashes, now, epochs) -> (worker, blocks) | None"},
+    {"on_removed", (PyCFunction)ft_on_removed, METH_VARARGS, "on_removed(worker, hashes)"},
+    {"empty", (PyCFunction)ft_empty, METH_NOARGS, "no entry in either generation"},
+    {NULL}
+};
+
+TABLE_TYPE(InFlightTableType, "routerfast.InFlightTable", InFlightTable, ft)
+
