@@ -61,11 +61,25 @@ recovers toward 1 by ``capacity_recovery_per_s`` while the SLO holds with
 margin; shrinking then has to wait until the recovered figure says the load
 fits in fewer workers.
 
+**Prefill shrinks slowly**: its scale-in waits ``prefill_hold_factor`` holds (5 x 60 s
+by default), as its size is set by the TTFT tail (long prompts queued behind each other
+on the nodes that hold their prefix), which the token-rate test of the scale-in does not
+see: at 20% of its token capacity a prefill pool can still be short for TTFT.
+
+**At the fleet cap**, when prefill asks for more and decode does not need all it holds,
+decode gives way at once (``trade_at_cap``): its scale-in skips the hold (a step per
+cool-down still) and prefill grows into the room. What keeps decode from giving too much
+is the **memory of peaks**: no pool shrinks below the most it needed at the scale-in level
+(sequences at ``scale_in_utilization``, KV at ``scale_in_kv_usage``) at any interval of
+the last ``scale_in_memory_factor`` holds (3 x 60 s), longer than the hold itself, so the
+quiet minute before a rise does not set its size.
+
 **Idle**: no prompt tokens arrived and none queued for ``idle_hold_s``: neither pool
 gets new work, and more workers cannot speed up what is in flight (requests do not
 move), so both pools drain to their minimum at once instead of a step per cool-down;
 the drained workers finish what they hold. This is where an autoscaled fleet stops
-paying for a fixed fleet's idle tail.
+paying for a fixed fleet's idle tail. With ``PrefillSignals.since_last_prompt_s`` the lull
+counts from the last prompt's arrival (a rate over a window would report it a window late).
 
 Against flapping: a hysteresis band (scale out above ``target_utilization``,
 scale in only when the load fits at ``scale_in_utilization`` in fewer workers
