@@ -51,9 +51,9 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
             max_total_workers=n if args.fleet_cap else None, decode_first_under_cap=args.decode_first,
             ttft_miss_budget=args.ttft_miss_budget if args.ttft_miss_budget > 0 else 0.002,
             predict_ahead_s=args.startup_delay, cooldown_out_s=max(args.startup_delay, args.interval),
-            # the controller's default lull (30 s without a prompt) before both pools go to their
-            # minimum; the simulator's prompt rate is over its window, which already holds that much
-            idle_hold_s=max(0.0, 30.0 - args.window))
+            # a lull of --idle-hold seconds without a prompt (the simulator gives the controller the
+            # time since the router last took one) sends both pools to their minimum
+            idle_hold_s=args.idle_hold)
         scale = SimAutoscale(config, interval_s=args.interval, window_s=args.window, startup_s=args.startup_delay,
                              ttft_wait_misses=args.ttft_miss_budget > 0)
     sched = cost.meta.get("scheduler", {})
@@ -98,6 +98,9 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=5.0)
     ap.add_argument("--window", type=float, default=30.0)
     ap.add_argument("--startup-delay", type=float, default=30.0)
+    ap.add_argument("--idle-hold", type=float, default=10.0,
+                    help="seconds without a prompt before both autoscaled pools drain to their minimum "
+                         "(the trace's longest gap between arrivals is 2.7 s at 1750 requests)")
     ap.add_argument("--fleet-cap", action="store_true", help="cap both autoscaled pools together at N")
     ap.add_argument("--decode-first", action="store_true",
                     help="at the fleet cap, decode's growth first (it may displace prefill workers)")
@@ -127,7 +130,8 @@ def main() -> None:
     out = {"slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}, "steer": args.steer,
            "profile": args.profile, "fleet_cap": args.fleet_cap, "decode_first": args.decode_first,
            "start": args.start, "ttft_miss_budget": args.ttft_miss_budget,
-           "startup_delay_s": args.startup_delay, "interval_s": args.interval, "fleets": {}}
+           "startup_delay_s": args.startup_delay, "interval_s": args.interval, "idle_hold_s": args.idle_hold,
+           "fleets": {}}
     for f in fleets:
         mine = [r for r in rows if r["fleet"] == f["label"]]
         fixed = [r for r in mine if not r["autoscale"]]

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.orchestration.autoscale import (AutoscaleConfig, ControllerState, DecodeSignals, FleetSignals,
-                                             PoolBounds, PrefillSignals, Reason, decide)
+                                             FleetDecision, PoolBounds, PrefillSignals, Reason, decide)
 
 CAP_TPS = 10_000.0      # prompt tokens/s one prefill worker sustains
 SEQS = 40.0             # sequences one decode worker holds
@@ -86,7 +86,7 @@ def test_ttft_miss_with_a_queue_grows_by_one_even_if_the_model_says_enough():
 
 
 def test_drop_shrinks_only_after_the_hold_and_stepwise_to_min():
-    cfg = config(max_step_down=0.25, prefill=PoolBounds(2, 20))
+    cfg = config(max_step_down=0.25, prefill=PoolBounds(2, 20), prefill_hold_factor=1.0)
     series = [({"rate": 1000}, idle_decode())] * 40
     out = replay(cfg, series, p0=8)
     targets = [d.prefill.target for d in out]
@@ -266,7 +266,7 @@ def test_scale_in_goes_no_lower_than_the_hold_window_needed():
     # need 9 must not shrink below 9 just because the sample when the hold ends is a quiet one
     # (the last sample alone would take it 10 -> 5 -> 3 -> 2)
     bursty = [{"running": 140}, {"running": 30}, {"running": 30}, {"running": 144}, {"running": 30}, {"running": 30}]
-    cfg = config(scale_in_hold_s=25.0, max_step_down=0.5, ewma_alpha=1.0)
+    cfg = config(scale_in_hold_s=25.0, max_step_down=0.5, ewma_alpha=1.0, scale_in_kv_usage=0.75 * 0.45 / 0.8)
     out = replay(cfg, [({"rate": 1000}, bursty[i % len(bursty)]) for i in range(30)], d0=10)
     shrinks = [d.decode for d in out if d.decode.target < d.decode.current]
     assert shrinks and all(d.reason is Reason.IDLE for d in shrinks)
@@ -322,3 +322,58 @@ def test_no_prompts_for_the_idle_hold_drains_both_pools_to_min_at_once():
     assert all(d.prefill.target == 8 and d.decode.target == 6 for d in out)
     with pytest.raises(ValueError, match="idle_hold_s"):
         config(idle_hold_s=-1.0)
+
+
+def test_prefill_waits_five_holds_before_shrinking():
+    # the token rate fits one worker from t=0 and TTFT holds with margin: prefill keeps its 8
+    # workers for 5 x the 30 s hold (its size is set by the TTFT tail, not the rate); decode
+    # shrinks after one hold
+    out = replay(config(max_step_down=0.25), [({"rate": 1000}, {"running": 10})] * 40, p0=8, d0=8)
+    first = {pool: next(i for i, d in enumerate(out) if getattr(d, pool).target < getattr(d, pool).current)
+             for pool in ("prefill", "decode")}
+    assert first == {"prefill": 30, "decode": 6}        # t = 150 s and 30 s
+    assert out[30].prefill.reason is Reason.IDLE and out[30].prefill.target == 6
+
+
+def test_scale_in_goes_no_lower_than_the_memory_of_peaks():
+    # one peak then quiet: decode shrinks after the 30 s hold, but not below what the peak needed
+    # at the scale-in level until the peak is older than 3 holds (90 s); without the memory it
+    # goes on down a step per cool-down
+    series = [({"rate": 1000}, {"running": 160})] + [({"rate": 1000}, {"running": 10})] * 40
+    targets = [d.decode.target for d in replay(config(max_step_down=0.5), series, d0=16)]
+    assert targets[:6] == [16] * 6 and targets[6:18] == [9] * 12      # t = 30 s: 16 -> 9, the peak's need
+    assert targets[18] < 9 and targets[-1] == 1                        # t = 90 s: the peak is forgotten
+    targets = [d.decode.target for d in replay(config(max_step_down=0.5, scale_in_memory_factor=0.0), series, d0=16)]
+    assert targets[6] == 8 and targets[12] == 4                        # a step per cool-down
+
+
+def test_decode_gives_way_at_the_fleet_cap_without_its_hold():
+    # at the cap of 10 (6 prefill + 4 decode) prefill misses TTFT with a queue while decode holds
+    # 10 sequences: decode shrinks a step at once, not after its 30 s hold, and prefill grows
+    # into the room
+    cfg = config(max_total_workers=10, max_step_up=10.0, cooldown_out_s=0.0, max_step_down=0.5)
+    hurting = {"rate": 10_000, "queued": 100_000, "ttft": 3000.0}
+    out = replay(cfg, [(hurting, {"running": 10})] * 3, p0=6, d0=4)
+    assert (out[0].decode.target, out[0].decode.reason) == (2, Reason.IDLE)
+    assert out[1].prefill.target == 8
+    # off, or prefill not asking for more: decode waits out its hold
+    off = config(max_total_workers=10, max_step_up=10.0, cooldown_out_s=0.0, max_step_down=0.5, trade_at_cap=False)
+    assert all(d.decode.target == 4 for d in replay(off, [(hurting, {"running": 10})] * 3, p0=6, d0=4))
+    assert all(d.decode.target == 4 for d in replay(cfg, [({"rate": 1000}, {"running": 10})] * 3, p0=6, d0=4))
+
+
+def test_idle_from_the_time_since_the_last_prompt():
+    # the caller's rate is over a window that still holds the last prompts; the age of the last
+    # prompt says the lull began 12 s ago: past the 10 s hold, both pools go to their minimum now
+    cfg = config(idle_hold_s=10.0, prefill=PoolBounds(2, 20), decode=PoolBounds(3, 20))
+
+    def first(queued: int, age: float) -> FleetDecision:
+        sig = FleetSignals(PrefillSignals(8, 8, queued, 5000.0, 500.0, CAP_TPS, since_last_prompt_s=age), decode(6, 40))
+        return decide(cfg, sig, ControllerState(), 100.0)[0]
+
+    dec = first(0, 12.0)
+    assert (dec.prefill.target, dec.decode.target) == (2, 3) and dec.prefill.reason is Reason.IDLE
+    assert first(0, 8.0).prefill.target == 8            # younger than the hold
+    assert first(100, 60.0).prefill.target == 8         # prompts still queued
+    with pytest.raises(ValueError, match="since_last_prompt_s"):
+        PrefillSignals(8, 8, 0, 0.0, None, CAP_TPS, since_last_prompt_s=-1.0)

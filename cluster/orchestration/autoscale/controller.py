@@ -61,11 +61,25 @@ recovers toward 1 by ``capacity_recovery_per_s`` while the SLO holds with
 margin; shrinking then has to wait until the recovered figure says the load
 fits in fewer workers.
 
+**Prefill shrinks slowly**: its scale-in waits ``prefill_hold_factor`` holds (5 x 60 s
+by default), as its size is set by the TTFT tail (long prompts queued behind each other
+on the nodes that hold their prefix), which the token-rate test of the scale-in does not
+see: at 20% of its token capacity a prefill pool can still be short for TTFT.
+
+**At the fleet cap**, when prefill asks for more and decode does not need all it holds,
+decode gives way at once (``trade_at_cap``): its scale-in skips the hold (a step per
+cool-down still) and prefill grows into the room. What keeps decode from giving too much
+is the **memory of peaks**: no pool shrinks below the most it needed at the scale-in level
+(sequences at ``scale_in_utilization``, KV at ``scale_in_kv_usage``) at any interval of
+the last ``scale_in_memory_factor`` holds (3 x 60 s), longer than the hold itself, so the
+quiet minute before a rise does not set its size.
+
 **Idle**: no prompt tokens arrived and none queued for ``idle_hold_s``: neither pool
 gets new work, and more workers cannot speed up what is in flight (requests do not
 move), so both pools drain to their minimum at once instead of a step per cool-down;
 the drained workers finish what they hold. This is where an autoscaled fleet stops
-paying for a fixed fleet's idle tail.
+paying for a fixed fleet's idle tail. With ``PrefillSignals.since_last_prompt_s`` the lull
+counts from the last prompt's arrival (a rate over a window would report it a window late).
 
 Against flapping: a hysteresis band (scale out above ``target_utilization``,
 scale in only when the load fits at ``scale_in_utilization`` in fewer workers
@@ -146,6 +160,9 @@ class PoolState:
     # lowered when the SLO missed at a size the figure said was enough, recovering slowly while
     # the SLO holds with margin
     capacity_scale: float = 1.0
+    # (time, workers the load needed at the scale-in level) at every interval of the last
+    # scale_in_memory_factor x scale_in_hold_s: no shrink goes below its most
+    peaks: tuple[tuple[float, int], ...] = ()
 
     def observe(self, load: float, now: float, config: AutoscaleConfig) -> "PoolState":
         if self.ewma is None or self.last_t is None:
@@ -269,15 +286,13 @@ def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
     itl = s.itl_p90_ms
     if itl is not None and itl > c.slo_itl_ms and out <= s.workers:
         out, reason = _slo_step(s.workers, itl, c.slo_itl_ms, c), Reason.ITL_SLO
-    ratio = c.scale_in_utilization / c.target_utilization
-    fits_in = max(_ceil(seqs_in / (spw * c.scale_in_utilization)),
-                  _ceil(kv_workers / (c.target_kv_usage * ratio)))
+    fits_in = max(_ceil(seqs_in / (spw * c.scale_in_utilization)), _ceil(kv_workers / c.scale_in_kv_usage))
     return _Want(out, reason, fits_in, _under_margin(s.itl_p90_ms, c.slo_itl_ms, c), seqs_out,
                  s.seqs_per_worker * c.target_utilization)
 
 
 def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c: AutoscaleConfig,
-          now: float) -> tuple[PoolDecision, PoolState]:
+          now: float, hold: float) -> tuple[PoolDecision, PoolState]:
     def done(target: int, reason: Reason, state: PoolState) -> tuple[PoolDecision, PoolState]:
         if target > cur:
             state = replace(state, last_out_t=now, last_change_t=now)
@@ -285,6 +300,8 @@ def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c
             state = replace(state, last_change_t=now)
         return PoolDecision(name, cur, target, reason, want.out, want.predicted), state
 
+    memory = c.scale_in_memory_factor * c.scale_in_hold_s
+    st = replace(st, peaks=tuple(x for x in st.peaks if x[0] > now - memory) + ((now, want.fits_in),))
     if cur < bounds.min_workers:
         return done(bounds.min_workers, Reason.AT_MIN, replace(st, below_since=None, needs=()))
     if cur > bounds.max_workers:
@@ -298,19 +315,22 @@ def _pool(name: str, cur: int, want: _Want, st: PoolState, bounds: PoolBounds, c
         step = max(1, math.ceil(cur * c.max_step_up))
         return done(min(want.out, cur + step, bounds.max_workers), want.out_reason, st)
     if want.may_shrink and want.fits_in < cur:
-        # the shrink goes no lower than the most the load needed over the last hold, not the
-        # last (perhaps quietest) sample's need
+        # the shrink goes no lower than the most the load needed over the last hold and the
+        # longer memory, not the last (perhaps quietest) sample's need
         since = st.below_since if st.below_since is not None else now
-        needs = tuple(x for x in st.needs if x[0] > now - c.scale_in_hold_s) + ((now, want.fits_in),)
+        needs = tuple(x for x in st.needs if x[0] > now - hold) + ((now, want.fits_in),)
         st = replace(st, below_since=since, needs=needs)
         if cur <= bounds.min_workers:
             return done(cur, Reason.AT_MIN, st)
-        if now - since < c.scale_in_hold_s:
+        if now - since < hold:
             return done(cur, Reason.STEADY, st)
         if now - st.last_change_t < c.cooldown_in_s:
             return done(cur, Reason.COOLDOWN, st)
         step = max(1, math.floor(cur * c.max_step_down))
-        return done(max(max(n for _, n in needs), cur - step, bounds.min_workers), Reason.IDLE, st)
+        floor = max(n for _, n in needs + st.peaks)
+        if floor >= cur:
+            return done(cur, Reason.STEADY, st)
+        return done(max(floor, cur - step, bounds.min_workers), Reason.IDLE, st)
     return done(cur, Reason.STEADY, replace(st, below_since=None, needs=()))
 
 
@@ -322,6 +342,28 @@ def _to_min(d: PoolDecision, st: PoolState, bounds: PoolBounds, now: float) -> t
         return replace(d, target=bounds.min_workers, reason=Reason.AT_MIN), st
     return (replace(d, target=bounds.min_workers, reason=Reason.IDLE),
             replace(st, last_change_t=now, below_since=None, needs=()))
+
+
+def _trade(c: AutoscaleConfig, s: FleetSignals, prefill: _Want) -> bool:
+    """Prefill wants more workers and the fleet is at its cap (draining workers included): decode
+    gives up what it does not need without waiting out its scale-in hold (still a step per
+    cool-down, no lower than its peak need over the memory)."""
+    cap = c.max_total_workers
+    return c.trade_at_cap and cap is not None and prefill.out > s.prefill.workers and \
+        s.prefill.workers + s.decode.workers + s.draining >= cap
+
+
+def _idle_since(s: PrefillSignals, since: float | None, now: float) -> float | None:
+    """Since when no prompt arrived and none queued (None: prompts queue or arrive). With the
+    caller's ``since_last_prompt_s``, from the last prompt's arrival; else from the first interval
+    whose prompt rate (over the caller's window) was zero."""
+    if s.queued_tokens > 0:
+        return None
+    if s.since_last_prompt_s is not None:
+        return now - s.since_last_prompt_s
+    if s.prompt_tokens_per_s > 0:
+        return None
+    return since if since is not None else now
 
 
 def _fleet_cap(p: PoolDecision, d: PoolDecision, cap: int | None, decode_first: bool = False,
@@ -362,10 +404,11 @@ def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerStat
     wp, wd = _prefill_want(signals.prefill, ps, config), _decode_want(signals.decode, ds, config)
     ps = _learn(ps, wp, signals.prefill.workers, dt_p, config)
     ds = _learn(ds, wd, signals.decode.workers, dt_d, config)
-    p, ps = _pool("prefill", signals.prefill.workers, wp, ps, config.prefill, config, now)
-    d, ds = _pool("decode", signals.decode.workers, wd, ds, config.decode, config, now)
-    idle = signals.prefill.prompt_tokens_per_s == 0 and signals.prefill.queued_tokens == 0
-    idle_since = (state.idle_since if state.idle_since is not None else now) if idle else None
+    p, ps = _pool("prefill", signals.prefill.workers, wp, ps, config.prefill, config, now,
+                  config.prefill_hold_factor * config.scale_in_hold_s)
+    d, ds = _pool("decode", signals.decode.workers, wd, ds, config.decode, config, now,
+                  0.0 if _trade(config, signals, wp) else config.scale_in_hold_s)
+    idle_since = _idle_since(signals.prefill, state.idle_since, now)
     if config.idle_hold_s is not None and idle_since is not None and now - idle_since >= config.idle_hold_s:
         p, ps = _to_min(p, ps, config.prefill, now)
         d, ds = _to_min(d, ds, config.decode, now)

@@ -32,6 +32,9 @@ class PrefillSignals:
     that missed it: the misses more prefill workers could have prevented
     (None: not measured; the TTFT p90 decides instead). A prompt too long to
     meet the target on an idle worker is no reason to grow the pool.
+    ``since_last_prompt_s``: seconds since the router last took a prompt (None:
+    not tracked; then a zero ``prompt_tokens_per_s`` marks the start of a lull,
+    which a rate over a window reports a window late).
     """
     workers: int
     ready_workers: int
@@ -40,11 +43,15 @@ class PrefillSignals:
     ttft_p90_ms: float | None
     tokens_per_s_per_worker: float
     ttft_wait_miss_fraction: float | None = None
+    since_last_prompt_s: float | None = None
 
     def __post_init__(self) -> None:
         _check_counts("prefill", self.workers, self.ready_workers)
         if self.queued_tokens < 0 or self.prompt_tokens_per_s < 0:
             raise ValueError(f"prefill signals: queued_tokens and prompt_tokens_per_s must be >= 0, got {self}")
+        if self.since_last_prompt_s is not None and self.since_last_prompt_s < 0:
+            raise ValueError(f"prefill signals: since_last_prompt_s is an age in seconds, >= 0 (or None), "
+                             f"got {self.since_last_prompt_s}")
         if self.ttft_wait_miss_fraction is not None and not 0 <= self.ttft_wait_miss_fraction <= 1:
             raise ValueError(f"prefill signals: ttft_wait_miss_fraction is a part of the window's requests, "
                              f"0..1 (or None), got {self.ttft_wait_miss_fraction}")
@@ -146,6 +153,16 @@ class AutoscaleConfig:
     trend_alpha: float = 0.3
     predict_ahead_s: float = 30.0          # forecast horizon (about a worker's start-up time)
     scale_in_hold_s: float = 60.0
+    # prefill waits this many scale-in holds: its size is set by the TTFT tail (long prompts
+    # queued behind each other), not by the token rate the scale-in test measures
+    prefill_hold_factor: float = 5.0
+    # no shrink below the most a pool needed at the scale-in level over this many holds
+    scale_in_memory_factor: float = 3.0
+    # decode's KV use (mean over workers) its scale-in counts as room: it fits in fewer workers
+    # when their KV would stay under this
+    scale_in_kv_usage: float = 0.6
+    # prefill wants more at the fleet cap: decode shrinks without its hold (the memory still holds)
+    trade_at_cap: bool = True
     # no prompt tokens arrived and none queued for this long: both pools drain to their minimum at
     # once (None: never; the caller's window adds to it, as the rate is over its window)
     idle_hold_s: float | None = 30.0
@@ -159,6 +176,11 @@ class AutoscaleConfig:
             raise ValueError("give positive SLOs, e.g. --slo-ttft-ms 2000 --slo-itl-ms 100")
         if not 0 < self.scale_in_utilization < self.target_utilization <= 1:
             raise ValueError("need 0 < scale_in_utilization < target_utilization <= 1 (the hysteresis band)")
+        if not 0 < self.scale_in_kv_usage <= self.target_kv_usage:
+            raise ValueError(f"need 0 < scale_in_kv_usage <= target_kv_usage ({self.target_kv_usage}), got "
+                             f"{self.scale_in_kv_usage}")
+        if self.prefill_hold_factor < 0 or self.scale_in_memory_factor < 0:
+            raise ValueError("prefill_hold_factor and scale_in_memory_factor must be >= 0 (multiples of scale_in_hold_s)")
         if not 0 < self.queue_drain_fraction <= 1 or not 0 < self.target_kv_usage <= 1 \
                 or not 0 < self.slo_scale_in_margin <= 1:
             raise ValueError("queue_drain_fraction, target_kv_usage and slo_scale_in_margin must be in (0, 1]")

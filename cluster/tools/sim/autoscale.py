@@ -161,10 +161,12 @@ class SimAutoscaler:
         # one row per interval: what the controller saw, what it decided, and what the fleet pays for
         self.intervals: list[dict] = []
         self.peak = {"prefill": 0, "decode": 0}
+        self.last_prompt_s: float | None = None     # when the router last took a prompt
 
     # ---- what the cluster reports --------------------------------------------
     def on_routed(self, t: float, uncached_prefill_tokens: int) -> None:
         self.prompt_tokens.add(t, uncached_prefill_tokens)
+        self.last_prompt_s = t
 
     def on_first_token(self, rec: "RequestRecord") -> None:
         assert rec.first_token_s is not None
@@ -197,7 +199,8 @@ class SimAutoscaler:
             queued_tokens=sum(n.scheduler.num_waiting_tokens for n in pre),
             prompt_tokens_per_s=self.prompt_tokens.total() / span, ttft_p90_ms=self.ttft_ms.p90(),
             tokens_per_s_per_worker=self.prefill_tps,
-            ttft_wait_miss_fraction=self.wait_misses.mean() if self.pure_prefill is not None else None)
+            ttft_wait_miss_fraction=self.wait_misses.mean() if self.pure_prefill is not None else None,
+            since_last_prompt_s=None if self.last_prompt_s is None else now - self.last_prompt_s)
         d = DecodeSignals(
             workers=len(dec) + sim.starting_count("decode"), ready_workers=len(dec),
             running=sum(n.scheduler.num_running + n.scheduler.num_remote for n in dec),
