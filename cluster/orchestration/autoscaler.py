@@ -67,6 +67,7 @@ class Autoscaler:
         self._itl = HistogramWindow(metrics.itl)
         self._prompt_tokens: float | None = None
         self._last: float | None = None
+        self._last_prompt: float | None = None   # the last sample that saw new prompt tokens
         self._starting = {pool: 0 for pool in POOLS}
         self._retiring: dict[str, str] = {}            # worker id -> pool
         self._tasks: set[asyncio.Task] = set()
@@ -98,6 +99,8 @@ class Autoscaler:
         self._last = now
         total = self.metrics.registry.get_sample_value("pdserve_prompt_tokens_total") or 0.0
         rate = (total - self._prompt_tokens) / dt if dt > 0 and self._prompt_tokens is not None else 0.0
+        if total > (self._prompt_tokens or 0.0):   # a prompt came since the last sample: its age is at most dt
+            self._last_prompt = now
         self._prompt_tokens = total
         self.capacity.observe(self.backend.pool, now)
         ttft, itl = self._ttft.quantile(0.9), self._itl.quantile(0.9)
@@ -105,7 +108,8 @@ class Autoscaler:
             workers=self._workers("prefill"), ready_workers=len(view.prefill),
             queued_tokens=sum(v.load.queued_prefill_tokens for v in view.prefill), prompt_tokens_per_s=rate,
             ttft_p90_ms=None if ttft is None else ttft * 1e3,
-            tokens_per_s_per_worker=self.capacity.prefill_tokens_per_s())
+            tokens_per_s_per_worker=self.capacity.prefill_tokens_per_s(),
+            since_last_prompt_s=None if self._last_prompt is None else now - self._last_prompt)
         decode = DecodeSignals(
             workers=self._workers("decode"), ready_workers=len(view.decode),
             running=sum(v.load.running for v in view.decode), waiting=sum(v.load.waiting for v in view.decode),

@@ -60,3 +60,28 @@ def test_histogram_window_sees_only_the_interval():
     assert w.quantile(0.9) is None   # nothing new since
     h.observe(5.0)
     assert w.quantile(0.5) == 0.8    # +Inf bucket: the last finite bound
+
+
+def test_live_signals_age_the_last_prompt_from_the_prompt_token_counter():
+    """The live head gives the controller `since_last_prompt_s` (the lull rule counts from the
+    last prompt, as in the simulator): zero in an interval with new prompt tokens, then the
+    time since that interval; None before any prompt."""
+    from cluster.observability.metrics import Metrics
+    from cluster.orchestration.autoscaler import Autoscaler
+
+    now = [0.0]
+    pool = SimpleNamespace(router=SimpleNamespace(view=SimpleNamespace(prefill=[], decode=[])),
+                           serving=lambda pool: [f"{pool}-0"], stats={})
+    metrics = Metrics()
+    scaler = Autoscaler(SimpleNamespace(pool=pool), ServeConfig(autoscale=True), metrics, clock=lambda: now[0])
+
+    def age(t: float) -> float | None:
+        now[0] = t
+        return scaler._signals(t).prefill.since_last_prompt_s
+
+    assert age(0.0) is None                      # nothing yet
+    metrics.prompt_tokens.inc(300)
+    assert age(5.0) == 0.0                       # prompts in (0, 5]
+    assert age(10.0) == 5.0 and age(15.0) == 10.0
+    metrics.prompt_tokens.inc(10)
+    assert age(20.0) == 0.0
