@@ -29,6 +29,10 @@ from engine.outputs import StepDelta
 
 log = logging.getLogger("pdserve.cluster")
 REPORT_TIMEOUT_S = 5.0
+# A KV snapshot is the whole prefix index of a worker (larger than a report). Bounded like a
+# report: one call left hanging (a link back from a partition with the reply lost) would
+# otherwise stop every worker's reports, since one poll awaits them all.
+SNAPSHOT_TIMEOUT_S = 15.0
 
 
 class WorkerPool:
@@ -236,9 +240,13 @@ class WorkerPool:
         result = self.router.on_events(ref.worker_id, report.events)
         if revived or result.needs_resync:
             try:
-                self.router.on_snapshot(ref.worker_id, await ref.actor.kv_snapshot.remote())
-            except Exception:
+                snapshot = await asyncio.wait_for(ref.actor.kv_snapshot.remote(), SNAPSHOT_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:   # not in the index yet: the next poll asks again
+                log.info("KV snapshot of %s failed (%s); asking again", ref.worker_id, type(e).__name__)
                 return
+            self.router.on_snapshot(ref.worker_id, snapshot)
         self._observe(ref, report)
 
     def _observe(self, ref: WorkerRef, report) -> None:

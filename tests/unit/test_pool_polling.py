@@ -1,0 +1,69 @@
+"""The head's report poll (cluster/orchestration/pool.py `_poll_reports`): one worker whose
+KV snapshot never answers (a link back from a partition with the reply lost) must not stop
+the poll, which awaits every worker's report together. A real in-process PrefillWorker
+(tiny model, tcp transfer engine) behind a handle that calls it as Ray would, no Ray."""
+from __future__ import annotations
+
+import asyncio
+
+from cluster.config import ServeConfig
+from cluster.observability.metrics import Metrics
+from cluster.orchestration import pool as pool_mod
+from cluster.orchestration.launcher import WorkerRef
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvtransfer.settings import TransferSettings
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, **kw):
+        return self.fn(**kw)
+
+
+class _Handle:
+    """`handle.method.remote(**kw)` awaits the worker's own method; kv_snapshot hangs while
+    `hang` is set (the call never returns, as a reply lost on a cut link)."""
+    def __init__(self, worker):
+        self.worker, self.hang, self.snapshots = worker, True, 0
+
+    def __getattr__(self, name):
+        if name == "kv_snapshot":
+            return _Method(self._snapshot)
+        return _Method(getattr(self.worker, name))
+
+    async def _snapshot(self):
+        self.snapshots += 1
+        if self.hang:
+            self.hang = False          # the next call answers
+            await asyncio.Event().wait()
+        return await self.worker.kv_snapshot()
+
+
+def test_a_hanging_snapshot_does_not_stop_the_poll(tiny_llama_dir, monkeypatch):
+    from prefill_worker.worker import PrefillWorker
+
+    monkeypatch.setattr(pool_mod, "SNAPSHOT_TIMEOUT_S", 0.3)
+    cfg = EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(block_size=16, num_blocks=64),
+                       scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=256))
+    handle = _Handle(PrefillWorker("prefill-0", cfg, TransferSettings(backend="tcp", lease_ttl=60.0, timeout=60.0)))
+
+    async def go():
+        pool = pool_mod.WorkerPool(ServeConfig(), Metrics(), report_interval=0.05)
+        pool.router.add_worker("prefill-0", "prefill")
+        pool.workers["prefill-0"] = WorkerRef("prefill-0", "prefill", handle, alive=False)   # marked dead
+        task = asyncio.get_running_loop().create_task(pool._poll_reports())
+        try:
+            for _ in range(100):       # 5 s
+                if "prefill-0" in pool.stats:   # a report observed after the hang
+                    return handle.snapshots
+                await asyncio.sleep(0.05)
+            return None
+        finally:
+            pool._stopping = True
+            task.cancel()
+
+    snapshots = asyncio.run(go())
+    assert snapshots is not None, "no report was observed after the hanging snapshot: the poll stopped there"
+    assert snapshots >= 1
