@@ -106,38 +106,6 @@ inline void scores(const float* q, const float* k, int64_t n, float* s) {
   }
 }
 
-// One query row against one K/V tile (first n keys valid): online softmax update.
-template <int DV>
-inline void attend_tile(const float* q, const float* k, const float* v, int64_t n, float* s, float& m,
-                        float& l, float* acc) {
-  scores<DV>(q, k, n, s);
-  float bm = kNegBig;
-#pragma omp simd reduction(max : bm)
-  for (int64_t t = 0; t < n; ++t) bm = std::max(bm, s[t]);
-  const float mn = std::max(m, bm);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = exp_neg(s[t] - mn);
-    sum += s[t];
-  }
-  v16 a[DV];
-  for (int i = 0; i < DV; ++i) a[i] = load16(acc + i * kLanes);
-  if (mn > m) {
-    const float corr = exp_neg(m - mn);
-    l *= corr;
-    for (int i = 0; i < DV; ++i) a[i] *= corr;
-    m = mn;
-  }
-  l += sum;
-  for (int64_t t = 0; t < n; ++t) {
-    const float* vt = v + t * DV * kLanes;
-    const float p = s[t];
-    for (int i = 0; i < DV; ++i) a[i] += p * load16(vt + i * kLanes);
-  }
-  for (int i = 0; i < DV; ++i) store16(acc + i * kLanes, a[i]);
-}
-
 // Up to NV * 16 query rows (one per lane) against one K/V tile: scores with the rows in
 // the vector lanes (no horizontal sums; K read once per key for all rows), softmax across
 // the lanes, then P.V per row. qt: [D][W] transposed scaled queries; lim: each lane's last
@@ -202,6 +170,55 @@ inline void attend_tile_lanes(const float* qt, const float* k, const float* v, i
     }
     for (int i = 0; i < DV; ++i) store16(ar + i * kLanes, a[i]);
   }
+}
+
+// Up to R rows of one kv head's group: acc[r] = acc[r] * corr[r] + P[r] . V for keys [0, n).
+template <int DV, int R>
+inline void pv_rows(const float* v, const float* p, int64_t p_stride, int64_t n, const float* corr,
+                    float* acc, int64_t d) {
+  v16 a[R][DV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < DV; ++i) a[r][i] = load16(acc + r * d + i * kLanes) * corr[r];
+  for (int64_t t = 0; t < n; ++t) {
+    v16 vt[DV];
+    for (int i = 0; i < DV; ++i) vt[i] = load16(v + t * DV * kLanes + i * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float pr = p[r * p_stride + t];
+      for (int i = 0; i < DV; ++i) a[r][i] += pr * vt[i];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < DV; ++i) store16(acc + r * d + i * kLanes, a[r][i]);
+}
+
+// The `grp` query rows of one kv head against one K/V tile (first n keys valid): scores row by
+// row (the K tile stays in L1 for the group), an online softmax per row, then P.V with up to
+// three rows per pass so each V row is loaded once for the group.
+template <int DV>
+inline void attend_group(const float* q, const float* k, const float* v, int64_t n, int64_t grp,
+                         int64_t bs, float* s, float* m, float* l, float* acc, float* corr) {
+  constexpr int64_t D = DV * kLanes;
+  for (int64_t r = 0; r < grp; ++r) {
+    float* sr = s + r * bs;
+    scores<DV>(q + r * D, k, n, sr);
+    float bm = kNegBig;
+#pragma omp simd reduction(max : bm)
+    for (int64_t t = 0; t < n; ++t) bm = std::max(bm, sr[t]);
+    const float mn = std::max(m[r], bm);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      sr[t] = exp_neg(sr[t] - mn);
+      sum += sr[t];
+    }
+    corr[r] = exp_neg(m[r] - mn);
+    l[r] = l[r] * corr[r] + sum;
+    m[r] = mn;
+  }
+  constexpr int RP = DV <= 4 ? 3 : 1;
+  int64_t r = 0;
+  for (; r + RP <= grp; r += RP) pv_rows<DV, RP>(v, s + r * bs, bs, n, corr + r, acc + r * D, D);
+  for (; r < grp; ++r) pv_rows<DV, 1>(v, s + r * bs, bs, n, corr + r, acc + r * D, D);
 }
 
 struct Item {
@@ -295,7 +312,8 @@ void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, cons
     lanes(it, g, pool, bt, prefix, st);
   }
   const int64_t kv_stride = g.kv_heads * g.tile();
-  for (int64_t b = it.b0; b < b1; ++b) {     // rows one at a time (decodes, small groups)
+  float corr;
+  for (int64_t b = it.b0; b < b1; ++b) {     // rows one at a time (short prefill chunks)
     const int64_t blk = bt[it.seq * g.bt_stride + b];
     const T* kp = pool + ((blk * g.layers + g.layer) * 2 * g.kv_heads + it.head) * g.tile();
     if (b + 1 < b1) prefetch_tiles(pool, g, bt[it.seq * g.bt_stride + b + 1], it.head);
@@ -304,7 +322,8 @@ void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, cons
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = std::min(bs, prefix + it.q0 + r / grp - b * bs + 1);
       if (n <= 0) continue;
-      attend_tile<DV>(st.q.data() + r * d, k, v, n, st.s.data(), st.m[r], st.l[r], st.acc.data() + r * d);
+      attend_group<DV>(st.q.data() + r * d, k, v, n, 1, bs, st.s.data(), &st.m[r], &st.l[r],
+                       st.acc.data() + r * d, &corr);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -313,55 +332,6 @@ void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, cons
     T* dst = out + ((tok0 + it.q0 + r / grp) * g.heads + it.head * grp + r % grp) * d;
     for (int64_t i = 0; i < d; ++i) store(a[i] * inv, dst + i);
   }
-}
-
-// Up to R rows of one kv head's group: acc[r] = acc[r] * corr[r] + P[r] . V for keys [0, n).
-template <int DV, int R>
-inline void pv_rows(const float* v, const float* p, int64_t p_stride, int64_t n, const float* corr,
-                    float* acc, int64_t d) {
-  v16 a[R][DV];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < DV; ++i) a[r][i] = load16(acc + r * d + i * kLanes) * corr[r];
-  for (int64_t t = 0; t < n; ++t) {
-    v16 vt[DV];
-    for (int i = 0; i < DV; ++i) vt[i] = load16(v + t * DV * kLanes + i * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const float pr = p[r * p_stride + t];
-      for (int i = 0; i < DV; ++i) a[r][i] += pr * vt[i];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < DV; ++i) store16(acc + r * d + i * kLanes, a[r][i]);
-}
-
-// The `grp` query rows of one kv head against one K/V tile (first n keys valid): scores row by
-// row (the K tile stays in L1 for the group), an online softmax per row, then P.V with up to
-// three rows per pass so each V row is loaded once for the group.
-template <int DV>
-inline void attend_group(const float* q, const float* k, const float* v, int64_t n, int64_t grp,
-                         int64_t bs, float* s, float* m, float* l, float* acc, float* corr) {
-  constexpr int64_t D = DV * kLanes;
-  for (int64_t r = 0; r < grp; ++r) {
-    float* sr = s + r * bs;
-    scores<DV>(q + r * D, k, n, sr);
-    float bm = kNegBig;
-#pragma omp simd reduction(max : bm)
-    for (int64_t t = 0; t < n; ++t) bm = std::max(bm, sr[t]);
-    const float mn = std::max(m[r], bm);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      sr[t] = exp_neg(sr[t] - mn);
-      sum += sr[t];
-    }
-    corr[r] = exp_neg(m[r] - mn);
-    l[r] = l[r] * corr[r] + sum;
-    m[r] = mn;
-  }
-  constexpr int RP = DV <= 4 ? 3 : 1;
-  int64_t r = 0;
-  for (; r + RP <= grp; r += RP) pv_rows<DV, RP>(v, s + r * bs, bs, n, corr + r, acc + r * D, D);
-  for (; r < grp; ++r) pv_rows<DV, 1>(v, s + r * bs, bs, n, corr + r, acc + r * D, D);
 }
 
 // Prefetch part `part` of `parts` of a block's layer slab (all kv heads' K and V tiles).
