@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import huge_pages
 from engine.config import CacheConfig, ModelConfig
 from engine.kv_quant import KVCacheSpec
 
@@ -94,7 +95,7 @@ class KVPool:
         self.dtype = self.spec.storage_dtype       # the tensor's dtype (uint8 when quantized)
         self.bytes_per_block = bytes_per_block(model, block_size, dtype, kv_cache_dtype)
         # zeros, not empty: masked-out (padding) keys/values must be finite
-        self.tensor = torch.zeros(self.block_shape(num_blocks), device=device, dtype=self.dtype)
+        self.tensor = huge_pages.zeros(self.block_shape(num_blocks), device=device, dtype=self.dtype)
         self.capacity = KVPoolCapacity(
             kv_bytes_per_token=self.bytes_per_block // block_size, bytes_per_block=self.bytes_per_block,
             block_size=block_size, num_blocks=num_blocks,

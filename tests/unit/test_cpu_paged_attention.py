@@ -69,7 +69,7 @@ def _compare(seqs, *, block_size=16, kv_heads=3, group=3, head_dim=64, dtype=tor
 
 
 @needs_kernel
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 def test_decode_batch_matches_torch_paged(block_size, group, head_dim):

@@ -8,13 +8,14 @@
 //
 // Sequence s owns query tokens [qsl[s], qsl[s+1]); its last query token sits at context
 // position ctx[s]-1, so query j of s sees keys [0, ctx[s]-qlen+j] (causal with a cached
-// prefix; a decode is qlen 1). Work items are (sequence, kv head, query tile, context split):
-// each reads a K/V tile once for all the query heads of its kv head (GQA) and all the queries
-// of its tile, with an online softmax in fp32. Decodes with few sequences split the context
-// (flash-decoding) and a second pass merges the partial softmaxes. Tiles of 16..64 query rows
-// (prefill) put the rows in the vector lanes (attend_tile_lanes); fewer rows (decodes: one row
-// per query head of the kv head) go one row at a time with a transposing add tree (scores).
-// Items are handed out costliest first from a shared counter.
+// prefix; a decode is qlen 1), with an online softmax in fp32. Prefill work items are
+// (sequence, kv head, query tile): each reads a K/V tile once for all the query heads of its kv
+// head (GQA) and all the queries of its tile; tiles of 16..64 query rows put the rows in the
+// vector lanes (attend_tile_lanes), fewer go one row at a time (run_item). A decode is one item
+// per sequence over every kv head (run_decode): it streams each block's layer slab in one pass
+// and prefetches the next; decodes with few sequences split the context (flash-decoding) and a
+// second pass merges the partial softmaxes. Items are handed out costliest first from a shared
+// counter.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,13 +25,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace pdserve {
 namespace {
 
 constexpr float kNegBig = -1e30f;
-constexpr int64_t kMinBlocksPerSplit = 8;
+constexpr int64_t kMinTokensPerSplit = 64;   // a split decode's least context per item
 constexpr int64_t kLanes = 16;   // keys per score vector; block_size and head_dim are multiples
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -104,38 +106,6 @@ inline void scores(const float* q, const float* k, int64_t n, float* s) {
   }
 }
 
-// One query row against one K/V tile (first n keys valid): online softmax update.
-template <int DV>
-inline void attend_tile(const float* q, const float* k, const float* v, int64_t n, float* s, float& m,
-                        float& l, float* acc) {
-  scores<DV>(q, k, n, s);
-  float bm = kNegBig;
-#pragma omp simd reduction(max : bm)
-  for (int64_t t = 0; t < n; ++t) bm = std::max(bm, s[t]);
-  const float mn = std::max(m, bm);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = exp_neg(s[t] - mn);
-    sum += s[t];
-  }
-  v16 a[DV];
-  for (int i = 0; i < DV; ++i) a[i] = load16(acc + i * kLanes);
-  if (mn > m) {
-    const float corr = exp_neg(m - mn);
-    l *= corr;
-    for (int i = 0; i < DV; ++i) a[i] *= corr;
-    m = mn;
-  }
-  l += sum;
-  for (int64_t t = 0; t < n; ++t) {
-    const float* vt = v + t * DV * kLanes;
-    const float p = s[t];
-    for (int i = 0; i < DV; ++i) a[i] += p * load16(vt + i * kLanes);
-  }
-  for (int i = 0; i < DV; ++i) store16(acc + i * kLanes, a[i]);
-}
-
 // Up to NV * 16 query rows (one per lane) against one K/V tile: scores with the rows in
 // the vector lanes (no horizontal sums; K read once per key for all rows), softmax across
 // the lanes, then P.V per row. qt: [D][W] transposed scaled queries; lim: each lane's last
@@ -202,10 +172,59 @@ inline void attend_tile_lanes(const float* qt, const float* k, const float* v, i
   }
 }
 
+// Up to R rows of one kv head's group: acc[r] = acc[r] * corr[r] + P[r] . V for keys [0, n).
+template <int DV, int R>
+inline void pv_rows(const float* v, const float* p, int64_t p_stride, int64_t n, const float* corr,
+                    float* acc, int64_t d) {
+  v16 a[R][DV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < DV; ++i) a[r][i] = load16(acc + r * d + i * kLanes) * corr[r];
+  for (int64_t t = 0; t < n; ++t) {
+    v16 vt[DV];
+    for (int i = 0; i < DV; ++i) vt[i] = load16(v + t * DV * kLanes + i * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float pr = p[r * p_stride + t];
+      for (int i = 0; i < DV; ++i) a[r][i] += pr * vt[i];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < DV; ++i) store16(acc + r * d + i * kLanes, a[r][i]);
+}
+
+// The `grp` query rows of one kv head against one K/V tile (first n keys valid): scores row by
+// row (the K tile stays in L1 for the group), an online softmax per row, then P.V with up to
+// three rows per pass so each V row is loaded once for the group.
+template <int DV>
+inline void attend_group(const float* q, const float* k, const float* v, int64_t n, int64_t grp,
+                         int64_t bs, float* s, float* m, float* l, float* acc, float* corr) {
+  constexpr int64_t D = DV * kLanes;
+  for (int64_t r = 0; r < grp; ++r) {
+    float* sr = s + r * bs;
+    scores<DV>(q + r * D, k, n, sr);
+    float bm = kNegBig;
+#pragma omp simd reduction(max : bm)
+    for (int64_t t = 0; t < n; ++t) bm = std::max(bm, sr[t]);
+    const float mn = std::max(m[r], bm);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      sr[t] = exp_neg(sr[t] - mn);
+      sum += sr[t];
+    }
+    corr[r] = exp_neg(m[r] - mn);
+    l[r] = l[r] * corr[r] + sum;
+    m[r] = mn;
+  }
+  constexpr int RP = DV <= 4 ? 3 : 1;
+  int64_t r = 0;
+  for (; r + RP <= grp; r += RP) pv_rows<DV, RP>(v, s + r * bs, bs, n, corr + r, acc + r * D, D);
+  for (; r < grp; ++r) pv_rows<DV, 1>(v, s + r * bs, bs, n, corr + r, acc + r * D, D);
+}
+
 struct Item {
   int64_t seq, q0, q1;        // query tokens [q0, q1) of the sequence (relative)
   int64_t b0, b1;             // context blocks [b0, b1)
-  int64_t head;               // kv head
+  int64_t head;               // kv head; -1: a decode over every kv head (run_decode)
   int64_t partial;            // -1: write the output; else the partial slot (split decode)
 };
 
@@ -274,7 +293,7 @@ void lanes_item(const Item& it, const Geometry& g, const T* pool, const int64_t*
 
 template <typename T, int DV>
 void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, const int64_t* bt,
-              const int64_t* qsl, const int64_t* ctx, T* out, float* partials) {
+              const int64_t* qsl, const int64_t* ctx, T* out) {
   const int64_t d = g.head_dim, bs = g.block_size, grp = g.group;
   const int64_t tok0 = qsl[it.seq], qlen = qsl[it.seq + 1] - tok0, prefix = ctx[it.seq] - qlen;
   const int64_t rows = (it.q1 - it.q0) * grp;
@@ -293,7 +312,8 @@ void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, cons
     lanes(it, g, pool, bt, prefix, st);
   }
   const int64_t kv_stride = g.kv_heads * g.tile();
-  for (int64_t b = it.b0; b < b1; ++b) {     // rows one at a time (decodes, small groups)
+  float corr;
+  for (int64_t b = it.b0; b < b1; ++b) {     // rows one at a time (short prefill chunks)
     const int64_t blk = bt[it.seq * g.bt_stride + b];
     const T* kp = pool + ((blk * g.layers + g.layer) * 2 * g.kv_heads + it.head) * g.tile();
     if (b + 1 < b1) prefetch_tiles(pool, g, bt[it.seq * g.bt_stride + b + 1], it.head);
@@ -302,21 +322,76 @@ void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, cons
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = std::min(bs, prefix + it.q0 + r / grp - b * bs + 1);
       if (n <= 0) continue;
-      attend_tile<DV>(st.q.data() + r * d, k, v, n, st.s.data(), st.m[r], st.l[r], st.acc.data() + r * d);
+      attend_group<DV>(st.q.data() + r * d, k, v, n, 1, bs, st.s.data(), &st.m[r], &st.l[r],
+                       st.acc.data() + r * d, &corr);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float* a = st.acc.data() + r * d;
-    if (it.partial >= 0) {
-      float* dst = partials + (it.partial * rows + r) * (d + 2);
-      dst[0] = st.m[r];
-      dst[1] = st.l[r];
-      std::memcpy(dst + 2, a, d * sizeof(float));
-      continue;
-    }
     const float inv = st.l[r] > 0.f ? 1.f / st.l[r] : 0.f;
     T* dst = out + ((tok0 + it.q0 + r / grp) * g.heads + it.head * grp + r % grp) * d;
     for (int64_t i = 0; i < d; ++i) store(a[i] * inv, dst + i);
+  }
+}
+
+// Prefetch part `part` of `parts` of a block's layer slab (all kv heads' K and V tiles).
+inline void prefetch_part(const char* slab, int64_t bytes, int64_t part, int64_t parts) {
+  const int64_t lo = bytes * part / parts & ~int64_t{63}, hi = bytes * (part + 1) / parts;
+  for (int64_t o = lo; o < hi; o += 64) __builtin_prefetch(slab + o);
+}
+
+// A decode (one query token) over context blocks [b0, b1), every kv head: each block's layer
+// slab ([2, kv_heads, block_size, head_dim], contiguous) is read in one pass, the GQA rows of a
+// kv head together, and the next block's slab is prefetched a kv head at a time while this
+// one is computed: 16-token blocks are 24 KB slabs scattered over the pool and the hardware
+// prefetcher stops at each 4 KB page (one block ahead measured best of 0, 1, 2, 4, 8 blocks).
+template <typename T, int DV>
+void run_decode(const Item& it, const Geometry& g, const T* q, const T* pool, const int64_t* bt,
+                const int64_t* qsl, const int64_t* ctx, T* out, float* partials) {
+  const int64_t d = g.head_dim, bs = g.block_size, grp = g.group, rows = g.heads, kvh = g.kv_heads;
+  const int64_t tok = qsl[it.seq], n_ctx = ctx[it.seq];
+  const int64_t slab = 2 * kvh * g.tile(), slab_bytes = slab * static_cast<int64_t>(sizeof(T));
+  std::vector<float> qf(rows * d), acc(rows * d, 0.f), m(rows, kNegBig), l(rows, 0.f), s(grp * bs), corr(grp);
+  std::vector<float> kb(std::is_same<T, float>::value ? 0 : g.tile()), vb(kb.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_f(q[tok * g.q_row + r * d + i]) * g.scale;
+  const int64_t b1 = std::min(it.b1, (n_ctx + bs - 1) / bs);
+  const int64_t* row = bt + it.seq * g.bt_stride;
+  for (int64_t b = it.b0; b < b1; ++b) {
+    const T* base = pool + (row[b] * g.layers + g.layer) * slab;
+    const char* next = b + 1 < b1 ? reinterpret_cast<const char*>(pool + (row[b + 1] * g.layers + g.layer) * slab)
+                                  : nullptr;
+    const int64_t n = std::min(bs, n_ctx - b * bs);
+    for (int64_t h = 0; h < kvh; ++h) {
+      if (next) prefetch_part(next, slab_bytes, h, kvh);
+      const float* k = tile_f32(base + h * g.tile(), g.tile(), kb.data());
+      const float* v = tile_f32(base + (kvh + h) * g.tile(), g.tile(), vb.data());
+      attend_group<DV>(qf.data() + h * grp * d, k, v, n, grp, bs, s.data(), m.data() + h * grp,
+                       l.data() + h * grp, acc.data() + h * grp * d, corr.data());
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = acc.data() + r * d;
+    if (it.partial >= 0) {
+      float* dst = partials + (it.partial * rows + r) * (d + 2);
+      dst[0] = m[r];
+      dst[1] = l[r];
+      std::memcpy(dst + 2, a, d * sizeof(float));
+      continue;
+    }
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    T* dst = out + (tok * g.heads + r) * d;
+    for (int64_t i = 0; i < d; ++i) store(a[i] * inv, dst + i);
+  }
+}
+
+template <typename T, int DV>
+void run_any(const Item& it, const Geometry& g, const T* q, const T* pool, const int64_t* bt,
+             const int64_t* qsl, const int64_t* ctx, T* out, float* partials) {
+  if (it.head < 0) {
+    run_decode<T, DV>(it, g, q, pool, bt, qsl, ctx, out, partials);
+  } else {
+    run_item<T, DV>(it, g, q, pool, bt, qsl, ctx, out);
   }
 }
 
@@ -343,7 +418,7 @@ void merge_splits(const float* partials, int64_t first, int64_t splits, int64_t 
 }
 
 struct Split {
-  int64_t seq, head, first, count;   // `count` partial slots from `first`
+  int64_t seq, first, count;   // `count` partial slots from `first`, each every head of the token
 };
 
 struct WorkList {
@@ -355,38 +430,41 @@ struct WorkList {
 WorkList plan_work(const int64_t* qsl, const int64_t* ctx, int64_t num_seqs, const Geometry& g) {
   WorkList w;
   const int64_t q_tile = std::max<int64_t>(1, 32 / g.group);
-  int64_t units = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) units += (qsl[s + 1] - qsl[s] + q_tile - 1) / q_tile;
-  units *= g.kv_heads;
+  int64_t units = 0;    // items without splits: a decode is one, a prefill one per kv head and q tile
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t qlen = qsl[s + 1] - qsl[s];
+    units += qlen == 1 ? 1 : g.kv_heads * ((qlen + q_tile - 1) / q_tile);
+  }
   const int64_t threads = at::get_num_threads();
   const int64_t want = 4 * threads;
+  const int64_t min_blocks = std::max<int64_t>(1, kMinTokensPerSplit / g.block_size);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t qlen = qsl[s + 1] - qsl[s];
     const int64_t nblocks = (ctx[s] + g.block_size - 1) / g.block_size;
-    int64_t splits = 1;
-    if (qlen == 1 && units < want) {
-      splits = std::min((want + units - 1) / units, nblocks / kMinBlocksPerSplit);
-      splits = std::max<int64_t>(splits, 1);
-    }
-    for (int64_t h = 0; h < g.kv_heads; ++h) {
-      if (splits == 1) {
+    if (qlen > 1) {
+      for (int64_t h = 0; h < g.kv_heads; ++h)
         for (int64_t q0 = 0; q0 < qlen; q0 += q_tile)
           w.items.push_back({s, q0, std::min(qlen, q0 + q_tile), 0, nblocks, h, -1});
-        continue;
-      }
-      w.splits.push_back({s, h, w.partial_slots, splits});
-      for (int64_t k = 0; k < splits; ++k)
-        w.items.push_back({s, 0, 1, nblocks * k / splits, nblocks * (k + 1) / splits, h, w.partial_slots++});
+      continue;
     }
+    int64_t splits = units < want ? std::min((want + units - 1) / units, nblocks / min_blocks) : 1;
+    if (splits > threads) splits -= splits % threads;    // whole rounds over the threads
+    if (splits <= 1) {
+      w.items.push_back({s, 0, 1, 0, nblocks, -1, -1});
+      continue;
+    }
+    w.splits.push_back({s, w.partial_slots, splits});
+    for (int64_t k = 0; k < splits; ++k)
+      w.items.push_back({s, 0, 1, nblocks * k / splits, nblocks * (k + 1) / splits, -1, w.partial_slots++});
   }
   return w;
 }
 
 // Query rows x context blocks the item walks (its share of the work).
-inline int64_t item_cost(const Item& it, const int64_t* qsl, const int64_t* ctx, int64_t bs) {
+inline int64_t item_cost(const Item& it, const int64_t* qsl, const int64_t* ctx, int64_t bs, int64_t kv_heads) {
   const int64_t qlen = qsl[it.seq + 1] - qsl[it.seq];
   const int64_t last = (ctx[it.seq] - qlen + it.q1 - 1) / bs + 1;
-  return (it.q1 - it.q0) * (std::min(it.b1, last) - it.b0);
+  return (it.head < 0 ? kv_heads : 1) * (it.q1 - it.q0) * (std::min(it.b1, last) - it.b0);
 }
 
 template <typename T>
@@ -395,17 +473,17 @@ void launch(const at::Tensor& q, const at::Tensor& pool, const Geometry& g, cons
   const int64_t* qs = qsl.data_ptr<int64_t>();
   const int64_t* cx = ctx.data_ptr<int64_t>();
   WorkList w = plan_work(qs, cx, ctx.size(0), g);
-  std::vector<float> partials(w.partial_slots * g.group * (g.head_dim + 2));
+  std::vector<float> partials(w.partial_slots * g.heads * (g.head_dim + 2));
   const T* qp = q.data_ptr<T>();
   const T* pp = pool.data_ptr<T>();
   const int64_t* bp = bt.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t dv = g.head_dim / kLanes;
-  auto item = dv == 1 ? &run_item<T, 1> : dv == 2 ? &run_item<T, 2> : dv == 4 ? &run_item<T, 4> : &run_item<T, 8>;
+  auto item = dv == 1 ? &run_any<T, 1> : dv == 2 ? &run_any<T, 2> : dv == 4 ? &run_any<T, 4> : &run_any<T, 8>;
   // Costliest items first, handed out one at a time: a mixed batch's long prefill tiles and
   // short decodes balance over the threads (a static split would give one thread the prefills).
   std::stable_sort(w.items.begin(), w.items.end(), [&](const Item& x, const Item& y) {
-    return item_cost(x, qs, cx, g.block_size) > item_cost(y, qs, cx, g.block_size);
+    return item_cost(x, qs, cx, g.block_size, g.kv_heads) > item_cost(y, qs, cx, g.block_size, g.kv_heads);
   });
   const int64_t n = static_cast<int64_t>(w.items.size());
   std::atomic<int64_t> next{0};
@@ -416,8 +494,7 @@ void launch(const at::Tensor& q, const at::Tensor& pool, const Geometry& g, cons
   at::parallel_for(0, static_cast<int64_t>(w.splits.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const Split& sp = w.splits[i];
-      T* dst = op + (qs[sp.seq] * g.heads + sp.head * g.group) * g.head_dim;
-      merge_splits<T>(partials.data(), sp.first, sp.count, g.group, g.head_dim, dst);
+      merge_splits<T>(partials.data(), sp.first, sp.count, g.heads, g.head_dim, op + qs[sp.seq] * g.heads * g.head_dim);
     }
   });
 }
