@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Iterable, Mapping
+from typing import Iterable
 
 from cluster.router import native
 from cluster.router.index import MatchInfo, PrefixIndex
@@ -105,13 +105,10 @@ class NativeDecisions:
         tie = 0 if hashes else zlib.crc32(req.request_id.encode())       # policy._tie_start's key
         return self._core.decide(hashes, req.prompt_tokens, req.block_size, req.request_id, tie, now)
 
-    def view(self, order: Iterable[str], pools: Mapping[str, str], live: Mapping[str, bool]) -> ClusterView:
-        """The router's view: each live worker's load as reported plus the optimistic additions."""
-        views = []
-        for w in order:
-            if live[w]:
-                q, r, waiting, kv = self._core.load(self._slots[w])
-                views.append(WorkerView(w, pools[w], WorkerLoad(q, r, waiting, kv, True)))
+    def view(self, live: Iterable[tuple[str, str]]) -> ClusterView:
+        """The router's view of these live (worker, pool) pairs, in order: each load as reported
+        plus the optimistic additions."""
+        views = [WorkerView(w, pool, WorkerLoad(*self._core.load(self._slots[w]), True)) for w, pool in live]
         return ClusterView(tuple(v for v in views if v.pool == "prefill"),
                            tuple(v for v in views if v.pool != "prefill"))
 

@@ -169,9 +169,8 @@ class Router:
     @property
     def view(self) -> ClusterView:
         if self._view is None and self._fast is not None:
-            slots = self._slots
-            self._view = self._fast.view(self._order, {w: s.pool for w, s in slots.items()},
-                                         {w: s.reported.alive for w, s in slots.items()})
+            self._view = self._fast.view([(w, self._slots[w].pool) for w in self._order
+                                          if self._slots[w].reported.alive])
         if self._view is None:
             live = [self._slots[w].view for w in self._order if self._slots[w].view.load.alive]
             prefill = tuple(v for v in live if v.pool == "prefill")

@@ -21,7 +21,10 @@ FAULTS = {"decode-kill": ("decode host killed", decode_host_kill),
           "prefill-kill": ("prefill host killed mid-transfer", prefill_host_kill),
           "partition": ("prefill host partitioned 10 s", prefill_host_partition)}
 # CHAOS_HOST_FAULTS=partition (comma-separated keys of FAULTS) runs a subset, in this order
-CHOSEN = [FAULTS[k] for k in os.environ.get("CHAOS_HOST_FAULTS", ",".join(FAULTS)).split(",")]
+_KEYS = os.environ.get("CHAOS_HOST_FAULTS", ",".join(FAULTS)).split(",")
+if set(_KEYS) - set(FAULTS):
+    raise ValueError(f"CHAOS_HOST_FAULTS takes a comma-separated subset of {', '.join(FAULTS)}, got {_KEYS}")
+CHOSEN = [FAULTS[k] for k in _KEYS]
 
 
 @pytest.mark.timeout(7200)
