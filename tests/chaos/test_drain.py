@@ -71,8 +71,8 @@ def run_drain(c, hf, report, n_trials: int, n_requests: int, seed: int) -> int:
 
 
 def test_drain_worker_fast(chaos_cluster, hf_model, chaos_report):
-    moved = run_drain(chaos_cluster, hf_model, chaos_report, trials(2, 20, False), 32, seed=7)
-    # max_num_seqs=8 per worker and 32 requests at once: the decode worker drained while its
+    moved = run_drain(chaos_cluster, hf_model, chaos_report, trials(2, 20, False), 48, seed=7)
+    # max_num_seqs=8 per worker and 48 requests at once: the decode worker drained while its
     # report showed a queue gives queued requests back (they are moved, not dropped)
     assert moved >= 1, "no queued request was moved off a draining worker"
 
