@@ -309,7 +309,7 @@ def main() -> None:
     print(json.dumps(out))
 
 
-COMPARED = ("route_p50_us", "route_p99_us", "route_cpu_p50_us", "route_cpu_p99_us", "hash_p50_us",
+COMPARED = ("route_p50_us", "route_p99_us", "route_mean_us", "route_cpu_p50_us", "route_cpu_p99_us", "hash_p50_us",
             "hash_p99_us", "ingest_events_per_s", "index_mb", "mean_prefill_hit_ratio", "decisions_sha256",
             "decision_kinds")
 
