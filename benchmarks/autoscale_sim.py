@@ -6,8 +6,10 @@ overlaid ``copies`` times (each copy its own cache salt: the simulator's
 splits P + D = N; then runs the same trace with both pools sized by the
 autoscaling controller (cluster/orchestration/autoscale, the module the live
 head runs), starting from the split of N the capacity planner recommends for
-the window's rate and mean lengths (`--start planner`, cluster/tools/sim/
-autoscale.py `planned_split`; `--start half`: N/2 : N/2), optionally capped at
+the window's rate and mean lengths, split by the planner's `split_at_cap` (decode
+holds the in-flight sequences of the busiest decode lifetime at the KV target,
+prefill the rest: `--start planner`, cluster/tools/sim/autoscale.py
+`planned_split`; `--start half`: N/2 : N/2), optionally capped at
 N workers in all (`--fleet-cap`). The simulator gives the controller the
 wait-miss fraction (requests that miss TTFT by waiting although their prefill
 alone fits it). Goodput = requests meeting both SLOs (TTFT and mean
@@ -58,8 +60,9 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
                              ttft_wait_misses=args.ttft_miss_budget > 0)
     sched = cost.meta.get("scheduler", {})
     chunk, seqs = sched.get("max_num_batched_tokens", 8192), sched.get("max_num_seqs", 256)
-    if autoscale and args.start == "planner":
-        p, d = planned_split(n, reqs, cost, chunk, cost.kv_capacity_tokens // 512 * 512, seqs)
+    if scale is not None and args.start == "planner":
+        p, d = planned_split(n, reqs, cost, chunk, cost.kv_capacity_tokens // 512 * 512, seqs,
+                             target_kv_usage=scale.config.target_kv_usage)
     cfg = SimConfig(p, d, block_size=512, max_num_batched_tokens=chunk, max_num_seqs=seqs, seed=0,
                     slo=Slo(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0), autoscale=scale)
     t0 = time.perf_counter()

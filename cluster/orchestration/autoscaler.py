@@ -15,7 +15,8 @@ size per pool, and acts:
 
 Signals: queued prefill tokens and loads from the router's view (the workers'
 reports); the prompt-token arrival rate from `pdserve_prompt_tokens_total`;
-TTFT and ITL p90 over the interval from the frontends' histograms. Worker
+TTFT and ITL p90 over the interval from the frontends' histograms; each decode
+worker's own KV use (the router's view of its reports) beside the mean. Worker
 capacity (prompt tokens/s one prefill worker sustains, sequences one decode
 worker holds) is the operator's figure when given
 or measured here (capacity.py); `pdserve plan` gives the sequences that fit a worker.
@@ -114,7 +115,8 @@ class Autoscaler:
             workers=self._workers("decode"), ready_workers=len(view.decode),
             running=sum(v.load.running for v in view.decode), waiting=sum(v.load.waiting for v in view.decode),
             kv_usage=(sum(v.load.kv_usage for v in view.decode) / len(view.decode)) if view.decode else 0.0,
-            itl_p90_ms=None if itl is None else itl * 1e3, seqs_per_worker=self.capacity.decode_seqs())
+            itl_p90_ms=None if itl is None else itl * 1e3, seqs_per_worker=self.capacity.decode_seqs(),
+            kv_usage_by_worker=tuple(v.load.kv_usage for v in view.decode))
         return FleetSignals(prefill, decode, draining=len(self._retiring))
 
     def _workers(self, pool: str) -> int:

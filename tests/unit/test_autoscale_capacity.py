@@ -85,3 +85,20 @@ def test_live_signals_age_the_last_prompt_from_the_prompt_token_counter():
     assert age(10.0) == 5.0 and age(15.0) == 10.0
     metrics.prompt_tokens.inc(10)
     assert age(20.0) == 0.0
+
+
+def test_live_signals_give_each_decode_workers_own_kv_use():
+    """The live head gives the controller each decode worker's KV use as the router's view has
+    it from that worker's report (the mean hides the full worker a hand-off waits on)."""
+    from cluster.observability.metrics import Metrics
+    from cluster.orchestration.autoscaler import Autoscaler
+    from cluster.router import WorkerLoad
+
+    views = [SimpleNamespace(worker_id=f"decode-{i}", load=WorkerLoad(0, r, w, kv))
+             for i, (r, w, kv) in enumerate([(3, 0, 0.2), (9, 4, 0.9)])]
+    pool = SimpleNamespace(router=SimpleNamespace(view=SimpleNamespace(prefill=[], decode=views)),
+                           serving=lambda pool: [v.worker_id for v in views] if pool == "decode" else [], stats={})
+    scaler = Autoscaler(SimpleNamespace(pool=pool), ServeConfig(autoscale=True), Metrics(), clock=lambda: 0.0)
+    d = scaler._signals(0.0).decode
+    assert d.kv_usage_by_worker == (0.2, 0.9) and d.kv_usage == pytest.approx(0.55)
+    assert (d.running, d.waiting, d.ready_workers) == (12, 4, 2)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.orchestration.autoscale import (AutoscaleConfig, ControllerState, DecodeSignals, FleetSignals,
-                                             FleetDecision, PoolBounds, PrefillSignals, Reason, decide)
+                                             FleetDecision, PoolBounds, PoolState, PrefillSignals, Reason, decide)
 
 CAP_TPS = 10_000.0      # prompt tokens/s one prefill worker sustains
 SEQS = 40.0             # sequences one decode worker holds
@@ -348,18 +348,32 @@ def test_scale_in_goes_no_lower_than_the_memory_of_peaks():
 
 
 def test_decode_gives_way_at_the_fleet_cap_without_its_hold():
-    # at the cap of 10 (6 prefill + 4 decode) prefill misses TTFT with a queue while decode holds
-    # 10 sequences: decode shrinks a step at once, not after its 30 s hold, and prefill grows
-    # into the room
+    # after a first hold in which decode needed its 4 workers, prefill misses TTFT with a queue
+    # at the cap of 10 (6 prefill + 4 decode) while decode holds 10 sequences: decode shrinks a
+    # step at once, not after its 30 s hold, and prefill grows into the room (memory of peaks off)
+    cfg = config(max_total_workers=10, max_step_up=10.0, cooldown_out_s=0.0, max_step_down=0.5,
+                 scale_in_memory_factor=0.0)
+    warm = [({"rate": 1000}, {"running": 60})] * 6
+    hurting = {"rate": 10_000, "queued": 100_000, "ttft": 3000.0}
+    out = replay(cfg, warm + [(hurting, {"running": 10})] * 3, p0=6, d0=4)
+    assert all(d.decode.target == 4 for d in out[:6])
+    assert out[6].decode.target < 4 and out[6].decode.reason is Reason.IDLE
+    assert out[7].prefill.target == 10 - out[6].decode.target
+    # off, or prefill not asking for more: decode waits out its hold
+    off = replace(cfg, trade_at_cap=False)
+    assert all(d.decode.target == 4 for d in replay(off, warm + [(hurting, {"running": 10})] * 3, p0=6, d0=4))
+    assert all(d.decode.target == 4 for d in replay(cfg, warm + [({"rate": 1000}, {"running": 10})] * 3,
+                                                    p0=6, d0=4))
+
+
+def test_nothing_shrinks_before_the_controller_watched_for_one_hold():
+    # the same trade from the first interval: the memory of peaks that bounds a shrink has seen
+    # nothing yet, so decode holds until the controller has watched it for one hold (30 s), then
+    # gives way
     cfg = config(max_total_workers=10, max_step_up=10.0, cooldown_out_s=0.0, max_step_down=0.5)
     hurting = {"rate": 10_000, "queued": 100_000, "ttft": 3000.0}
-    out = replay(cfg, [(hurting, {"running": 10})] * 3, p0=6, d0=4)
-    assert (out[0].decode.target, out[0].decode.reason) == (2, Reason.IDLE)
-    assert out[1].prefill.target == 8
-    # off, or prefill not asking for more: decode waits out its hold
-    off = config(max_total_workers=10, max_step_up=10.0, cooldown_out_s=0.0, max_step_down=0.5, trade_at_cap=False)
-    assert all(d.decode.target == 4 for d in replay(off, [(hurting, {"running": 10})] * 3, p0=6, d0=4))
-    assert all(d.decode.target == 4 for d in replay(cfg, [({"rate": 1000}, {"running": 10})] * 3, p0=6, d0=4))
+    targets = [d.decode.target for d in replay(cfg, [(hurting, {"running": 10})] * 8, p0=6, d0=4)]
+    assert targets[:6] == [4] * 6 and targets[6] == 2
 
 
 def test_idle_from_the_time_since_the_last_prompt():
@@ -377,3 +391,34 @@ def test_idle_from_the_time_since_the_last_prompt():
     assert first(100, 60.0).prefill.target == 8         # prompts still queued
     with pytest.raises(ValueError, match="since_last_prompt_s"):
         PrefillSignals(8, 8, 0, 0.0, None, CAP_TPS, since_last_prompt_s=-1.0)
+
+
+def test_decode_holds_while_hand_offs_wait_on_full_workers():
+    # at the cap prefill misses TTFT with a queue; decode's mean KV use is 0.2 (it would give way)
+    # but 5 hand-offs wait and one of its 4 workers reports 0.77, over the 0.75 target: the waiting
+    # sit on that worker, and a shrink would drain the ones with room, so decode holds its size.
+    # Once nothing waits (or the fullest worker has room) it gives way as before; without
+    # per-worker reports the mean decides as before.
+    cfg = config(max_total_workers=10, max_step_up=10.0, cooldown_out_s=0.0, max_step_down=0.5)
+    hurting = PrefillSignals(6, 6, 100_000, 10_000.0, 3000.0, CAP_TPS)
+
+    def step(waiting: int, by_worker: tuple[float, ...]) -> FleetDecision:
+        d = DecodeSignals(4, 4, 10, waiting, 0.2, 30.0, SEQS, kv_usage_by_worker=by_worker)
+        return decide(cfg, FleetSignals(hurting, d), watched, 0.0)[0]
+
+    watched = ControllerState(PoolState(first_t=-60.0), PoolState(first_t=-60.0))   # past the first hold
+    full = (0.0, 0.01, 0.02, 0.77)
+    held = step(5, full).decode
+    assert (held.target, held.reason) == (4, Reason.STEADY)
+    assert step(0, full).decode.target == 2                       # nothing waits: gives way
+    assert step(5, (0.2, 0.2, 0.2, 0.2)).decode.target == 2       # the fullest has room
+    assert step(5, ()).decode.target == 2                          # not reported: the mean decides
+    # a recorded series: waiting on a full worker for 3 intervals, then drained
+    state, targets = watched, []
+    for i, (w, kv) in enumerate([(5, full)] * 3 + [(0, full)]):
+        d = DecodeSignals(4, 4, 10, w, 0.2, 30.0, SEQS, kv_usage_by_worker=kv)
+        dec, state = decide(cfg, FleetSignals(hurting, d), state, i * DT)
+        targets.append(dec.decode.target)
+    assert targets == [4, 4, 4, 2]
+    with pytest.raises(ValueError, match="kv_usage_by_worker"):
+        DecodeSignals(2, 2, 10, 0, 0.3, None, SEQS, kv_usage_by_worker=(0.1, 0.2, 0.3))

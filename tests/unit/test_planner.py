@@ -16,7 +16,7 @@ from cluster.tools.planner import capacity as cap
 from cluster.tools.planner.capacity import CapacityInputs, plan_capacity
 from cluster.tools.planner.interconnect import select_interconnects, transfer_seconds
 from cluster.tools.planner.model_spec import ModelSpec, default_model_path, resolve_model, spec_from_gguf
-from cluster.tools.planner.pools import measure_speeds, size_pools
+from cluster.tools.planner.pools import measure_speeds, peak_rate, size_pools, split_at_cap
 from cluster.tools.planner.presets import get_preset, preset_names
 
 GiB = 1 << 30
@@ -175,6 +175,29 @@ def test_pool_sizing():
     assert (p.prefill_nodes, p.decode_nodes, p.ratio) == (6, 9, "6:9")     # ceil(5.12), ceil(8.53)
     assert p.prefill_utilization == pytest.approx(102400 / 120000)
     assert size_pools(1, 10, 10, 1e6, 1e6).ratio == "1:1"
+
+
+def test_split_at_cap_gives_decode_its_peak_in_flight_and_prefill_the_rest():
+    # mean 100 req/s x 256 tokens on 3000 tokens/s per decode node: 8.53 nodes at 100% KV; the
+    # busiest window runs at 160 req/s (1.6x) and the autoscaler keeps KV at 0.75:
+    # ceil(8.53 x 1.6 / 0.75) = 19 decode of 100, prefill the other 81
+    plan = size_pools(100, 1024, 256, prefill_tps=20000, decode_tps=3000)
+    assert split_at_cap(100, plan, 160.0, 0.75) == (81, 19)
+    assert split_at_cap(100, plan, 100.0, 1.0) == (91, 9)            # at the mean, full KV: the plan's 9
+    assert split_at_cap(10, plan, 1000.0, 0.75) == (1, 9)             # each pool keeps one worker
+    with pytest.raises(ValueError, match="busiest window"):
+        split_at_cap(100, plan, 50.0, 0.75)
+    with pytest.raises(ValueError, match="at least 2 nodes"):
+        split_at_cap(1, plan, 160.0, 0.75)
+
+
+def test_peak_rate_is_the_busiest_window():
+    arrivals = [0.0, 0.1, 0.2, 5.0, 5.05, 5.1, 5.15, 9.0]
+    assert peak_rate(arrivals, 1.0) == 4.0                 # 5.0 .. 5.15
+    assert peak_rate(arrivals, 10.0) == pytest.approx(0.8)  # all 8 in one 10 s window
+    assert peak_rate([], 1.0) == 0.0
+    with pytest.raises(ValueError, match="positive seconds"):
+        peak_rate(arrivals, 0.0)
 
 
 def test_measure_with_an_engine_stand_in():

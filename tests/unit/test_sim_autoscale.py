@@ -153,16 +153,20 @@ def test_cli_autoscale_flags(tmp_path, capsys):
     assert "min workers <= max workers" in capsys.readouterr().err
 
 
-def test_planned_split_is_the_planners_ratio_of_the_fleet():
-    from cluster.tools.planner.pools import size_pools
+def test_planned_split_gives_decode_the_peak_in_flight_and_prefill_the_rest():
+    from cluster.tools.planner.pools import peak_rate, size_pools, split_at_cap
     from cluster.tools.sim.autoscale import decode_seqs_per_worker, planned_split, prefill_tokens_per_s
     cost, reqs = _cost(), _step_workload()
     p, d = planned_split(20, reqs, cost, 512, 64 * BS, 16)
     assert p + d == 20 and p >= 1 and d >= 1
     seqs = decode_seqs_per_worker(64 * BS, cost.kv_bytes_per_token, 168.0, 16)
-    plan = size_pools(len(reqs) / (reqs[-1].arrival_s - reqs[0].arrival_s), 128, 40,
-                      prefill_tokens_per_s(cost, 512, 128.0), seqs / cost.pure_decode(int(seqs), int(seqs * 148)))
-    assert p == round(20 * plan.prefill_nodes / (plan.prefill_nodes + plan.decode_nodes))
+    step = cost.pure_decode(int(seqs), int(seqs * 148))
+    rate = len(reqs) / (reqs[-1].arrival_s - reqs[0].arrival_s)
+    plan = size_pools(rate, 128, 40, prefill_tokens_per_s(cost, 512, 128.0), seqs / step)
+    peak = peak_rate([r.arrival_s for r in reqs], 40 * step)
+    assert peak > rate                                   # the step workload has a busy phase
+    assert (p, d) == split_at_cap(20, plan, peak, 0.75)
+    assert planned_split(20, reqs, cost, 512, 64 * BS, 16, target_kv_usage=0.5)[1] >= d
     with pytest.raises(ValueError, match="2 nodes"):
         planned_split(1, reqs, cost, 512, 64 * BS, 16)
 

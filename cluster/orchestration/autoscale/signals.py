@@ -69,7 +69,10 @@ class DecodeSignals:
     blocks, averaged over ready workers (0..1). ``itl_p90_ms``: p90 of per-request
     mean inter-token latency of requests finished in the window (None: none did).
     ``seqs_per_worker``: sequences one worker holds (KV room at the workload's
-    context length, capped by its batch size).
+    context length, capped by its batch size). ``kv_usage_by_worker``: each ready
+    worker's used / total KV blocks, as each reports it (empty: not reported; then
+    the mean alone speaks for KV room). The mean hides the full workers a hand-off
+    waits on.
     """
     workers: int
     ready_workers: int
@@ -78,9 +81,13 @@ class DecodeSignals:
     kv_usage: float
     itl_p90_ms: float | None
     seqs_per_worker: float
+    kv_usage_by_worker: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         _check_counts("decode", self.workers, self.ready_workers)
+        if any(u < 0 for u in self.kv_usage_by_worker) or len(self.kv_usage_by_worker) > self.ready_workers:
+            raise ValueError(f"decode signals: kv_usage_by_worker holds one used / total KV share (>= 0) per ready "
+                             f"worker, got {len(self.kv_usage_by_worker)} for {self.ready_workers} ready workers")
         if self.running < 0 or self.waiting < 0 or self.kv_usage < 0:
             raise ValueError(f"decode signals: running, waiting and kv_usage must be >= 0, got {self}")
         if self.seqs_per_worker <= 0:

@@ -12,10 +12,11 @@ request_rate * output_len / decode_tps_per_seq sequences in flight (Little).
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,37 @@ def _timed(llm, clock: Callable[[], float], prompts, params) -> float:
     start = clock()
     llm.generate(prompts, params)
     return clock() - start
+
+
+def peak_rate(arrivals_s: Sequence[float], window_s: float) -> float:
+    """Requests/s over the busiest ``window_s`` seconds of the arrivals (a window starting at
+    each arrival)."""
+    if window_s <= 0:
+        raise ValueError(f"the peak window must be positive seconds, got {window_s}")
+    t = sorted(arrivals_s)
+    return max((bisect.bisect_left(t, a + window_s) - i for i, a in enumerate(t)), default=0) / window_s
+
+
+def split_at_cap(nodes: int, plan: PoolPlan, peak_request_rate: float, target_kv_usage: float) -> tuple[int, int]:
+    """Prefill:decode of ``nodes`` workers when they are all there is (a fleet cap).
+
+    Decode must hold the sequences in flight at the busiest moment: by Little's law that is
+    the request rate times a sequence's decode lifetime, so at ``peak_request_rate`` (the
+    busiest window of about one lifetime, `peak_rate`) the plan's decode nodes (sized at the
+    mean rate, 100% of their KV) grow by peak / mean, and by 1 / ``target_kv_usage`` for the
+    room the autoscaler keeps. Short of that the pool is at a cliff: hand-offs wait for room,
+    time out and recompute on decode nodes. Prefill gets the rest: past its token rate
+    (the plan's prefill nodes) every worker it gains shortens the queues behind long prompts,
+    so the TTFT tail keeps falling, while decode beyond the sequences it holds buys nothing.
+    Each pool gets at least one worker."""
+    if nodes < 2:
+        raise ValueError(f"a split needs at least 2 nodes (one per pool), got {nodes}")
+    if peak_request_rate < plan.request_rate:
+        raise ValueError(f"the peak request rate ({peak_request_rate}) is below the plan's mean "
+                         f"({plan.request_rate}): give the rate of the busiest window")
+    if not 0 < target_kv_usage <= 1:
+        raise ValueError(f"target_kv_usage is a share of KV, in (0, 1], got {target_kv_usage}")
+    at_mean = plan.decode_demand_tps / plan.decode_tps
+    decode = math.ceil(at_mean * peak_request_rate / plan.request_rate / target_kv_usage - 1e-9)
+    decode = min(max(1, decode), nodes - 1)
+    return nodes - decode, decode

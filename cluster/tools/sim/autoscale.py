@@ -28,7 +28,7 @@ import numpy as np
 from cluster.orchestration.autoscale import (AutoscaleConfig, ControllerState, DecodeSignals, FleetSignals,
                                              PrefillSignals, decide)
 from cluster.tools.planner.capacity import sequences_that_fit
-from cluster.tools.planner.pools import size_pools
+from cluster.tools.planner.pools import peak_rate, size_pools, split_at_cap
 
 if TYPE_CHECKING:
     from cluster.tools.sim.cluster_sim import ClusterSim
@@ -91,12 +91,15 @@ def decode_seqs_per_worker(kv_tokens: int, kv_bytes_per_token: int, mean_context
     return float(max(1, min(fit, max_num_seqs)))
 
 
-def planned_split(nodes: int, workload: list, cost, chunk: int, kv_tokens: int, max_num_seqs: int) -> tuple[int, int]:
-    """Where an operator starts ``nodes`` workers: the planner's prefill:decode ratio
-    (cluster/tools/planner/pools.py `size_pools`) for the workload's request rate and mean
-    prompt and output lengths, at the cost model's speeds (prefill: `prefill_tokens_per_s`;
+def planned_split(nodes: int, workload: list, cost, chunk: int, kv_tokens: int, max_num_seqs: int,
+                  target_kv_usage: float = 0.75) -> tuple[int, int]:
+    """Where an operator starts ``nodes`` workers under a fleet cap of ``nodes``: the planner's
+    `size_pools` (cluster/tools/planner/pools.py) for the workload's request rate and mean
+    prompt and output lengths at the cost model's speeds (prefill: `prefill_tokens_per_s`;
     decode: the sequences that fit one node's KV at the mean context, over one pure decode
-    step of that batch), scaled to ``nodes`` (each pool at least one)."""
+    step of that batch), split by the planner's `split_at_cap`: decode holds the sequences in
+    flight at the busiest window of one sequence's decode lifetime (mean output x step) at
+    ``target_kv_usage``, prefill gets the rest."""
     if nodes < 2 or len(workload) < 2:
         raise ValueError("planned split: need at least 2 nodes and 2 requests (give the split instead)")
     span = max(workload[-1].arrival_s - workload[0].arrival_s, 1e-9)
@@ -104,10 +107,12 @@ def planned_split(nodes: int, workload: list, cost, chunk: int, kv_tokens: int, 
     mean_out = float(np.mean([r.output_length for r in workload]))
     seqs = decode_seqs_per_worker(kv_tokens, cost.kv_bytes_per_token, mean_in + mean_out, max_num_seqs)
     step = cost.pure_decode(int(seqs), int(seqs * (mean_in + mean_out / 2)))
-    plan = size_pools(len(workload) / span, max(1, round(mean_in)), max(1, round(mean_out)),
+    rate = len(workload) / span
+    plan = size_pools(rate, max(1, round(mean_in)), max(1, round(mean_out)),
                       prefill_tokens_per_s(cost, chunk, mean_in), seqs / max(step, 1e-9))
-    p = round(nodes * plan.prefill_nodes / (plan.prefill_nodes + plan.decode_nodes))
-    return min(max(1, p), nodes - 1), nodes - min(max(1, p), nodes - 1)
+    lifetime = max(mean_out * step, 1e-3)
+    peak = max(rate, peak_rate([r.arrival_s for r in workload], min(lifetime, span)))
+    return split_at_cap(nodes, plan, peak, target_kv_usage)
 
 
 class _Window:
@@ -206,7 +211,8 @@ class SimAutoscaler:
             running=sum(n.scheduler.num_running + n.scheduler.num_remote for n in dec),
             waiting=sum(n.scheduler.num_waiting + n.joining for n in dec),
             kv_usage=float(np.mean([n.scheduler.kv_usage for n in dec])) if dec else 0.0,
-            itl_p90_ms=self.itl_ms.p90(), seqs_per_worker=self.seqs_per_worker)
+            itl_p90_ms=self.itl_ms.p90(), seqs_per_worker=self.seqs_per_worker,
+            kv_usage_by_worker=tuple(n.scheduler.kv_usage for n in dec))
         return FleetSignals(p, d, draining=sim.draining_count("prefill") + sim.draining_count("decode"))
 
     def tick(self) -> None:
@@ -254,8 +260,10 @@ def interval_row(t: float, s: FleetSignals, d, draining) -> dict:
                         "reason": d.prefill.reason.value},
             "decode": {"ready": q.ready_workers, "starting": q.workers - q.ready_workers,
                        "draining": draining("decode"), "running": q.running, "waiting": q.waiting,
-                       "kv_usage": round(q.kv_usage, 3), "itl_p90_ms": q.itl_p90_ms, "target": d.decode.target,
-                       "reason": d.decode.reason.value}}
+                       "kv_usage": round(q.kv_usage, 3),
+                       "kv_usage_max": round(max(q.kv_usage_by_worker, default=0.0), 3),
+                       "kv_full": sum(u >= 0.9 for u in q.kv_usage_by_worker), "itl_p90_ms": q.itl_p90_ms,
+                       "target": d.decode.target, "reason": d.decode.reason.value}}
 
 
 def worker_hours(spans: list[tuple[str, float, float]], start: float, end: float) -> dict:
