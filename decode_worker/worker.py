@@ -26,7 +26,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from decode_worker.read_ahead import AheadRead, LayerRange, PendingRead, ReadResult, RestPlan, finished_well, plan_rest
