@@ -18,7 +18,7 @@ for the last chunk's alone. Goal: the extra time is no more than the last chunk'
 transfer.
 
     sudo .venv/bin/python benchmarks/pipelined_handoff.py [--gbit 1] [--prompts 3] [--input-len 4096] [--chunk 512]
-        [--modes layerwise,pipelined,after_first_token] [--layer-groups 4]
+        [--modes layerwise,pipelined,after_first_token] [--layer-groups 8]
 
 Needs root (cluster/tools/testbed); prints {"skipped": ...} elsewhere. One JSON line.
 """
@@ -128,7 +128,8 @@ def main() -> None:
     p.add_argument("--model", default="", help="HF dir or .gguf (default: the bundled SmolLM2)")
     p.add_argument("--modes", default="layerwise,pipelined,after_first_token",
                    help="comma-separated: layerwise, layerwise:N (N layer groups), pipelined, after_first_token")
-    p.add_argument("--layer-groups", type=int, default=4, help="layer groups of the layerwise mode")
+    p.add_argument("--layer-groups", type=int, default=8,
+                   help="layer groups of the layerwise mode (the serve default, handoff_layer_groups)")
     args = p.parse_args()
     modes = args.modes.split(",")
     for m in modes:

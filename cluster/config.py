@@ -107,7 +107,7 @@ class ServeConfig:
     transfer_timeout: float = 10.0
     reserve_decode_blocks: bool = True    # reserve the decode node's KV blocks while the prompt is prefilled
     pipelined_handoff: bool = True        # ... and read the prompt's blocks as prefill chunks complete them
-    handoff_layer_groups: int = 4         # ... and the last chunk's in this many layer groups while it computes
+    handoff_layer_groups: int = 8         # ... and the last chunk's in this many layer groups while it computes
     first_token_release: str = "decode"   # hold P's first token until D admitted the request, or stream it at once
     # admission
     max_queued_requests: int = 1024
