@@ -107,6 +107,7 @@ class ServeConfig:
     transfer_timeout: float = 10.0
     reserve_decode_blocks: bool = True    # reserve the decode node's KV blocks while the prompt is prefilled
     pipelined_handoff: bool = True        # ... and read the prompt's blocks as prefill chunks complete them
+    handoff_layer_groups: int = 8         # ... and the last chunk's in this many layer groups while it computes
     first_token_release: str = "decode"   # hold P's first token until D admitted the request, or stream it at once
     # admission
     max_queued_requests: int = 1024
@@ -189,6 +190,9 @@ class ServeConfig:
             raise ValueError(f"max_worker_queue must be >= 0 (0 = no bound), got {self.max_worker_queue}")
         if self.stream_write_timeout < 0:
             raise ValueError(f"stream_write_timeout must be >= 0 seconds (0 = no bound), got {self.stream_write_timeout}")
+        if self.handoff_layer_groups < 1:
+            raise ValueError(f"handoff_layer_groups must be >= 1 (1 = the last chunk's blocks all after the first "
+                             f"token), got {self.handoff_layer_groups}")
         if self.lease_ttl <= 0 or self.transfer_timeout <= 0:
             raise ValueError("lease_ttl and transfer_timeout must be positive seconds")
 

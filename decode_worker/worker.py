@@ -26,9 +26,10 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
+from decode_worker.read_ahead import AheadRead, LayerRange, PendingRead, ReadResult, RestPlan, finished_well, plan_rest
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, QueueFull
 from engine.outputs import StepDelta
@@ -36,7 +37,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import RemoteAllocation
 from kvtransfer.engine import PeerInfo, TransferEngine, TransferStatus
 from kvtransfer.handle import KVHandle, RankSource
-from kvtransfer.head_plan import HeadShard
+from kvtransfer.head_plan import HeadShard, Segment
 from kvtransfer.head_read import HeadReadResult, notify_source, read_heads
 from kvtransfer.settings import TransferSettings
 from worker_api.base import WorkerBase
@@ -45,20 +46,6 @@ from worker_api.protocol import DecodeWorkerAPI
 
 log = logging.getLogger("pdserve.decode")
 RESERVATION_TTL_FACTOR = 6   # an unclaimed reservation lives this many transfer timeouts
-
-_ReadResult = tuple[TransferStatus, int, int, str]   # status, bytes, descriptors, error
-
-
-@dataclass(frozen=True)
-class _AheadRead:
-    """Blocks read before the submit: prompt block `indices`, from the source's
-    `src` blocks as of its `preemptions` count; `task` gives the read's result."""
-    source: tuple[str, str]    # the peer's (agent name, incarnation)
-    indices: tuple[int, ...]
-    src: tuple[int, ...]
-    preemptions: int
-    task: asyncio.Task[_ReadResult]
-
 
 class DecodeWorker(WorkerBase):
     def __init__(self, worker_id: str, engine_config: EngineConfig, transfer: TransferSettings,
@@ -73,7 +60,7 @@ class DecodeWorker(WorkerBase):
         self._submitting: set[str] = set()
         self._pulling: set[str] = set()     # blocks allocated and being written by a transfer
         self._reserved: dict[str, RemoteAllocation] = {}   # blocks reserved ahead of a submit
-        self._ahead: dict[str, list[_AheadRead]] = {}   # reads into reserved blocks before the submit
+        self._ahead: dict[str, list[PendingRead]] = {}   # reads into reserved blocks before the submit
 
     def _ready_info(self) -> ReadyInfo:
         info = super()._ready_info()
@@ -158,12 +145,16 @@ class DecodeWorker(WorkerBase):
             self._cancelled.discard(request_id)
 
     async def read_ahead(self, *, request_id: str, peer: PeerInfo, first_index: int,
-                         block_ids: tuple[int, ...], preemptions: int) -> None:
-        """The prefill node completed prompt blocks `first_index`.. (its `block_ids`):
-        read them now into the reservation. Ignored without one (not made yet, or
-        already claimed): the submit then reads them."""
+                         block_ids: tuple[int, ...], preemptions: int, layers: LayerRange | None = None) -> None:
+        """The prefill node completed prompt blocks `first_index`.. (its `block_ids`), or
+        only their `layers` [l0, l1) (the last chunk, while it computes): read them now into
+        the reservation. Ignored without one (not made yet, or already claimed), or for layers
+        this transfer backend cannot read apart: the submit then reads them."""
         alloc = self._reserved.get(request_id)
         if alloc is None or self.tp_actors:   # a TP worker reads every rank's heads at the submit
+            return
+        segments = None if layers is None else self._layer_segments(peer, layers)
+        if layers is not None and segments is None:
             return
         end = min(first_index + len(block_ids), len(alloc.block_ids))
         indices = tuple(range(max(first_index, alloc.num_cached_blocks), end))
@@ -171,11 +162,34 @@ class DecodeWorker(WorkerBase):
             return
         src = tuple(block_ids[i - first_index] for i in indices)
         task = asyncio.get_running_loop().create_task(
-            self._read(peer, list(src), [alloc.block_ids[i] for i in indices], b""))
-        self._ahead.setdefault(request_id, []).append(_AheadRead(
-            source=(peer.agent_name, peer.incarnation), indices=indices, src=src, preemptions=preemptions, task=task))
+            self._read(peer, list(src), [alloc.block_ids[i] for i in indices], b"", segments))
+        read = AheadRead(source=(peer.agent_name, peer.incarnation), indices=indices, src=src,
+                         preemptions=preemptions, layers=layers)
+        self._ahead.setdefault(request_id, []).append(PendingRead(read, task))
 
-    async def _settle_ahead(self, request_id: str) -> list[_AheadRead]:
+    def _layer_segments(self, peer: PeerInfo, layers: LayerRange) -> list[Segment] | None:
+        """The one byte segment of each block that holds `layers`; None where it cannot be
+        read apart (no segment reads in this backend, another block shape at the source)."""
+        if self.transfer is None or not self.transfer.reads_segments:
+            return None
+        ours = self.transfer.layout
+        if peer.layout.bytes_per_block != ours.bytes_per_block or not ours.whole_blocks:
+            return None
+        try:
+            return self._segments((layers,))
+        except ValueError:    # not a layer range of this model
+            return None
+
+    def _segments(self, ranges: Sequence[LayerRange]) -> list[Segment]:
+        """One segment per layer range: its bytes in every block (same offset on both sides)."""
+        assert self.transfer is not None
+        out = []
+        for first, end in ranges:
+            offset, nbytes = self.transfer.layout.layer_range(self.kv_heads.num_layers, first, end)
+            out.append(Segment(0, offset, offset, nbytes))
+        return out
+
+    async def _settle_ahead(self, request_id: str) -> list[PendingRead]:
         """Wait for the reads into `request_id`'s reserved blocks: before the blocks are
         freed or handed to the engine, nothing may still write into them."""
         reads = self._ahead.pop(request_id, [])
@@ -245,34 +259,26 @@ class DecodeWorker(WorkerBase):
         status, nbytes, ndesc, err = TransferStatus.DONE, 0, 0, ""
         self._pulling.add(request_id)   # from here only this call frees the blocks (see abort)
         try:
-            ahead = _read_ahead_blocks(await self._settle_ahead(request_id), handle)
+            plan = self._rest_plan(await self._settle_ahead(request_id), handle, alloc)
             if request_id in self._cancelled:   # aborted while its blocks were being allocated
                 await self.aengine.call(lambda e: e.abort_request(request_id))
                 return SubmitResult(local_prefill=False, error="aborted before its KV arrived", joined=False)
-            todo = [i for i in range(alloc.num_cached_blocks, len(alloc.block_ids))
-                    if ahead.get(i, (None,))[0] != handle.block_ids[i]]
-            if ahead and not todo:   # the last read carries the notification that ends the source's lease
-                todo = [len(alloc.block_ids) - 1]
-            if todo:
-                status, nbytes, ndesc, err = await self._read_handle(
-                    handle, [handle.block_ids[i] for i in todo], [alloc.block_ids[i] for i in todo],
-                    request_id.encode())
+            status, nbytes, ndesc, err = await self._read_rest(handle, alloc, plan, request_id.encode())
         finally:
             self._pulling.discard(request_id)
         seconds = time.monotonic() - t0
-        reread = set(todo)
-        read_ahead = sum(1 for i in ahead if i not in reread)
-        nbytes += sum(nb for i, (_, nb) in ahead.items() if i not in reread)
+        if self.transfer is not None:
+            nbytes += plan.ahead_layers * (self.transfer.layout.block_transfer_bytes // self.kv_heads.num_layers)
         if request_id in self._cancelled:   # freed only now: the transfer no longer writes into them
             await self.aengine.call(lambda e: e.abort_request(request_id))
             return SubmitResult(local_prefill=False, error="aborted while its KV arrived", joined=False)
         if status is TransferStatus.DONE:
             await self.aengine.call(lambda e: e.remote_kv_ready(request_id, late_token))
             return SubmitResult(local_prefill=False, cached_blocks=alloc.num_cached_blocks,
-                                transferred_blocks=len(todo) + read_ahead, transferred_bytes=nbytes,
+                                transferred_blocks=plan.blocks, transferred_bytes=nbytes,
                                 descriptors=ndesc, transfer_seconds=seconds, block_ids=tuple(alloc.block_ids),
                                 room_wait_seconds=room_wait, reserved=late_token is not None,
-                                read_ahead_blocks=read_ahead)
+                                read_ahead_blocks=plan.ahead_blocks, layer_read_ahead_blocks=plan.layer_blocks)
         if on_pull_failure is PullFailure.REPORT:
             log.warning("KV pull of %s failed (%s): handing it back", request_id, err or status.value)
             await self.aengine.call(lambda e: e.abort_request(request_id))
@@ -283,7 +289,32 @@ class DecodeWorker(WorkerBase):
         return SubmitResult(local_prefill=False, cached_blocks=alloc.num_cached_blocks, descriptors=ndesc,
                             transfer_seconds=seconds, recomputed=True, error=err or status.value)
 
-    async def _read_handle(self, handle: KVHandle, src: list[int], dst: list[int], notify: bytes) -> _ReadResult:
+    def _rest_plan(self, pending: list[PendingRead], handle: KVHandle, alloc: RemoteAllocation) -> RestPlan:
+        """What the submit still reads, after the reads ahead (decode_worker/read_ahead.py)."""
+        return plan_rest(finished_well(pending), source=(handle.peer.agent_name, handle.peer.incarnation),
+                         preemptions=handle.preemptions, src_blocks=handle.block_ids,
+                         first=alloc.num_cached_blocks, end=len(alloc.block_ids), num_layers=self.kv_heads.num_layers)
+
+    async def _read_rest(self, handle: KVHandle, alloc: RemoteAllocation, plan: RestPlan, notify: bytes) -> ReadResult:
+        """The submit's reads, one after the other: the last carries `notify`, which ends the
+        source's lease, so that no read of its blocks follows it. Whole blocks as one read
+        (across tensor-parallel ranks too); layer ranges left by a layer-wise read ahead as
+        one segment per range and block."""
+        status, nbytes, ndesc, err = TransferStatus.DONE, 0, 0, ""
+        for k, rest in enumerate(plan.reads):
+            note = notify if k == len(plan.reads) - 1 else b""
+            src = [handle.block_ids[i] for i in rest.indices]
+            dst = [alloc.block_ids[i] for i in rest.indices]
+            if rest.whole(self.kv_heads.num_layers):
+                status, nb, nd, err = await self._read_handle(handle, src, dst, note)
+            else:
+                status, nb, nd, err = await self._read(handle.peer, src, dst, note, self._segments(rest.layers))
+            nbytes, ndesc = nbytes + nb, ndesc + nd
+            if status is not TransferStatus.DONE:
+                break
+        return status, nbytes, ndesc, err
+
+    async def _read_handle(self, handle: KVHandle, src: list[int], dst: list[int], notify: bytes) -> ReadResult:
         """Read the handle's blocks `src` into ours `dst`; across tensor-parallel ranks when
         either side splits the KV heads (every rank reads its heads, then rank 0 notifies)."""
         if not handle.tensor_parallel and not self.tp_actors:
@@ -309,16 +340,19 @@ class DecodeWorker(WorkerBase):
             transfer, handle.peer, notify, timeout))
         return note.status, nbytes, ndesc + note.descriptors, note.error
 
-    async def _read(self, peer: PeerInfo, src: list[int], dst: list[int], notify: bytes) -> _ReadResult:
-        """Read `peer`'s blocks `src` into ours `dst`: (status, bytes, descriptors, error).
-        `notify` (the request id) tells the source the read is done: its lease ends."""
+    async def _read(self, peer: PeerInfo, src: list[int], dst: list[int], notify: bytes,
+                    segments: list[Segment] | None = None) -> ReadResult:
+        """Read `peer`'s blocks `src` into ours `dst` (only the byte `segments` of each, if
+        given): (status, bytes, descriptors, error). `notify` (the request id) tells the
+        source the read is done: its lease ends."""
         transfer = self.transfer
         if transfer is None:   # colocated: nothing to read with; the caller recomputes or reports
             return TransferStatus.FAILED, 0, 0, "a colocated worker moves no KV: submit it without a handle"
         loop = asyncio.get_running_loop()
         try:
             xfer = await loop.run_in_executor(self._xfer_thread, lambda: transfer.read(
-                peer, src, dst, notify=notify))
+                peer, src, dst, notify=notify) if segments is None else transfer.read_segments(
+                peer, src, dst, segments, notify=notify))
         except Exception as e:   # peer unreachable / gone
             return TransferStatus.FAILED, 0, 0, f"{type(e).__name__}: {e}"
         deadline = time.monotonic() + self.settings.timeout
@@ -349,22 +383,6 @@ class DecodeWorker(WorkerBase):
             return report
         return replace(report, stats=replace(report.stats, waiting=report.stats.waiting + self._awaiting_room))
 
-
-def _read_ahead_blocks(reads: list[_AheadRead], handle: KVHandle) -> dict[int, tuple[int, int]]:
-    """Prompt block index -> (source block, bytes) of the blocks read ahead that are
-    still good: read in full, from the handle's source at its final preemption count."""
-    good: dict[int, tuple[int, int]] = {}
-    source = (handle.peer.agent_name, handle.peer.incarnation)
-    for r in reads:
-        if r.source != source or r.preemptions != handle.preemptions:
-            continue
-        if r.task.cancelled() or r.task.exception() is not None:
-            continue
-        status, nbytes, _, _ = r.task.result()
-        if status is TransferStatus.DONE:
-            for i, src in zip(r.indices, r.src):
-                good[i] = (src, nbytes // len(r.indices))
-    return good
 
 def _add_with_first_token(engine: LLMEngine, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
                           salt: str | None, first_token: int) -> None:

@@ -94,6 +94,9 @@ class EngineConfig:
     packed_weights: bool = True        # CPU: linear layers on oneDNN-packed weights (engine/model/packed_linear.py)
     attention_backend: str = "auto"    # "auto" (cpu_paged where its kernel builds, else torch_paged) or a name
                                        # from engine.attention.available_backends()
+    # > 1: a prefill_only request's last prompt chunk reports its layers in this many groups while
+    # it computes (StepDelta.computed_layers; engine/layer_progress.py), all groups but the last
+    prompt_layer_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -101,6 +104,8 @@ class EngineConfig:
                              f"got {self.tensor_parallel_size}")
         if self.step_trace_size < 0:
             raise ValueError(f"step_trace_size must be >= 0 records (0 = off), got {self.step_trace_size}")
+        if self.prompt_layer_groups < 1:
+            raise ValueError(f"prompt_layer_groups must be >= 1 (1 = no layer progress), got {self.prompt_layer_groups}")
         if not self.attention_backend:
             raise ValueError("attention_backend must be 'auto' or a backend name such as 'torch_paged'")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -18,6 +18,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine_stats import EngineStats, prefix_wait_stats, tier_stats
 from engine.kv_events import KVEvent, KVSnapshot
+from engine.layer_progress import Emit, device_sync, layer_marks, layer_reporter
 from engine.model_runner import ModelRunner
 from engine.outputs import StepDelta
 from engine.request import RequestStatus
@@ -84,6 +85,11 @@ class LLMEngine:
         # KV events for the router, bounded: a consumer that falls behind sees an
         # event-id gap and resyncs from kv_snapshot()
         self._events: deque[KVEvent] = deque(maxlen=MAX_BUFFERED_EVENTS)
+        # layer progress of prompts a step completes (prefill role); not with tensor parallelism,
+        # where rank 0's layers say nothing of the other ranks'
+        groups = config.prompt_layer_groups if config.tensor_parallel_size == 1 else 1
+        self._layer_marks = layer_marks(runner.model_config.num_layers, groups)
+        self._device_sync = device_sync(runner.device)
         log.info("KV pool: %s", runner.kv_pool.describe())
 
     @classmethod
@@ -201,10 +207,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._seqs) and self.scheduler.has_unfinished()
 
-    def step(self, on_admitted: Callable[[list[StepDelta]], None] | None = None) -> list[StepDelta]:
-        """One engine step: its deltas. `on_admitted` receives, before the step's forward, the
-        tokenless `admitted` deltas of handed-off requests this step takes into the batch
-        (without it they lead the returned deltas)."""
+    def step(self, on_early: Emit | None = None) -> list[StepDelta]:
+        """One engine step: its deltas. `on_early` receives deltas before the step ends: before
+        the forward, the tokenless `admitted` deltas of handed-off requests this step takes into
+        the batch (without it they lead the returned deltas); during the forward, the layer
+        progress of prefill_only prompts this step completes (`prompt_layer_groups` > 1;
+        without it none is reported)."""
         sched = self.scheduler.schedule()
         self._num_preemptions += len(sched.preempted_ids)
         self.last_step_tokens = sched.num_tokens
@@ -214,11 +222,11 @@ class LLMEngine:
             self.runner.apply_kv_moves(sched.moves())     # e.g. swap-outs of a step that ran nothing
             return []
         admitted = self._admitted(sched)
-        if admitted and on_admitted is not None:
-            on_admitted(admitted)
+        if admitted and on_early is not None:
+            on_early(admitted)
             admitted = []
         t0 = time.perf_counter()
-        logits = self.runner.execute(sched)
+        logits = self.runner.execute(sched, self._layer_progress(sched, on_early))
         if any(s.num_new_tokens > 1 for s in sched.seqs):
             self.prefill_speed.observe(sched.num_tokens, time.perf_counter() - t0)
         sampled_seqs = [self._seqs[s.request.request_id] for s in sched.seqs if s.sample]
@@ -264,6 +272,22 @@ class LLMEngine:
                                  computed_block_ids=tuple(self.scheduler.kv.get_block_ids(req.request_id)[:full]),
                                  preemptions=req.num_preemptions))
         return out
+
+    def _layer_progress(self, sched, emit: Emit | None) -> Callable[[int], None] | None:
+        """The forward's per-layer callback when this step completes prefill_only prompts
+        and layer progress is on (engine/layer_progress.py); else None."""
+        if not self._layer_marks or emit is None:
+            return None
+        deltas = []
+        for s in sched.seqs:
+            seq = self._seqs.get(s.request.request_id)
+            if not s.sample or seq is None or not self._groups[seq.group_id].prefill_only:
+                continue
+            req = seq.request
+            blocks = self.scheduler.kv.get_block_ids(req.request_id)[:-(-req.num_prompt_tokens // self.block_size)]
+            deltas.append(StepDelta(request_id=seq.group_id, new_token_ids=(), num_prompt_tokens=req.num_prompt_tokens,
+                                    computed_block_ids=tuple(blocks), preemptions=req.num_preemptions))
+        return layer_reporter(self._layer_marks, deltas, emit, self._device_sync) if deltas else None
 
     def _expand_forks(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         rows, targets = [], []

@@ -7,6 +7,7 @@ decode hot path), prefill-like sequences first and decodes after.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -171,13 +172,15 @@ class ModelRunner:
         self.tiers.apply(moves)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+    def execute(self, sched: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Move / copy blocks, run the forward; float32 logits ``[num seqs with sample, vocab]``
-        in the order those sequences appear in ``sched.seqs``."""
-        return self.run(sched.moves(), None if sched.is_empty else self.build_inputs(sched))
+        in the order those sequences appear in ``sched.seqs``. ``on_layer(n)``: called as the
+        forward has run layers ``[0, n)`` (LlamaForCausalLM.hidden_states)."""
+        return self.run(sched.moves(), None if sched.is_empty else self.build_inputs(sched), on_layer)
 
     @torch.inference_mode()
-    def run(self, moves: list[KVMove], inputs: StepInputs | None) -> torch.Tensor:
+    def run(self, moves: list[KVMove], inputs: StepInputs | None,
+            on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Apply ``moves``, then the forward over ``inputs`` (None: nothing scheduled). A
         tensor-parallel rank runs the inputs rank 0 built (engine/parallel/executor.py)."""
         self.tiers.apply(moves)
@@ -185,9 +188,9 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         if inputs.num_sampled == 0:
             # prefill chunks only: still compute K/V, skip the LM head
-            self.model.hidden_states(inputs.batch, self.kv_pool.tensor)
+            self.model.hidden_states(inputs.batch, self.kv_pool.tensor, on_layer)
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        return self.model(inputs.batch, self.kv_pool.tensor).float()
+        return self.model(inputs.batch, self.kv_pool.tensor, on_layer).float()
 
     def close(self) -> None:
         """Release what the runner holds beyond memory (a TP executor stops its ranks)."""

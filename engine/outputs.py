@@ -61,6 +61,10 @@ class StepDelta:
     # a prefill_only request's step that computed a prompt chunk but no token (new_token_ids empty):
     # the prompt blocks whose KV is complete so far, in order (a pipelined hand-off reads them now)
     computed_block_ids: tuple[int, ...] = ()
+    # with computed_block_ids, > 0: only layers [0, computed_layers) of those blocks are complete. Sent
+    # during the forward of the step that completes a prefill_only prompt (EngineConfig.prompt_layer_groups),
+    # for all its prompt blocks, the partial last one included; 0: every layer of them is complete
+    computed_layers: int = 0
     preemptions: int = 0                # prefill_only: times it was preempted (its blocks recomputed) so far
     # decode role, tokenless: a handed-off request joined the running batch (its KV is in, and the
     # step now running computes its next token); sent when the step is scheduled, before its forward

@@ -143,6 +143,9 @@ class TransferEngine(abc.ABC):
         raise ValueError(f"the {self.backend_name!r} transfer backend cannot read head ranges between "
                          "tensor-parallel workers of different sizes: use the tcp or nixl backend")
 
+    #: whether read_segments() works (byte ranges of blocks: TP head ranges, layer groups)
+    reads_segments: bool = False
+
     #: whether set_read_guard() takes effect: the source sees every read
     #: (tcp) rather than one-sided reads it never hears of (NIXL, UCXX)
     sees_reads: bool = False

@@ -86,5 +86,17 @@ class KVPoolLayout:
         """Address of the transferred bytes of ``block_id`` (slice start)."""
         return self.base_addr + block_id * self.bytes_per_block + self.slice_offset
 
+    def layer_range(self, num_layers: int, first: int, end: int) -> tuple[int, int]:
+        """``(offset, nbytes)`` of layers ``[first, end)`` inside a block whose bytes are
+        ``num_layers`` equal slabs, layer after layer (the engine's block-major pool, its
+        quantized form too): one contiguous range of each block."""
+        if num_layers < 1 or self.bytes_per_block % num_layers:
+            raise ValueError(f"a block of {self.bytes_per_block} B does not split into {num_layers} layers: "
+                             "pass the pool's own layer count")
+        if not 0 <= first < end <= num_layers:
+            raise ValueError(f"layers [{first}, {end}) are not a non-empty range inside [0, {num_layers})")
+        per = self.bytes_per_block // num_layers
+        return first * per, (end - first) * per
+
     def contains(self, addr: int, nbytes: int) -> bool:
         return self.base_addr <= addr and addr + nbytes <= self.base_addr + self.total_bytes

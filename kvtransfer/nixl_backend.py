@@ -141,6 +141,7 @@ class NixlHandle(TransferHandle):
 
 class NixlEngine(TransferEngine):
     backend_name = "nixl"
+    reads_segments = True
 
     def __init__(self, name: str, config: NixlConfig = NixlConfig()) -> None:
         super().__init__(name)

@@ -139,6 +139,7 @@ class TcpHandle(TransferHandle):
 
 class TcpEngine(TransferEngine):
     backend_name = "tcp"
+    reads_segments = True
     sees_reads = True
 
     def __init__(self, name: str, config: TcpConfig = TcpConfig()) -> None:

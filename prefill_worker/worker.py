@@ -10,7 +10,11 @@ prompt's blocks), the worker tells it after every engine step that computed
 a chunk which prompt blocks are complete (the engine's tokenless
 `StepDelta.computed_block_ids`), so it reads them while the next chunk
 computes; only the last chunk's blocks are left for the read after the
-first token.
+first token. With the engine's `prompt_layer_groups` > 1 the engine also
+reports the last chunk's layers group by group during its forward
+(`StepDelta.computed_layers`): each group's byte range of those blocks goes to
+the reader at once, so only the last layer group is left for the read after the
+first token (a layer-wise hand-off).
 
 A plain class: the cluster launcher wraps it with `ray.remote(...)` and the
 resources of its pool, so it also runs in-process for tests.
@@ -74,10 +78,12 @@ class PrefillWorker(WorkerBase):
                       read_ahead: ReadAheadTarget | ReadAheadHandle | None = None) -> PrefillResult:
         """Compute the prompt's KV and its first token; pin the blocks for a reader.
         `read_ahead`: a decode worker (a Ray actor handle, or the object itself) whose
-        `read_ahead(request_id=, peer=, first_index=, block_ids=, preemptions=)` is told of
-        the prompt blocks completed since it was last told, after every chunk's step
-        (all of them again after a preemption). Best effort: a message lost or late
-        only means those blocks are read after the first token."""
+        `read_ahead(request_id=, peer=, first_index=, block_ids=, preemptions=, layers=)` is
+        told of the prompt blocks completed since it was last told, after every chunk's step
+        (all of them again after a preemption), and, while the last chunk computes (the
+        engine's `prompt_layer_groups`), of each layer group of the blocks not yet told
+        (`layers`). Best effort: a message lost or late only means those blocks are read
+        after the first token."""
         await self._start()
         t0 = time.monotonic()
         if self._draining:
@@ -129,7 +135,7 @@ class PrefillWorker(WorkerBase):
         """Wait for the request's first token (None: ended before it started), telling
         `read_ahead` of the prompt blocks each chunk completed on the way (the calls go
         into `told_calls`)."""
-        told, epoch = 0, 0   # blocks told to the reader, at the preemption count `epoch`
+        told, epoch, layers = 0, 0, 0   # whole blocks and last-chunk layers told, at the preemption count `epoch`
         while True:
             delta: StepDelta | None = await queue.get()
             if delta is None or delta.new_token_ids:
@@ -137,13 +143,20 @@ class PrefillWorker(WorkerBase):
             if read_ahead is None:   # a chunk's progress: only a pipelined hand-off wants it
                 continue
             if delta.preemptions != epoch:
-                told, epoch = 0, delta.preemptions
-            blocks = delta.computed_block_ids
-            if len(blocks) > told:
-                with contextlib.suppress(Exception):   # the reader is gone: its submit says so
-                    told_calls.append(self._fire(read_ahead, request_id=request_id, peer=self.transfer.peer_info(),
-                                                 first_index=told, block_ids=blocks[told:], preemptions=epoch))
-                told = len(blocks)
+                told, epoch, layers = 0, delta.preemptions, 0
+            blocks, done = delta.computed_block_ids, delta.computed_layers
+            if len(blocks) <= told:
+                continue
+            tell = dict(request_id=request_id, peer=self.transfer.peer_info(), first_index=told,
+                        block_ids=blocks[told:], preemptions=epoch)
+            if done:   # the last chunk's forward ran layers [0, done): the blocks not told whole, those layers
+                first_layer = layers if layers < done else 0
+                layers = done
+                tell["layers"] = (first_layer, done)
+            else:
+                told, layers = len(blocks), 0
+            with contextlib.suppress(Exception):   # the reader is gone: its submit says so
+                told_calls.append(self._fire(read_ahead, **tell))
 
     async def release(self, *, request_id: str) -> bool:
         """The decode side will not read (cancelled, or it recomputed): free now."""

@@ -71,6 +71,7 @@ class SubmitResult:
     room_wait_seconds: float = 0.0    # waiting here for free KV blocks before the pull
     reserved: bool = False            # its blocks were reserved ahead (`reserve`): no wait for room
     read_ahead_blocks: int = 0        # of transferred_blocks: read while the prompt was prefilled
+    layer_read_ahead_blocks: int = 0  # of transferred_blocks: some layers read while the last chunk computed
 
 
 @dataclass(frozen=True)

@@ -67,10 +67,12 @@ class WorkerAPI(Protocol):
 
 
 class ReadAheadTarget(Protocol):
-    """Who a prefill worker tells of the prompt blocks completed so far."""
+    """Who a prefill worker tells of the prompt blocks completed so far (`layers`: only
+    layers [l0, l1) of them, while the last chunk computes; None: whole blocks)."""
 
     async def read_ahead(self, *, request_id: str, peer: PeerInfo, first_index: int,
-                         block_ids: tuple[int, ...], preemptions: int) -> None:
+                         block_ids: tuple[int, ...], preemptions: int,
+                         layers: tuple[int, int] | None = None) -> None:
         ...
 
 

@@ -80,6 +80,9 @@ HELP = {
                              "hand-off pulls at once (--no-reserve-decode-blocks: allocate after the prefill)",
     "pipelined_handoff": "with reserved decode blocks, read each prompt block as soon as the prefill node "
                          "completes it (chunked prefill), not all after the first token",
+    "handoff_layer_groups": "with pipelined_handoff: the decode node reads the last prefill chunk's KV in this "
+                            "many layer groups while that chunk computes, all but the last before the first "
+                            "token (1: the last chunk's blocks all after it)",
     "first_token_release": "when a handed-off request's first token reaches the client: 'prefill' (as the "
                            "prefill node samples it) or 'decode' (held until the decode node has taken the "
                            "request into its running batch: the second token then follows one decode step "

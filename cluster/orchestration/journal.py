@@ -87,6 +87,8 @@ def describe_decision(decision) -> str:
 def describe_submit(sub) -> str:
     parts = ["local prefill" if sub.local_prefill else f"{sub.cached_blocks} blocks cached, "
              f"{sub.transferred_blocks} pulled", f"blocks {list(sub.block_ids)}"]
+    if sub.read_ahead_blocks or sub.layer_read_ahead_blocks:
+        parts.append(f"{sub.read_ahead_blocks} read ahead whole, {sub.layer_read_ahead_blocks} by layer group")
     if sub.recomputed:
         parts.append("recomputed")
     if sub.moved:

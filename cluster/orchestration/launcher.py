@@ -51,7 +51,12 @@ def engine_config(cfg: ServeConfig, pool: str = "decode") -> EngineConfig:
         scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                                   max_waiting=cfg.max_worker_queue),
-        step_trace_size=cfg.step_trace_size)
+        step_trace_size=cfg.step_trace_size, prompt_layer_groups=_layer_groups(cfg, pool))
+
+
+def _layer_groups(cfg: ServeConfig, pool: str) -> int:
+    """A prefill engine reports its last chunk's layer groups when a pipelined hand-off reads them."""
+    return cfg.handoff_layer_groups if pool == "prefill" and cfg.pipelined_handoff and cfg.reserve_decode_blocks else 1
 
 
 def transfer_settings(cfg: ServeConfig) -> TransferSettings:

@@ -79,18 +79,24 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
-    def hidden_states(self, batch: BatchInput, kv_pool: torch.Tensor) -> torch.Tensor:
-        """Residual stream after the last layer (before the final norm), ``[T, hidden]``."""
+    def hidden_states(self, batch: BatchInput, kv_pool: torch.Tensor,
+                      on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Residual stream after the last layer (before the final norm), ``[T, hidden]``.
+        ``on_layer(n)`` is called once layers ``[0, n)`` have run (their K/V are in the pool,
+        once the device's queued work is done)."""
         plan = self.attention.plan(batch.attn, kv_pool)
         rope = self.rope.tables(batch.positions)
         h = self.embed(batch.input_ids)
         for i, layer in enumerate(self.layers):
             h = layer(i, h, rope, self.attention, plan)
+            if on_layer is not None:
+                on_layer(i + 1)
         return h
 
-    def forward(self, batch: BatchInput, kv_pool: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: BatchInput, kv_pool: torch.Tensor,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` in the model dtype; K/V written to the pool."""
-        h = self.hidden_states(batch, kv_pool)
+        h = self.hidden_states(batch, kv_pool, on_layer)
         h = self.norm(h.index_select(0, batch.logits_indices))
         return self.logits(h)
 

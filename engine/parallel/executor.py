@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -97,8 +97,9 @@ class TPExecutor(ModelRunner):
         super().apply_kv_moves(moves)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """As ModelRunner.execute, after sending the step to the other ranks."""
+    def execute(self, sched: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """As ModelRunner.execute, after sending the step to the other ranks. ``on_layer`` is
+        not called: rank 0's layers say nothing of the other ranks' (the engine passes none)."""
         moves = sched.moves()
         inputs = None if sched.is_empty else self.build_inputs(sched)
         self.group.broadcast(StepMessage(moves, None if inputs is None else inputs_to(inputs, "cpu")))

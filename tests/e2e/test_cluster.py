@@ -24,6 +24,7 @@ def cluster(tiny_llama_dir, tmp_path_factory):
     cfg = ServeConfig(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512,
                       grpc_port=free_port(), http_port=0, metrics_port=0,
                       block_size=BS, prefill_workers=1, decode_workers=1,
+                      max_num_batched_tokens=64,   # prompts over 64 tokens prefill in chunks
                       ray_temp_dir=str(tmp_path_factory.mktemp("ray")), worker_niceness=0,
                       # always hand off, so the tests see transfers
                       local_prefill_threshold=0, local_prefill_hit_ratio=1.0)
@@ -55,6 +56,20 @@ def test_greedy_over_grpc_matches_transformers_for_8_concurrent(cluster, hf):
         assert out.tokens == hf_greedy(hf, p, 10)
         assert out.finish_reason == "length"
     assert cluster.sample("pdserve_routing_decisions_total", kind="remote_prefill") >= 8
+    cluster.wait_idle()
+
+
+def test_a_long_chunked_prompt_moves_its_last_chunk_layer_by_layer_and_matches_transformers(cluster, hf):
+    """420 tokens in chunks of 64: the decode worker (another process) reads the first six
+    chunks' 24 blocks whole while later chunks compute, and the last chunk's 3 blocks layer
+    group by layer group while it computes (3 layers: groups of one); after the first token
+    it reads only the last group. A group it skipped would make the tokens differ."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, 380) for _ in range(420)]
+    out = asyncio.run(_complete(cluster.target, prompt, request_id="layer-wise-1"))
+    assert out.tokens == hf_greedy(hf, prompt, 10)
+    joined = [e for e in cluster.backend.request_events("layer-wise-1") if "joined decode" in e]
+    assert joined and "27 pulled" in joined[0] and "24 read ahead whole, 3 by layer group" in joined[0], joined
     cluster.wait_idle()
 
 

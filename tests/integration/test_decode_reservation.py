@@ -13,6 +13,7 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
@@ -198,3 +199,55 @@ def test_no_room_reserves_nothing_and_an_unclaimed_reservation_expires(tiny_llam
     held, too_big, after_refusal, expired = asyncio.run(go())
     assert held == 3 and too_big is False and after_refusal == 3
     assert expired == 0, "an unclaimed reservation outlived its time"
+
+
+
+def test_a_layer_wise_hand_off_reads_the_last_chunk_by_layer_group_and_matches_transformers(
+        tiny_llama_dir, tiny_llama_hf):
+    """The last chunk's blocks move layer group by layer group while it computes (3
+    layers: groups of one), the submit reads only the last group: the decode node's KV
+    equals the prefill node's byte for byte and its greedy tokens equal transformers'.
+    Layer groups read from blocks that are not the handle's are read again, whole."""
+    from decode_worker.worker import DecodeWorker
+    from prefill_worker.worker import PrefillWorker
+    from tiny_models import hf_greedy
+
+    settings = TransferSettings(backend="tcp", lease_ttl=60.0, timeout=60.0)
+    pw = PrefillWorker("prefill-lw", replace(_cfg(tiny_llama_dir, chunk=32), prompt_layer_groups=4), settings)
+    dw = DecodeWorker("decode-lw", _cfg(tiny_llama_dir), settings)
+    prompt = [(i * 37) % 350 + 20 for i in range(150)]   # 5 chunks (32 x 4 + 22), 10 blocks (the last of 6 tokens)
+    stale = [(i * 53) % 350 + 20 for i in range(40)]
+
+    async def layer_wise():
+        assert await dw.reserve(item=_item("lw", prompt))
+        pre = await pw.prefill(item=_item("lw", prompt), read_ahead=dw)
+        p_kv = pw.engine.kv_pool.tensor[list(pre.handle.block_ids)].clone()   # before anything can reuse them
+        decoded = asyncio.ensure_future(_decode(dw, "lw"))
+        sub = await dw.submit(item=_item("lw", prompt), handle=pre.handle, first_token=pre.first_token)
+        d_kv = dw.engine.kv_pool.tensor[list(sub.block_ids)].clone()         # before the decode writes its tokens
+        return sub, list(pre.first.new_token_ids) + await decoded, p_kv, d_kv
+
+    async def stale_layers():
+        decoy = await pw.prefill(item=_item("decoy", list(range(200, 264))))
+        assert await dw.reserve(item=_item("stale", stale))
+        pre = await pw.prefill(item=_item("stale", stale))
+        await dw.read_ahead(request_id="stale", peer=pre.handle.peer, first_index=0,
+                            block_ids=decoy.handle.block_ids, preemptions=0, layers=(0, 2))
+        decoded = asyncio.ensure_future(_decode(dw, "stale"))
+        sub = await dw.submit(item=_item("stale", stale), handle=pre.handle, first_token=pre.first_token)
+        tokens = list(pre.first.new_token_ids) + await decoded
+        await pw.release(request_id="decoy")
+        return sub, tokens
+
+    async def go():
+        return await layer_wise(), await stale_layers(), await _used(dw)
+
+    (sub, tokens, p_kv, d_kv), (stale_sub, stale_tokens), used = asyncio.run(go())
+    assert torch.equal(d_kv[:9], p_kv[:9]), "a layer of a full block differs from the prefill node's"
+    assert torch.equal(d_kv[9, ..., :6, :], p_kv[9, ..., :6, :]), "the last block's 6 prompt tokens differ"
+    assert tokens == hf_greedy(tiny_llama_hf, prompt, GREEDY.max_tokens)
+    assert (sub.read_ahead_blocks, sub.layer_read_ahead_blocks, sub.transferred_blocks) == (8, 2, 10), sub
+    assert sub.transferred_bytes == 10 * pw.engine.kv_pool.bytes_per_block, "each byte of the prompt's KV once"
+    assert (stale_sub.read_ahead_blocks, stale_sub.layer_read_ahead_blocks, stale_sub.transferred_blocks) == (0, 0, 3)
+    assert stale_tokens == hf_greedy(tiny_llama_hf, stale, GREEDY.max_tokens)
+    assert used == 0

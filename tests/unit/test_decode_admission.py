@@ -18,9 +18,9 @@ def _engine(model_dir) -> LLMEngine:
 def _record_forwards(e: LLMEngine, log: list) -> None:
     execute = e.runner.execute
 
-    def recorded(sched):
+    def recorded(sched, on_layer=None):
         log.append(("forward", tuple(s.request.request_id for s in sched.seqs)))
-        return execute(sched)
+        return execute(sched, on_layer)
     e.runner.execute = recorded
 
 
