@@ -376,10 +376,12 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     def pick_prefill(self, req, workers, matches) -> Pick:
         """Ties (equal cost: often an idle pool and a prefix nobody holds) go to the
-        first tied node at or after one chosen by the prompt's first block, so new
-        prefixes spread over the pool while one prefix keeps one home; ties to the
-        lowest index piled every new conversation onto the first worker."""
-        rc, start = self._vector(workers, "prefill", matches), _tie_start(req, len(workers))
+        first tied node at or after one chosen by the prompt's first block that not
+        every node holds (``_tie_start``), so new prefixes spread over the pool while
+        one prefix keeps one home; ties to the lowest index piled every new
+        conversation onto the first worker, and keyed on the first block they piled
+        every conversation that opens with one shared system block onto one node."""
+        rc, start = self._vector(workers, "prefill", matches), _tie_start(req, workers, matches)
         if rc is None:
             return self._select(workers, self._prefill_costs(req, workers, matches), start)
         if len(rc) <= LIST_MAX:
@@ -416,13 +418,27 @@ class PrefixAwarePolicy(RoutingPolicy):
         return self._select(workers, costs)
 
 
-def _tie_start(req: RoutingRequest, n: int) -> int:
-    """Where a prefill tie starts looking: the prompt's first block hash (the
-    request id's CRC without one) modulo the pool size."""
+def _tie_start(req: RoutingRequest, workers: Sequence[WorkerView], matches: Mapping[str, MatchInfo]) -> int:
+    """Where a prefill tie starts looking, modulo the pool size: the hash of the
+    prompt's first block that not every worker of the pool holds (its last block
+    when they all hold it all; the request id's CRC without blocks). A prefix
+    nobody holds keeps one start (its first block), so its requests find one
+    home; prompts that share only what the whole pool holds (a system block
+    every worker has cached) start from the block where they differ, so new
+    conversations spread instead of piling onto one node."""
+    n = len(workers)
     if n <= 1:
         return 0
-    key = req.block_hashes[0] if req.block_hashes else zlib.crc32(req.request_id.encode())
-    return key % n
+    hashes = req.block_hashes
+    if not hashes:
+        return zlib.crc32(req.request_id.encode()) % n
+    get, shared = _getter(matches), len(hashes) - 1
+    for x in workers:
+        m = get(x.worker_id)
+        if m is None:
+            return hashes[0] % n
+        shared = min(shared, m.blocks)
+    return hashes[shared] % n
 
 
 class LeastLoadedPolicy(RoutingPolicy):

@@ -211,6 +211,41 @@ def test_new_prefixes_spread_over_an_idle_pool_and_keep_one_home():
             r.update_load(w, WorkerLoad())
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_conversations_sharing_only_a_block_every_node_holds_spread_over_an_idle_pool(native):
+    """As the Mooncake trace's first turns: every prompt opens with one system block that every
+    prefill node holds, then differs. The tie starts at the first block not every node holds,
+    so 40 such conversations on an idle pool of four land about evenly (keyed on the first
+    block, all 40 went to one node); a prefix only some nodes hold still goes to a holder, and
+    one nobody holds past the system block keeps one home."""
+    r = Router(RouterConfig(track_in_flight=False, policy_config=PolicyConfig(
+        local_prefill_threshold=0, local_prefill_hit_ratio=1.0)), rng=random.Random(0), clock=Clock(),
+        native_decisions=native)
+    nodes = ("p0", "p1", "p2", "p3")
+    for wid, pool in [(w, "prefill") for w in nodes] + [("d0", "decode")]:
+        r.add_worker(wid, pool)
+    system = list(range(16))
+    head = tuple(block_hashes(system + [0] * 16, BS))[:1]
+    for w in nodes:
+        r.on_events(w, [KVEvent(1, KVEventKind.STORED, head)])
+    conv = lambda i, turn=0: group_req(turn, system=system + list(range(10_000 * (i + 1), 10_000 * (i + 1) + 64)))  # noqa: E731
+    homes = []
+    for i in range(40):
+        homes.append(r.route(conv(i)).prefill_worker_id)
+        for w in nodes:
+            r.update_load(w, WorkerLoad())                    # idle again: every choice is a tie
+    counts = sorted(homes.count(w) for w in nodes)
+    assert counts[0] >= 5 and counts[-1] <= 16, counts    # 40 / 4 = 10 each on average
+    for i in (0, 7, 19):
+        assert r.route(conv(i, turn=1)).prefill_worker_id == homes[i]   # same conversation, same start
+        for w in nodes:
+            r.update_load(w, WorkerLoad())
+    # only p2 holds conversation 3's opening blocks: it goes there whatever the tie start says
+    r.on_events("p2", [KVEvent(2, KVEventKind.STORED, conv(3).block_hashes[1:5], parent_hash=head[0])])
+    d = r.route(conv(3, turn=2))
+    assert (d.prefill_worker_id, d.prefill_inputs.match.blocks) == ("p2", 5)
+
+
 def test_select_breaks_ties_from_the_start_index_wrapping_round():
     rng = random.Random(0)
     assert C.select([3.0, 1.0, 2.0, 1.0], 0.0, rng) == 1
