@@ -78,6 +78,7 @@ class WorkerView:
     worker_id: str
     pool: str                              # "prefill" | "decode" | "colocated"
     load: WorkerLoad
+    assigned_tokens: int = 0               # prompt tokens this router sent it to compute (since added)
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
@@ -376,17 +377,22 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     def pick_prefill(self, req, workers, matches) -> Pick:
         """Ties (equal cost: often an idle pool and a prefix nobody holds) go to the
-        first tied node at or after one chosen by the prompt's first block that not
-        every node holds (``_tie_start``), so new prefixes spread over the pool while
-        one prefix keeps one home; ties to the lowest index piled every new
-        conversation onto the first worker, and keyed on the first block they piled
-        every conversation that opens with one shared system block onto one node."""
+        tied node with the fewest prompt tokens assigned so far, then the first at or
+        after one chosen by the prompt's first block that not every node holds
+        (``least_assigned``, ``_tie_start``). Ties to the lowest index piled every new
+        conversation onto the first worker; ties by a block hash alone spread them
+        only as evenly as a hash does, and conversations' later turns follow them."""
         rc, start = self._vector(workers, "prefill", matches), _tie_start(req, workers, matches)
         if rc is None:
-            return self._select(workers, self._prefill_costs(req, workers, matches), start)
-        if len(rc) <= LIST_MAX:
-            return self._select(workers, self._prefill_cost_list(req, rc, matches), start)
-        return self._select_array(workers, self._prefill_cost_array(req, rc, matches), start)
+            costs: list[float] | np.ndarray = self._prefill_costs(req, workers, matches)
+        elif len(rc) <= LIST_MAX:
+            costs = self._prefill_cost_list(req, rc, matches)
+        else:
+            costs = self._prefill_cost_array(req, rc, matches)
+        if self.config.temperature:
+            return self._select(workers, costs if isinstance(costs, list) else costs.tolist(), start)
+        i = least_assigned(workers, costs, start)
+        return workers[i], float(costs[i])
 
     def pick_decode(self, req, workers, matches) -> Pick:
         wt, n_full = self.config.weights.transfer_block, len(req.block_hashes)
@@ -416,6 +422,23 @@ class PrefixAwarePolicy(RoutingPolicy):
         costs = self._prefill_costs(req, workers, matches)
         costs = [c + C.decode_cost(x.load.running, x.load.kv_usage, w) for c, x in zip(costs, workers)]
         return self._select(workers, costs)
+
+
+def least_assigned(workers: Sequence[WorkerView], costs: list[float] | np.ndarray, start: int) -> int:
+    """The cheapest prefill node; among equally cheap ones, the one this router has sent
+    the fewest prompt tokens to compute, then the first at or after ``start``, wrapping
+    round. Equal costs are common: every new conversation on an idle pool, or prompts
+    that share only a block every node holds. Sending those to the least-assigned node
+    spreads the conversations, and the later turns that follow each one home, evenly."""
+    if isinstance(costs, np.ndarray):
+        tied = np.flatnonzero(costs == costs.min()).tolist()
+    else:
+        lo = min(costs)
+        tied = [i for i, c in enumerate(costs) if c == lo]
+    if len(tied) == 1:
+        return tied[0]
+    n = len(workers)
+    return min(tied, key=lambda i: (workers[i].assigned_tokens, (i - start) % n))
 
 
 def _tie_start(req: RoutingRequest, workers: Sequence[WorkerView], matches: Mapping[str, MatchInfo]) -> int:

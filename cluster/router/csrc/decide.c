@@ -96,6 +96,19 @@ static Py_ssize_t tie_start(const Decider *d, const Keys *K, uint64_t tie, Py_ss
     return (Py_ssize_t)(tie % (uint64_t)np);
 }
 
+/* policy.least_assigned: the cheapest; among equal costs the fewest tokens assigned, then the
+ * first at or after start, wrapping round. */
+static Py_ssize_t select_least_assigned(const Decider *d, const double *c, Py_ssize_t n, Py_ssize_t start) {
+    Py_ssize_t best = start;
+    for (Py_ssize_t k = 1; k < n; k++) {
+        Py_ssize_t i = (start + k) % n;
+        if (c[i] < c[best] || (c[i] == c[best] && d->slots[d->role[PREFILL][i]].assigned
+                                                  < d->slots[d->role[PREFILL][best]].assigned))
+            best = i;
+    }
+    return best;
+}
+
 typedef struct { Py_ssize_t pos; double cost; WSlot *s; } Pick;
 
 static Pick pick(Decider *d, int role, double *c, Py_ssize_t start) {
@@ -108,19 +121,26 @@ static Pick pick_decode(Decider *d, double *c, Py_ssize_t n_full) {
     return pick(d, DECODE, c, 0);
 }
 
+/* The prefill pool's node (ties: select_least_assigned from start); colocated (role DECODE):
+ * prefill_cost + decode_cost, ties to the lowest index. */
 static Pick pick_prefill(Decider *d, int role, double *c, double total, long long bs, Py_ssize_t start) {
-    for (Py_ssize_t i = 0; i < d->nrole[role]; i++) {
+    Py_ssize_t n = d->nrole[role];
+    for (Py_ssize_t i = 0; i < n; i++) {
         const WSlot *s = &d->slots[d->role[role][i]];
         c[i] = prefill_cost(d, s, total, bs);
         if (d->colocated) c[i] += d->w[W_RUNNING] * (double)eff_running(s) + d->w[W_KV] * s->kv;
     }
-    return pick(d, role, c, start);
+    if (role != PREFILL) return pick(d, role, c, start);
+    Py_ssize_t i = select_least_assigned(d, c, n, start);
+    return (Pick){i, c[i], &d->slots[d->role[PREFILL][i]]};
 }
 
-/* Router._account: the prefill node queues the uncached tokens, the decode node one more sequence. */
+/* Router._account: the prefill node queues (and is assigned) the uncached tokens, the decode node
+ * one more sequence. */
 static void account(Decider *d, WSlot *p, WSlot *dec, long long tokens, double now) {
     double until = now + d->pending_ttl;
     p->pend_tokens += tokens;
+    p->assigned += tokens;
     dec->pend_running += 1;
     if (!p->has_until) { p->until = until; p->has_until = 1; }
     if (!dec->has_until) { dec->until = until; dec->has_until = 1; }
