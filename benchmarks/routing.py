@@ -19,7 +19,8 @@ prompt tokens on the prefill workers, from their counters) beside the ideal
 hit rate of the workload (one infinite cache, requests in order: every
 group's system prompt missed once), the hit rate clients see in `usage`
 (which also counts the decode worker's own cache), TTFT p50/p90/p99 and
-throughput. Each prefill worker is pinned to its own core (all its threads,
+throughput, and whether the pool kept up with the arrivals (``backlog``: finished
+over offered req/s, the drain after the last send, TTFT by thirds of the run). Each prefill worker is pinned to its own core (all its threads,
 os.sched_setaffinity from this process); the decode worker, frontend and load
 generator float.
 
