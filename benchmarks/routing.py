@@ -19,7 +19,8 @@ prompt tokens on the prefill workers, from their counters) beside the ideal
 hit rate of the workload (one infinite cache, requests in order: every
 group's system prompt missed once), the hit rate clients see in `usage`
 (which also counts the decode worker's own cache), TTFT p50/p90/p99 and
-throughput. Each prefill worker is pinned to its own core (all its threads,
+throughput, and whether the pool kept up with the arrivals (``backlog``: finished
+over offered req/s, the drain after the last send, TTFT by thirds of the run). Each prefill worker is pinned to its own core (all its threads,
 os.sched_setaffinity from this process); the decode worker, frontend and load
 generator float.
 
@@ -131,7 +132,23 @@ async def run_policy(policy: str, base: dict, args) -> dict:
             "e2e_ms_p50": s["e2e_ms"]["p50"],
             "request_throughput": s["request_throughput"], "total_token_throughput": s["total_token_throughput"],
             "finished": s["requests"]["finished"], "failures": s["failures"], "prefill_prefix_waits": waits,
+            "offered_rate_per_s": round(len(reqs) / max(offsets), 3) if max(offsets) > 0 else None,
+            **backlog(run, s["elapsed_s"]),
             "computed_tokens_per_worker": {w: round(c1[w] - c0.get(w, 0.0)) for w in sorted(c1)}}
+
+
+def backlog(run, elapsed_s: float) -> dict:
+    """Whether the pool kept up with the arrivals: the time from the last send to the
+    last response (a queue that grew over the run drains here, long after the last
+    request's own latency) and the mean TTFT of each third of the requests by send
+    time (rising thirds: the queue grows; a pool below saturation keeps them level
+    apart from the trace's bursts)."""
+    done = sorted((r for r in run.results if r.ok and r.ttft_s is not None), key=lambda r: r.sent_s)
+    k = len(done) // 3
+    thirds = [done[:k], done[k:2 * k], done[2 * k:]] if k else [done]
+    last_send = max((r.sent_s for r in run.results), default=0.0)
+    return {"drain_after_last_send_s": round(elapsed_s - last_send, 1),
+            "ttft_mean_ms_by_third": [round(1000 * sum(r.ttft_s for r in t) / len(t)) for t in thirds if t]}
 
 
 def prefill_waits(stack) -> dict[str, float]:
@@ -166,6 +183,9 @@ async def main_async(args) -> dict:
     out["round_robin"].pop("requests")
     for r in out.values():
         r["prefill_hit_rate_over_ideal"] = round(r["prefill_hit_rate"] / ideal, 3) if r["prefill_hit_rate"] else None
+        offered = r.pop("offered_rate_per_s")
+        r["finished_over_offered"] = round(r["request_throughput"] / offered, 3) if offered else None
+    out["offered_rate_per_s"] = offered
     pa, rr = out["prefix_aware"], out["round_robin"]
     return {"benchmark": "routing", "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)",
             "machine": machine(), "workload": workload_info(args, n),

@@ -33,7 +33,7 @@ def load_from_stats(stats: LoadReport, queued_prefill_tokens: int = 0) -> Worker
 class LoadSlot:
     """Internal per-worker load state."""
     __slots__ = ("worker_id", "pool", "reported", "pending_tokens", "pending_running",
-                 "pending_until", "view")
+                 "pending_until", "assigned_tokens", "view")
 
     def __init__(self, worker_id: str, pool: str) -> None:
         self.worker_id = worker_id
@@ -42,6 +42,7 @@ class LoadSlot:
         self.pending_tokens = 0
         self.pending_running = 0
         self.pending_until: float | None = None
+        self.assigned_tokens = 0           # prompt tokens routed here to compute, ever (the tie-break)
         self.view = WorkerView(worker_id, pool, self.reported)
 
     def refresh(self) -> None:
@@ -49,7 +50,7 @@ class LoadSlot:
         load = r if not (self.pending_tokens or self.pending_running) else WorkerLoad(
             r.queued_prefill_tokens + self.pending_tokens, r.running + self.pending_running,
             r.waiting, r.kv_usage, r.alive)
-        self.view = WorkerView(self.worker_id, self.pool, load)
+        self.view = WorkerView(self.worker_id, self.pool, load, self.assigned_tokens)
 
     def clear_pending(self) -> None:
         self.pending_tokens = self.pending_running = 0

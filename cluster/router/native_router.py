@@ -107,14 +107,20 @@ class NativeDecisions:
 
     def view(self, live: Iterable[tuple[str, str]]) -> ClusterView:
         """The router's view of these live (worker, pool) pairs, in order: each load as reported
-        plus the optimistic additions."""
-        views = [WorkerView(w, pool, WorkerLoad(*self._core.load(self._slots[w]), True)) for w, pool in live]
+        plus the optimistic additions, and the tokens assigned to each."""
+        core, slots = self._core, self._slots
+        views = [WorkerView(w, pool, WorkerLoad(*core.load(slots[w]), True), core.assigned(slots[w]))
+                 for w, pool in live]
         return ClusterView(tuple(v for v in views if v.pool == "prefill"),
                            tuple(v for v in views if v.pool != "prefill"))
 
     def pending(self, worker_id: str) -> tuple[int, int, float | None]:
         """The worker's optimistic additions: (tokens, running sequences, lapse time)."""
         return self._core.pending(self._slots[worker_id])
+
+    def assigned(self, worker_id: str) -> int:
+        """Prompt tokens routed to the worker to compute since it was added (the prefill tie-break)."""
+        return self._core.assigned(self._slots[worker_id])
 
     def next_expiry(self) -> float | None:
         return self._core.next_expiry()

@@ -78,6 +78,7 @@ class WorkerView:
     worker_id: str
     pool: str                              # "prefill" | "decode" | "colocated"
     load: WorkerLoad
+    assigned_tokens: int = 0               # prompt tokens this router sent it to compute (since added)
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
@@ -376,15 +377,22 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     def pick_prefill(self, req, workers, matches) -> Pick:
         """Ties (equal cost: often an idle pool and a prefix nobody holds) go to the
-        first tied node at or after one chosen by the prompt's first block, so new
-        prefixes spread over the pool while one prefix keeps one home; ties to the
-        lowest index piled every new conversation onto the first worker."""
-        rc, start = self._vector(workers, "prefill", matches), _tie_start(req, len(workers))
+        tied node with the fewest prompt tokens assigned so far, then the first at or
+        after one chosen by the prompt's first block that not every node holds
+        (``least_assigned``, ``_tie_start``). Ties to the lowest index piled every new
+        conversation onto the first worker; ties by a block hash alone spread them
+        only as evenly as a hash does, and conversations' later turns follow them."""
+        rc, start = self._vector(workers, "prefill", matches), _tie_start(req, workers, matches)
         if rc is None:
-            return self._select(workers, self._prefill_costs(req, workers, matches), start)
-        if len(rc) <= LIST_MAX:
-            return self._select(workers, self._prefill_cost_list(req, rc, matches), start)
-        return self._select_array(workers, self._prefill_cost_array(req, rc, matches), start)
+            costs: list[float] | np.ndarray = self._prefill_costs(req, workers, matches)
+        elif len(rc) <= LIST_MAX:
+            costs = self._prefill_cost_list(req, rc, matches)
+        else:
+            costs = self._prefill_cost_array(req, rc, matches)
+        if self.config.temperature:
+            return self._select(workers, costs if isinstance(costs, list) else costs.tolist(), start)
+        i = least_assigned(workers, costs, start)
+        return workers[i], float(costs[i])
 
     def pick_decode(self, req, workers, matches) -> Pick:
         wt, n_full = self.config.weights.transfer_block, len(req.block_hashes)
@@ -416,13 +424,44 @@ class PrefixAwarePolicy(RoutingPolicy):
         return self._select(workers, costs)
 
 
-def _tie_start(req: RoutingRequest, n: int) -> int:
-    """Where a prefill tie starts looking: the prompt's first block hash (the
-    request id's CRC without one) modulo the pool size."""
+def least_assigned(workers: Sequence[WorkerView], costs: list[float] | np.ndarray, start: int) -> int:
+    """The cheapest prefill node; among equally cheap ones, the one this router has sent
+    the fewest prompt tokens to compute, then the first at or after ``start``, wrapping
+    round. Equal costs are common: every new conversation on an idle pool, or prompts
+    that share only a block every node holds. Sending those to the least-assigned node
+    spreads the conversations, and the later turns that follow each one home, evenly."""
+    if isinstance(costs, np.ndarray):
+        tied = np.flatnonzero(costs == costs.min()).tolist()
+    else:
+        lo = min(costs)
+        tied = [i for i, c in enumerate(costs) if c == lo]
+    if len(tied) == 1:
+        return tied[0]
+    n = len(workers)
+    return min(tied, key=lambda i: (workers[i].assigned_tokens, (i - start) % n))
+
+
+def _tie_start(req: RoutingRequest, workers: Sequence[WorkerView], matches: Mapping[str, MatchInfo]) -> int:
+    """Where a prefill tie starts looking, modulo the pool size: the hash of the
+    prompt's first block that not every worker of the pool holds (its last block
+    when they all hold it all; the request id's CRC without blocks). A prefix
+    nobody holds keeps one start (its first block), so its requests find one
+    home; prompts that share only what the whole pool holds (a system block
+    every worker has cached) start from the block where they differ, so new
+    conversations spread instead of piling onto one node."""
+    n = len(workers)
     if n <= 1:
         return 0
-    key = req.block_hashes[0] if req.block_hashes else zlib.crc32(req.request_id.encode())
-    return key % n
+    hashes = req.block_hashes
+    if not hashes:
+        return zlib.crc32(req.request_id.encode()) % n
+    get, shared = _getter(matches), len(hashes) - 1
+    for x in workers:
+        m = get(x.worker_id)
+        if m is None:
+            return hashes[0] % n
+        shared = min(shared, m.blocks)
+    return hashes[shared] % n
 
 
 class LeastLoadedPolicy(RoutingPolicy):

@@ -212,6 +212,7 @@ class Router:
         prefill = self._slots[d.prefill_worker_id or d.decode_worker_id]
         decode = self._slots[d.decode_worker_id]
         prefill.pending_tokens += req.prompt_tokens - d.prefill_cached_tokens
+        prefill.assigned_tokens += req.prompt_tokens - d.prefill_cached_tokens
         decode.pending_running += 1
         for slot in (prefill, decode):
             if slot.pending_until is None:
@@ -243,11 +244,13 @@ class Router:
                              [w for w in live if self._slots[w].pool != "prefill"])
 
     def _leave_fast(self) -> None:
-        """The Python path decides from now on: the C decider's pending loads copied back."""
+        """The Python path decides from now on: the C decider's pending loads and assigned
+        tokens copied back."""
         fast, self._fast, self._view = self._fast, None, None
         assert fast is not None
         for worker_id, slot in self._slots.items():
             slot.pending_tokens, slot.pending_running, slot.pending_until = fast.pending(worker_id)
+            slot.assigned_tokens = fast.assigned(worker_id)
             slot.refresh()
         self._next_expiry = fast.next_expiry()
 

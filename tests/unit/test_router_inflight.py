@@ -189,26 +189,50 @@ def test_in_flight_tracking_is_on_by_default_and_can_be_turned_off():
     assert r.in_flight.match([1, 2, 3], 0.0) is None and len(r.in_flight) == 0
 
 
-def test_new_prefixes_spread_over_an_idle_pool_and_keep_one_home():
-    """Ties go where the prompt's first block points: 40 new conversations on an idle pool of
-    four land on every node (ties to the lowest index sent them all to the first), and a
-    prefix sent again to an idle pool goes back to the same node."""
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("shared_head", [False, True])
+def test_new_conversations_spread_evenly_over_an_idle_pool(native, shared_head):
+    """40 new conversations of different lengths on an idle pool of four: every choice is a
+    tie, and ties go to the node with the fewest prompt tokens assigned, so the work ends up
+    even (ties to the lowest index sent them all to the first node). ``shared_head``: as the
+    Mooncake trace's first turns, every prompt opens with one system block every node holds
+    (keyed on that first block, all 40 went to one node). A node that then reports a
+    conversation's blocks gets its next turn, however much it was assigned."""
     r = Router(RouterConfig(track_in_flight=False, policy_config=PolicyConfig(
-        local_prefill_threshold=0, local_prefill_hit_ratio=1.0)), rng=random.Random(0), clock=Clock())
-    for wid, pool in [(f"p{i}", "prefill") for i in range(4)] + [("d0", "decode")]:
+        local_prefill_threshold=0, local_prefill_hit_ratio=1.0)), rng=random.Random(0), clock=Clock(),
+        native_decisions=native)
+    nodes = ("p0", "p1", "p2", "p3")
+    for wid, pool in [(w, "prefill") for w in nodes] + [("d0", "decode")]:
         r.add_worker(wid, pool)
-    homes = {}
+    system = list(range(16)) if shared_head else []
+    head = tuple(block_hashes(list(range(16)), BS))
+    if shared_head:
+        for w in nodes:
+            r.on_events(w, [KVEvent(1, KVEventKind.STORED, head)])
+
+    def conv(i, turn=0):
+        return group_req(turn, system=system + list(range(10_000 * (i + 1), 10_000 * (i + 1) + 16 * (1 + i % 7))))
+
+    sent = {w: 0 for w in nodes}
+    homes = []
     for i in range(40):
-        req = group_req(0, system=list(range(10_000 * (i + 1), 10_000 * (i + 1) + 64)))
-        homes[i] = r.route(req).prefill_worker_id
-        for w in ("p0", "p1", "p2", "p3"):
+        d = r.route(conv(i))
+        homes.append(d.prefill_worker_id)
+        sent[d.prefill_worker_id] += conv(i).prompt_tokens - d.prefill_cached_tokens
+        for w in nodes:
             r.update_load(w, WorkerLoad())                    # idle again: every choice is a tie
-    assert set(homes.values()) == {"p0", "p1", "p2", "p3"}
-    for i in (0, 7, 19):
-        again = group_req(1, system=list(range(10_000 * (i + 1), 10_000 * (i + 1) + 64)))
-        assert r.route(again).prefill_worker_id == homes[i]
-        for w in ("p0", "p1", "p2", "p3"):
-            r.update_load(w, WorkerLoad())
+    assigned = {v.worker_id: v.assigned_tokens for v in r.view.prefill}
+    assert assigned == sent
+    longest = max(conv(i).prompt_tokens for i in range(40))
+    assert max(assigned.values()) - min(assigned.values()) <= longest, assigned
+    assert all(8 <= homes.count(w) <= 12 for w in nodes), homes
+    # the most-assigned node reports conversation 3's blocks: its next turn goes there
+    top = max(nodes, key=assigned.__getitem__)
+    blocks = conv(3).block_hashes
+    r.on_events(top, [KVEvent(2 if shared_head else 1, KVEventKind.STORED, blocks[1:] if shared_head else blocks,
+                              parent_hash=head[0] if shared_head else None)])
+    d = r.route(conv(3, turn=1))                            # the same opening, another 2-block question
+    assert (d.prefill_worker_id, d.prefill_inputs.match.blocks) == (top, len(blocks) - 2)
 
 
 def test_select_breaks_ties_from_the_start_index_wrapping_round():

@@ -233,9 +233,10 @@ def test_optimistic_additions_lapse_without_a_report():
     clock = Clock()
     r = router(clock=clock)
     assert r.route(cold(1)).prefill_worker_id == "p0"
-    clock.t += 6.0
-    assert r.route(cold(2)).prefill_worker_id == "p0"
-    assert r.route(cold(3)).prefill_worker_id == "p1"
+    r.update_load("p1", WorkerLoad(queued_prefill_tokens=1000))
+    assert r.route(cold(2)).prefill_worker_id == "p1"      # p0's 2000 optimistic tokens outweigh 1000
+    clock.t += 6.0                                          # no report from p0: its addition lapsed
+    assert r.route(cold(3)).prefill_worker_id == "p0"
 
 
 def test_router_routes_to_the_prefix_holder_from_events_and_forgets_dead_workers():

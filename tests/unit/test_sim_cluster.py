@@ -97,17 +97,21 @@ def test_config_errors_say_how_to_fix():
         ClusterSim(SimConfig(1, 1, block_size=32), _cost(), _workload(), PromptBuilder(16, tokens_per_id=16))
 
 
-def test_joins_waiting_for_room_retry_only_when_room_changed(monkeypatch):
+@pytest.mark.parametrize("prefixes", [80, 20])
+def test_joins_waiting_for_room_retry_only_when_room_changed(monkeypatch, prefixes):
     """A hand-off that found no room on its decode node is retried only when
-    that node's free/cached blocks or sequence slots changed: the same results
-    as retrying at every step boundary, with fewer `add_remote_request` calls."""
+    that node's free blocks or sequence slots, or the request's own prefix hits
+    there, changed: the same results as retrying at every step boundary, with
+    fewer `add_remote_request` calls. With 20 prefixes, hand-offs share prefixes
+    on the decode node: a gate on its free and cached block counts alone skipped
+    a join whose hits had changed while the counts came back equal."""
     import cluster.tools.sim.cluster_sim as cs
     from engine.scheduler import Scheduler
 
     calls = []
     real_add = Scheduler.add_remote_request
     monkeypatch.setattr(Scheduler, "add_remote_request", lambda self, r: calls.append(1) or real_add(self, r))
-    reqs = _workload(n=80, rate=400.0, prefixes=80)      # no sharing: every request is a remote prefill
+    reqs = _workload(n=80, rate=400.0, prefixes=prefixes)   # 80: no sharing, every request a remote prefill
 
     def run():
         calls.clear()
@@ -115,7 +119,7 @@ def test_joins_waiting_for_room_retry_only_when_room_changed(monkeypatch):
         return sim, s, len(calls)
 
     gated_sim, gated, gated_calls = run()
-    monkeypatch.setattr(cs, "room", lambda scheduler: object())      # never equal: retry every boundary
+    monkeypatch.setattr(cs, "room", lambda scheduler, request: object())      # never equal: retry every boundary
     every_sim, every, every_calls = run()
     assert gated["finished"] == every["finished"] == 80
     assert every_calls > gated_calls > 80          # some joins did wait for room

@@ -6,7 +6,7 @@
  *   block is found (InFlightPrefixes.match) and the index walked (PrefixIndex.match), the in-flight
  *   blocks counted beyond that worker's indexed prefix (with_in_flight); the decode node is the
  *   cheapest by decode_node_cost; it prefills locally when should_prefill_locally says so, else
- *   the prefill node is the cheapest by prefill_cost, ties from _tie_start; colocated: one node by
+ *   the prefill node is the cheapest by prefill_cost, ties from _tie_start (tie_start); colocated: one node by
  *   prefill_cost + decode_cost. Then the chosen nodes' optimistic additions (Router._account) and
  *   the prompt recorded as in flight to the node prefilling it, and the records built. */
 #include "decider.h"
@@ -81,6 +81,34 @@ static Py_ssize_t select_min(const double *c, Py_ssize_t n, Py_ssize_t start) {
     return best;
 }
 
+/* policy._tie_start: the hash of the prompt's first block not every prefill node holds (the last
+ * when they all hold it all; without blocks, the key passed in), modulo the pool. */
+static Py_ssize_t tie_start(const Decider *d, const Keys *K, uint64_t tie, Py_ssize_t np) {
+    if (np <= 1) return 0;
+    if (K->n) {
+        Py_ssize_t shared = K->n - 1;
+        for (Py_ssize_t i = 0; i < np && shared > 0; i++) {
+            Py_ssize_t b = blocks_of(match_of(d, &d->slots[d->role[PREFILL][i]]));
+            if (b < shared) shared = b;
+        }
+        tie = K->keys[shared];
+    }
+    return (Py_ssize_t)(tie % (uint64_t)np);
+}
+
+/* policy.least_assigned: the cheapest; among equal costs the fewest tokens assigned, then the
+ * first at or after start, wrapping round. */
+static Py_ssize_t select_least_assigned(const Decider *d, const double *c, Py_ssize_t n, Py_ssize_t start) {
+    Py_ssize_t best = start;
+    for (Py_ssize_t k = 1; k < n; k++) {
+        Py_ssize_t i = (start + k) % n;
+        if (c[i] < c[best] || (c[i] == c[best] && d->slots[d->role[PREFILL][i]].assigned
+                                                  < d->slots[d->role[PREFILL][best]].assigned))
+            best = i;
+    }
+    return best;
+}
+
 typedef struct { Py_ssize_t pos; double cost; WSlot *s; } Pick;
 
 static Pick pick(Decider *d, int role, double *c, Py_ssize_t start) {
@@ -93,19 +121,26 @@ static Pick pick_decode(Decider *d, double *c, Py_ssize_t n_full) {
     return pick(d, DECODE, c, 0);
 }
 
+/* The prefill pool's node (ties: select_least_assigned from start); colocated (role DECODE):
+ * prefill_cost + decode_cost, ties to the lowest index. */
 static Pick pick_prefill(Decider *d, int role, double *c, double total, long long bs, Py_ssize_t start) {
-    for (Py_ssize_t i = 0; i < d->nrole[role]; i++) {
+    Py_ssize_t n = d->nrole[role];
+    for (Py_ssize_t i = 0; i < n; i++) {
         const WSlot *s = &d->slots[d->role[role][i]];
         c[i] = prefill_cost(d, s, total, bs);
         if (d->colocated) c[i] += d->w[W_RUNNING] * (double)eff_running(s) + d->w[W_KV] * s->kv;
     }
-    return pick(d, role, c, start);
+    if (role != PREFILL) return pick(d, role, c, start);
+    Py_ssize_t i = select_least_assigned(d, c, n, start);
+    return (Pick){i, c[i], &d->slots[d->role[PREFILL][i]]};
 }
 
-/* Router._account: the prefill node queues the uncached tokens, the decode node one more sequence. */
+/* Router._account: the prefill node queues (and is assigned) the uncached tokens, the decode node
+ * one more sequence. */
 static void account(Decider *d, WSlot *p, WSlot *dec, long long tokens, double now) {
     double until = now + d->pending_ttl;
     p->pend_tokens += tokens;
+    p->assigned += tokens;
     dec->pend_running += 1;
     if (!p->has_until) { p->until = until; p->has_until = 1; }
     if (!dec->has_until) { dec->until = until; dec->has_until = 1; }
@@ -150,7 +185,7 @@ static PyObject *choose(Decider *d, const Keys *K, long long prompt, long long b
             *ch = (Chosen){dk.s, dk.s, d_cached};
             out = decision(d, req_id, &dk, NULL, bs);
         } else {
-            Pick pk = pick_prefill(d, PREFILL, c, total, bs, np > 1 ? (Py_ssize_t)(tie % (uint64_t)np) : 0);
+            Pick pk = pick_prefill(d, PREFILL, c, total, bs, tie_start(d, K, tie, np));
             *ch = (Chosen){dk.s, pk.s, blocks_of(match_of(d, pk.s)) * bs};
             out = decision(d, req_id, &dk, &pk, bs);
         }
@@ -189,7 +224,7 @@ static int flight_record(Decider *d, const Keys *K, const WSlot *s, double now) 
 /* decide(hashes, prompt_tokens, block_size, request_id, tie_key, now) -> RoutingDecision, or None
  * when no decode worker is live. OverflowError, before any change, for a hash that is not a
  * 64-bit unsigned int (the Python path serves then). tie_key: the prefill tie start's key when
- * there are no hashes (the request id's CRC). */
+ * there are no hashes (the request id's CRC); with hashes, tie_start picks one of them. */
 PyObject *decider_decide(Decider *d, PyObject *const *args, Py_ssize_t nargs) {
     long long prompt, bs;
     uint64_t tie;
@@ -203,7 +238,6 @@ PyObject *decider_decide(Decider *d, PyObject *const *args, Py_ssize_t nargs) {
     Keys K;
     if (keys_load(&K, PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq)) < 0) { Py_DECREF(seq); return NULL; }
     if (K.bad) { PyErr_SetString(PyExc_OverflowError, "block hashes must be 64-bit unsigned ints"); goto done; }
-    if (K.n) tie = K.keys[0];
     if (d->has_next && now >= d->next_expiry) expire(d, now);
     Py_ssize_t depth;
     int32_t flight = flight_match(d, &K, now, &depth);

@@ -135,6 +135,13 @@ static PyObject *dc_pending(Decider *d, PyObject *arg) {
     return Py_BuildValue("(LLN)", s->pend_tokens, s->pend_running, until);
 }
 
+/* assigned(slot) -> prompt tokens routed to it to compute since it was added. */
+static PyObject *dc_assigned(Decider *d, PyObject *arg) {
+    Py_ssize_t i = PyLong_AsSsize_t(arg);
+    WSlot *s = i == -1 && PyErr_Occurred() ? NULL : slot_at(d, i);
+    return s ? PyLong_FromLongLong(s->assigned) : NULL;
+}
+
 static PyObject *dc_next_expiry(Decider *d, PyObject *unused) {
     return d->has_next ? PyFloat_FromDouble(d->next_expiry) : Py_NewRef(Py_None);
 }
@@ -147,6 +154,7 @@ static PyMethodDef dc_methods[] = {
     {"set_roles", (PyCFunction)dc_set_roles, METH_VARARGS, "set_roles(prefill_slots, decode_slots)"},
     {"load", (PyCFunction)dc_load, METH_O, "load(slot) -> (queued, running, waiting, kv_usage)"},
     {"pending", (PyCFunction)dc_pending, METH_O, "pending(slot) -> (tokens, running, until or None)"},
+    {"assigned", (PyCFunction)dc_assigned, METH_O, "assigned(slot) -> prompt tokens routed to it to compute"},
     {"next_expiry", (PyCFunction)dc_next_expiry, METH_NOARGS, "when the first optimistic addition lapses, or None"},
     {"decide", (PyCFunction)(void (*)(void))decider_decide, METH_FASTCALL,
      "decide(hashes, prompt_tokens, block_size, request_id, tie_key, now) -> RoutingDecision | None"},

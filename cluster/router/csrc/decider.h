@@ -13,6 +13,7 @@ typedef struct {
     long long queued, running, waiting;    /* as last reported */
     double kv;
     long long pend_tokens, pend_running;   /* optimistic additions since (Router._Slot) */
+    long long assigned;                    /* prompt tokens routed here to compute, ever (the tie-break) */
     double until; int has_until;
     int32_t flight;                        /* the in-flight table's number for it, -1: none */
     uint64_t stamp;                        /* == the decider's: m holds this decision's match */

@@ -41,6 +41,7 @@ from cluster.tools.sim.insitu import Interference, step_kind
 from cluster.tools.sim.metrics import LogHistogram, NodeUsage, RequestRecord, Slo, summarize
 from cluster.tools.sim.node import SimNode
 from cluster.tools.sim.workload import Prompt, PromptBuilder, TraceRequest
+from engine.block_pool import KVBlock
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -95,7 +96,7 @@ class _Live:
         self.rec, self.trace = rec, trace
         self.tokens, self.hashes, self.packed, self.blocks = prompt
         self.deadline = 0.0
-        self.no_room: tuple | None = None     # the decode node's room when the last join failed
+        self.no_room: tuple | None = None     # room() when the last join failed
         self.joining = False                  # its hand-off waits to join the decode node
 
 
@@ -103,12 +104,20 @@ def _nothing(node: SimNode) -> None:
     pass
 
 
-def room(scheduler: Scheduler) -> tuple[int, int, int]:
-    """What decides whether `add_remote_request` finds room: free and cached
-    blocks, and sequence slots in use. A join that failed fails again while
-    this is unchanged, so retrying it is skipped."""
+def room(scheduler: Scheduler, request: Request) -> tuple[int, int, int, int, int]:
+    """What decides whether `add_remote_request` finds room for ``request``
+    (KVCacheManager.allocate_slots): free blocks, sequence slots in use, and the
+    request's own prefix hits on the node: how many, how many on a lower tier
+    (each needs a free block to page in) and how many sit in the free queue
+    (taking them leaves fewer free). A join that failed fails again while this
+    is unchanged, so retrying it is skipped. The node's cached-block count is
+    not enough: a request's hits can change (another request's KV lands with
+    the same prefix, a held hit is released) while the counts come back equal."""
     kv = scheduler.kv
-    return kv.num_free_blocks, kv.pool.num_cached_blocks, scheduler.num_running + scheduler.num_remote
+    hits = kv.get_computed_blocks(request, max_tokens=request.num_prompt_tokens).blocks
+    device = [b for b in hits if isinstance(b, KVBlock)]
+    return (kv.num_free_blocks, scheduler.num_running + scheduler.num_remote, len(hits),
+            len(hits) - len(device), sum(1 for b in device if b.ref_cnt == 0))
 
 
 def descriptor_runs(src: list[int], dst: list[int]) -> int:
@@ -424,14 +433,15 @@ class ClusterSim:
     # ---- prefill -> decode hand-off -----------------------------------------
     def _join(self, dn: SimNode, pn: SimNode, live: _Live) -> bool:
         rid, rec, now = live.rec.request_id, live.rec, self.loop.now
-        if now < live.deadline and live.no_room is not None and live.no_room == room(dn.scheduler):
+        request = self._request(live, live.tokens, live.trace.output_length)
+        if now < live.deadline and live.no_room is not None and live.no_room == room(dn.scheduler, request):
             return False
-        alloc = dn.scheduler.add_remote_request(self._request(live, live.tokens, live.trace.output_length))
+        alloc = dn.scheduler.add_remote_request(request)
         if alloc is None:
             if now < live.deadline:
                 if live.no_room is None:              # as DecodeWorker: now it waits for room here
                     dn.joining += 1                   # (joins run inside post / _end: dn is dirty)
-                live.no_room = room(dn.scheduler)
+                live.no_room = room(dn.scheduler, request)
                 return False
             self._joined(dn, live)
             self.fallbacks += 1                       # as DecodeWorker: recompute here, keep the first token
