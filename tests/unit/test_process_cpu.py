@@ -1,13 +1,11 @@
 """benchmarks/process_cpu.py: CPU seconds per named process, the driver and the rest, from /proc."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "process_cpu.py"
+from bench_scripts import load_bench_script
 
 # burns `argv[1]` seconds of its own CPU (process_time: what /proc counts), says so, then idles until stdin closes
 BURN = ("import sys, time\n"
@@ -18,11 +16,7 @@ BURN = ("import sys, time\n"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("process_cpu", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod          # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("process_cpu")
 
 
 def _burner(seconds: float) -> subprocess.Popen:
