@@ -53,6 +53,8 @@ class DecodeWorker(WorkerBase):
         super().__init__(worker_id, pool, engine_config, transfer, torch_threads, batch_stream=True,
                          tp_ranks=tp_ranks)
         self.transfer: TransferEngine | None = None if pool == "colocated" else self._open_transfer()
+        if self.transfer is not None:   # a reader only: nobody reads this pool, no passive side to progress
+            self.transfer.expect_reads(False)
         self.kv = KVPull(self.transfer, self.kv_heads, self.tp_actors, self.settings.timeout)   # the pulls
         self._awaiting_room = 0             # handed-off requests waiting here for KV room
         self._cancelled: set[str] = set()   # aborted while their submit() was still in progress

@@ -156,6 +156,12 @@ class TransferEngine(abc.ABC):
         it when ``begin_read`` says no. Ignored by backends with one-sided
         reads (``sees_reads`` False)."""
 
+    def expect_reads(self, active: bool) -> None:
+        """Source side: whether peers may read now (a prompt in prefill, a lease held). A
+        backend whose passive side must be progressed (nixl without its progress thread)
+        polls at full rate while True and backs off to a slow poll while False; a read
+        that comes anyway is still served, only later. Others ignore it."""
+
     @abc.abstractmethod
     def get_notifications(self) -> list[Notification]:
         """Notifications received since the last call (source side)."""

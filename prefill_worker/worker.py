@@ -41,6 +41,7 @@ from worker_api.messages import IntegrityReport, LeaseCounters, PrefillResult, R
 from worker_api.protocol import PrefillWorkerAPI, ReadAheadHandle, ReadAheadTarget
 
 log = logging.getLogger("pdserve.prefill")
+IDLE_MAINTENANCE_S = 0.5   # idle (no prompt, no lease): notifications are still read this often
 
 
 class PrefillWorker(WorkerBase):
@@ -60,6 +61,7 @@ class PrefillWorker(WorkerBase):
         # between steps): the engine's stats do not count them yet, the report does
         self._adding: dict[str, int] = {}
         self._fired: set[asyncio.Task] = set()   # read_ahead messages sent in this process
+        self._busy = asyncio.Event()   # set when a prefill starts: wakes the idle maintenance
 
     # ------------------------------------------------------------- control
     async def _start(self) -> None:
@@ -93,6 +95,7 @@ class PrefillWorker(WorkerBase):
         rid = item.request_id
         queue = self.aengine.subscribe(rid)
         self._pending[rid] = queue
+        self._reads_expected()
         try:
             self._adding[rid] = len(item.prompt_token_ids)    # reported as queued until the engine has it
             try:
@@ -224,8 +227,19 @@ class PrefillWorker(WorkerBase):
         if cause is ReleaseCause.EXPIRED:
             log.warning("lease of %s expired unread: %d blocks freed", lease.request_id, len(lease.block_ids))
 
+    def _reads_expected(self) -> None:
+        """A prompt is in prefill: its blocks may be read (ahead, then under its lease) soon."""
+        self.transfer.expect_reads(True)
+        self._busy.set()
+
+    def _idle(self) -> bool:
+        """No prompt in prefill, no lease, no ended lease's blocks left to free: nothing to read."""
+        return not self._pending and not len(self.leases) and not self.leases.unfreed
+
     async def _maintain(self) -> None:
-        """Read notifications (this also progresses a passive transfer side) and expire leases."""
+        """Read notifications (this also progresses a passive transfer side) and expire leases,
+        every millisecond while there is something to read; idle, wait for a prefill (or
+        IDLE_MAINTENANCE_S, for a stray notification) and let the transfer engine poll slowly."""
         while True:
             try:
                 for note in self.transfer.get_notifications():
@@ -233,7 +247,15 @@ class PrefillWorker(WorkerBase):
                 self.leases.expire_due()
             except Exception:  # keep the worker alive; the lease expiry is the backstop
                 log.exception("prefill maintenance")
-            await asyncio.sleep(0.001)
+            if not self._idle():
+                await asyncio.sleep(0.001)
+                continue
+            self._busy.clear()
+            self.transfer.expect_reads(False)
+            try:
+                await asyncio.wait_for(self._busy.wait(), IDLE_MAINTENANCE_S)
+            except asyncio.TimeoutError:
+                pass
 
 
 def _implements_api(worker: PrefillWorker) -> PrefillWorkerAPI:

@@ -65,6 +65,9 @@ def source_main(spec: PeerSpec, conn) -> None:
             conn.send(True)
         elif cmd == "release":
             conn.send(leases.release(args[0]))
+        elif cmd == "expect_reads":
+            engine.expect_reads(args[0])
+            conn.send(True)
         elif cmd == "drain":
             drain()
             conn.send(True)

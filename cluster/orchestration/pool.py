@@ -33,6 +33,21 @@ REPORT_TIMEOUT_S = 5.0
 # report: one call left hanging (a link back from a partition with the reply lost) would
 # otherwise stop every worker's reports, since one poll awaits them all.
 SNAPSHOT_TIMEOUT_S = 15.0
+# While every worker reports itself idle (nothing running or queued, no KV events, no leases) the
+# poll backs off, doubling up to this; a routed request (route()) or a busy report brings it back.
+IDLE_REPORT_INTERVAL_S = 1.0
+
+
+def next_report_interval(current: float, quiet: bool, base: float, idle_cap: float) -> float:
+    """The wait before the next report poll: `base` after a round that saw work, else double the
+    last wait, capped at `idle_cap` (an idle cluster costs a few calls per second, not 10 per worker)."""
+    return min(max(current * 2, base), max(idle_cap, base)) if quiet else base
+
+
+def quiet_report(report) -> bool:
+    """A report of a worker with nothing to do: no sequence running or queued, no KV events, no leases."""
+    s = report.stats
+    return not (s.running or s.waiting or report.events or report.leases_active)
 
 
 class WorkerPool:
@@ -51,6 +66,8 @@ class WorkerPool:
         self._launcher: WorkerLauncher | None = None
         self._background: set[asyncio.Task] = set()
         self._report_interval = report_interval
+        self._poll_wait = report_interval
+        self._wake = asyncio.Event()    # set by route(): poll at full rate again at once
         self._stopping = False
 
     # ---------------------------------------------------------------- life
@@ -123,6 +140,7 @@ class WorkerPool:
 
     # ------------------------------------------------------------- routing
     def route(self, request_id: str, prompt_len: int, hashes: Iterable[int]) -> RoutingDecision:
+        self._wake.set()
         try:
             return self.router.route(RoutingRequest(request_id, prompt_len, tuple(hashes), self.config.block_size))
         except NoWorkerAvailable as e:
@@ -214,22 +232,35 @@ class WorkerPool:
 
     async def _poll_reports(self) -> None:
         while not self._stopping:
-            await asyncio.gather(*[self._poll_one(ref) for ref in list(self.workers.values())])
+            self._wake.clear()
+            quiet = await asyncio.gather(*[self._poll_one(ref) for ref in list(self.workers.values())])
             for pool in ("prefill", "decode"):
                 self.metrics.pool_workers.labels(pool=pool).set(len(self.serving(pool)))
-            await asyncio.sleep(self._report_interval)
+            self._poll_wait = next_report_interval(self._poll_wait, all(quiet), self._report_interval,
+                                                   IDLE_REPORT_INTERVAL_S)
+            try:     # a request routed meanwhile (route() sets _wake) ends the wait and the back-off
+                await asyncio.wait_for(self._wake.wait(), self._poll_wait)
+                self._poll_wait = self._report_interval
+            except asyncio.TimeoutError:
+                pass
 
-    async def _poll_one(self, ref: WorkerRef) -> None:
+    async def _poll_one(self, ref: WorkerRef) -> bool:
+        """Poll one worker's report; True if it was quiet (idle: the poll may back off)."""
         try:
             report = await asyncio.wait_for(ref.actor.report.remote(), REPORT_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
         except asyncio.TimeoutError:   # slow (a loaded host), not dead: only Ray says dead
             log.info("report of %s timed out; keeping it", ref.worker_id)
-            return
+            return False
         except Exception:
             self.mark_dead(ref)
-            return
+            return False
+        was_alive = ref.alive
+        await self._poll_report(ref, report)
+        return was_alive and ref.alive and quiet_report(report)   # a worker coming back is news
+
+    async def _poll_report(self, ref: WorkerRef, report) -> None:
         if ref.worker_id in self.draining or ref.worker_id not in self.workers:   # unrouted, or removed
             return
         if not ref.alive and ref.pool != "prefill" and ref.worker_id not in self._streaming:

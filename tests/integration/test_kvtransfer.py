@@ -153,15 +153,19 @@ def test_nixl_progress_thread_has_a_delay_and_transfers():
 
 
 @nixl_only
-def test_nixl_progress_thread_off_passive_side_is_progressed():
-    """Trap 2: the source never calls get_notifications; our poller thread progresses it."""
+@pytest.mark.parametrize("expecting", [True, False], ids=["reads-expected", "idle-slow-poll"])
+def test_nixl_progress_thread_off_passive_side_is_progressed(expecting):
+    """Trap 2: the source never calls get_notifications; our poller thread progresses it, at
+    full rate while reads are expected and, told none are (expect_reads(False): an idle prefill
+    worker), still progresses a read that comes anyway, at its slow idle rate."""
     from kvtransfer.nixl_backend import NixlConfig
     config = NixlConfig(progress_thread=False)
     source = Source(spec("nixl", config=config, passive_idle=True))
-    reader = create_engine("nixl", "reader-nothread", config)
+    reader = create_engine("nixl", f"reader-nothread-{expecting}", config)
     try:
         pool = torch.zeros(NUM_BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
         reader.register_pool(KVPoolLayout.from_tensor(pool))
+        source.call("expect_reads", expecting)
         src_ids, dst_ids = block_table(random.Random(3), 12)
         source.call("pin", "idle-req", src_ids, 30.0)
         handle = reader.read(source.info, src_ids, dst_ids, notify=b"idle-req")

@@ -11,6 +11,7 @@ from cluster.observability.metrics import Metrics
 from cluster.orchestration import pool as pool_mod
 from cluster.orchestration.launcher import WorkerRef
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.kv_events import KVEvent, KVEventKind
 from kvtransfer.settings import TransferSettings
 
 
@@ -67,3 +68,33 @@ def test_a_hanging_snapshot_does_not_stop_the_poll(tiny_llama_dir, monkeypatch):
     snapshots = asyncio.run(go())
     assert snapshots is not None, "no report was observed after the hanging snapshot: the poll stopped there"
     assert snapshots >= 1
+
+
+def test_report_poll_backs_off_only_while_every_worker_is_quiet():
+    """Idle, the wait doubles from the base interval up to the cap; any round with work (or a
+    routed request, which ends the wait) brings it back to the base at once."""
+    base, cap = 0.1, pool_mod.IDLE_REPORT_INTERVAL_S
+    wait, waits = base, []
+    for _ in range(6):
+        wait = pool_mod.next_report_interval(wait, True, base, cap)
+        waits.append(wait)
+    assert waits == [0.2, 0.4, 0.8, cap, cap, cap]
+    assert pool_mod.next_report_interval(cap, False, base, cap) == base
+    assert pool_mod.next_report_interval(base, True, 2.0, cap) == 2.0   # a base above the cap wins
+
+
+def test_a_report_is_quiet_only_with_nothing_running_queued_leased_or_changed(tiny_llama_dir):
+    from dataclasses import replace
+
+    from prefill_worker.worker import PrefillWorker
+
+    cfg = EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(block_size=16, num_blocks=64),
+                       scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=256))
+    worker = PrefillWorker("prefill-0", cfg, TransferSettings(backend="tcp", lease_ttl=60.0, timeout=60.0))
+    report = asyncio.run(worker.report())        # a fresh worker: nothing to do
+    assert pool_mod.quiet_report(report)
+    event = KVEvent(1, KVEventKind.STORED, (7,))
+    for busy in (replace(report, stats=replace(report.stats, running=1)),
+                 replace(report, stats=replace(report.stats, waiting=2)),
+                 replace(report, leases_active=1), replace(report, events=(event,))):
+        assert not pool_mod.quiet_report(busy)
