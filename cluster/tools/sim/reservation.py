@@ -93,4 +93,6 @@ class Reservations:
 
     @staticmethod
     def _abort(dn: SimNode, request_id: str) -> None:
-        dn.post(lambda n: n.scheduler.abort_request(request_id), retry=True)   # joins waiting for room
+        def abort(node: SimNode) -> None:
+            node.scheduler.abort_request(request_id)
+        dn.post(abort, retry=True)            # then the joins waiting there for room retry
