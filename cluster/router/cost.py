@@ -19,12 +19,7 @@ prefill and decode terms can be added (colocated mode) and compared:
   6 and 8 also the Mooncake replay (>= 0.95 of ideal in 11 of 12 runs;
   sweep in docs/benchmarks.md);
 - a decode node costs its running sequences and KV usage, each scaled to
-  token-equivalents by a weight, plus the blocks it would have to pull. A
-  node without room for the request (``has_room``: its free KV blocks, less
-  those already sent to it and not yet reported, below the prompt blocks it
-  lacks plus a few of output growth) is not chosen while another has room:
-  by cost alone a node with 10 long sequences at full KV (832) beat one with
-  20 short ones at half KV (896), and hand-offs waited there for room.
+  token-equivalents by a weight, plus the blocks it would have to pull.
 
 A block cached on the host or disk tier counts as a fraction of a device hit
 (``host_hit`` / ``disk_hit``): reading it back is cheaper than recomputing but
@@ -115,21 +110,6 @@ def decode_node_cost(running: int, kv_usage: float, missing_blocks: float,
                          "must be >= 0")
     return (weights.running * running + weights.kv_usage * kv_usage
             + weights.transfer_block * missing_blocks + weights.queued_token * queued_prefill_tokens)
-
-
-def decode_room_blocks(prompt_tokens: int, block_size: int, cached_blocks: int, growth_blocks: int) -> int:
-    """KV blocks a decode node needs free to take a request: the prompt's blocks
-    (the partial last one included) it does not hold, plus ``growth_blocks`` of output."""
-    if prompt_tokens <= 0 or block_size <= 0 or cached_blocks < 0 or growth_blocks < 1:
-        raise ValueError(f"prompt_tokens ({prompt_tokens}) and block_size ({block_size}) must be "
-                         f"positive, cached_blocks ({cached_blocks}) >= 0 and growth_blocks "
-                         f"({growth_blocks}) >= 1")
-    return max(0, -(-prompt_tokens // block_size) - cached_blocks) + growth_blocks
-
-
-def has_room(free_blocks: int | None, need_blocks: int) -> bool:
-    """Whether a node with ``free_blocks`` (None: not reported) can hold ``need_blocks``."""
-    return free_blocks is None or free_blocks >= need_blocks
 
 
 def should_prefill_locally(uncached_tokens_on_decode: int, prompt_tokens: int,

@@ -21,7 +21,6 @@ costing each worker in Python (tests/unit/test_router_cost_vector.py).
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
@@ -37,10 +36,6 @@ LIST_MAX = 64           # a role this small is costed with Python lists (C-speed
 _CACHED_MASKS = 4096    # mask -> positions entries kept (cleared whole when full)
 
 
-def _free(load: "WorkerLoad") -> float:
-    return math.inf if load.kv_blocks_free is None else float(load.kv_blocks_free)
-
-
 class RoleCosts:
     def __init__(self, views: Sequence["WorkerView"], key: KeyFn) -> None:
         self.views = tuple(views)
@@ -51,8 +46,6 @@ class RoleCosts:
         # builds it only when read (no numpy call per decision)
         self._keys: np.ndarray | None = (np.array(self.key_list, dtype=np.float64)
                                          if len(self.views) > LIST_MAX else None)
-        # free KV blocks, as reported less what was sent since (inf: not reported)
-        self._free = np.array([_free(v.load) for v in self.views], dtype=np.float64)
         self._mask_pos: dict[int, tuple[int, ...]] = {}
         self._bytes: list[dict[int, tuple[int, ...]]] = []  # byte index -> byte value -> positions
         self._bit_pos = np.zeros(0, dtype=np.int64)     # index bit -> position here, -1 if not a member
@@ -69,7 +62,6 @@ class RoleCosts:
         self.key_list[i] = k = self._key(view.load)
         if self._keys is not None:
             self._keys[i] = k
-        self._free[i] = _free(view.load)
         self.views = views if isinstance(views, tuple) else tuple(views)
 
     @property
@@ -78,10 +70,6 @@ class RoleCosts:
         if self._keys is None:
             self._keys = np.array(self.key_list, dtype=np.float64)
         return self._keys
-
-    def short_of(self, blocks: int) -> list[int]:
-        """Positions of the members with fewer than ``blocks`` free KV blocks."""
-        return np.flatnonzero(self._free < blocks).tolist()
 
     def position(self, worker_id: str) -> int | None:
         return self._pos.get(worker_id)

@@ -26,16 +26,14 @@ class LoadReport(Protocol):
 
 
 def load_from_stats(stats: LoadReport, queued_prefill_tokens: int = 0) -> WorkerLoad:
-    total = stats.kv_blocks_total
     return WorkerLoad(queued_prefill_tokens=queued_prefill_tokens, running=stats.running,
-                      waiting=stats.waiting, kv_usage=stats.kv_blocks_used / max(1, total),
-                      kv_blocks_free=max(0, total - stats.kv_blocks_used) if total > 0 else None)
+                      waiting=stats.waiting, kv_usage=stats.kv_blocks_used / max(1, stats.kv_blocks_total))
 
 
 class LoadSlot:
     """Internal per-worker load state."""
     __slots__ = ("worker_id", "pool", "reported", "pending_tokens", "pending_running",
-                 "pending_blocks", "pending_until", "assigned_tokens", "view")
+                 "pending_until", "assigned_tokens", "view")
 
     def __init__(self, worker_id: str, pool: str) -> None:
         self.worker_id = worker_id
@@ -43,21 +41,17 @@ class LoadSlot:
         self.reported = WorkerLoad()
         self.pending_tokens = 0
         self.pending_running = 0
-        self.pending_blocks = 0            # KV blocks the decode hand-offs sent since need (policy's room check)
         self.pending_until: float | None = None
         self.assigned_tokens = 0           # prompt tokens routed here to compute, ever (the tie-break)
         self.view = WorkerView(worker_id, pool, self.reported)
 
     def refresh(self) -> None:
         r = self.reported
-        free = r.kv_blocks_free
-        if free is not None and self.pending_blocks:
-            free = max(0, free - self.pending_blocks)
-        load = r if not (self.pending_tokens or self.pending_running or self.pending_blocks) else WorkerLoad(
+        load = r if not (self.pending_tokens or self.pending_running) else WorkerLoad(
             r.queued_prefill_tokens + self.pending_tokens, r.running + self.pending_running,
-            r.waiting, r.kv_usage, r.alive, free)
+            r.waiting, r.kv_usage, r.alive)
         self.view = WorkerView(self.worker_id, self.pool, load, self.assigned_tokens)
 
     def clear_pending(self) -> None:
-        self.pending_tokens = self.pending_running = self.pending_blocks = 0
+        self.pending_tokens = self.pending_running = 0
         self.pending_until = None

@@ -63,7 +63,7 @@ class NativeDecisions:
                    policy.name, DecisionKind.LOCAL_PREFILL, DecisionKind.REMOTE_PREFILL)
         core = native.decider(index.native_table, flight, epochs, weights, config.local_prefill_threshold,
                               float(config.local_prefill_hit_ratio), config.colocated, float(pending_ttl_s),
-                              float(ttl), records, config.decode_growth_blocks)
+                              float(ttl), records)
         return None if core is None else cls(core, index, in_flight)
 
     # ---- kept in step by the Router ---------------------------------------
@@ -78,9 +78,8 @@ class NativeDecisions:
         self._core.remove(self._slots.pop(worker_id))
 
     def set_load(self, worker_id: str, load: WorkerLoad) -> None:
-        free = -1 if load.kv_blocks_free is None else load.kv_blocks_free
         self._core.set_load(self._slots[worker_id], load.queued_prefill_tokens, load.running, load.waiting,
-                            float(load.kv_usage), free)
+                            float(load.kv_usage))
 
     def set_roles(self, prefill: Iterable[str], decode: Iterable[str]) -> None:
         slots = self._slots
@@ -110,15 +109,13 @@ class NativeDecisions:
         """The router's view of these live (worker, pool) pairs, in order: each load as reported
         plus the optimistic additions, and the tokens assigned to each."""
         core, slots = self._core, self._slots
-        views = []
-        for w, pool in live:
-            q, r, wait, kv, free = core.load(slots[w])
-            views.append(WorkerView(w, pool, WorkerLoad(q, r, wait, kv, True, free), core.assigned(slots[w])))
+        views = [WorkerView(w, pool, WorkerLoad(*core.load(slots[w]), True), core.assigned(slots[w]))
+                 for w, pool in live]
         return ClusterView(tuple(v for v in views if v.pool == "prefill"),
                            tuple(v for v in views if v.pool != "prefill"))
 
-    def pending(self, worker_id: str) -> tuple[int, int, int, float | None]:
-        """The worker's optimistic additions: (tokens, running sequences, KV blocks, lapse time)."""
+    def pending(self, worker_id: str) -> tuple[int, int, float | None]:
+        """The worker's optimistic additions: (tokens, running sequences, lapse time)."""
         return self._core.pending(self._slots[worker_id])
 
     def assigned(self, worker_id: str) -> int:

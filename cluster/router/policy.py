@@ -67,11 +67,9 @@ class WorkerLoad:
     waiting: int = 0
     kv_usage: float = 0.0                  # used / total KV blocks
     alive: bool = True
-    kv_blocks_free: int | None = None      # total - used KV blocks (None: not reported, room not checked)
 
     def __post_init__(self) -> None:
-        if self.queued_prefill_tokens < 0 or self.running < 0 or self.waiting < 0 or self.kv_usage < 0 or (
-                self.kv_blocks_free is not None and self.kv_blocks_free < 0):
+        if self.queued_prefill_tokens < 0 or self.running < 0 or self.waiting < 0 or self.kv_usage < 0:
             raise ValueError(f"WorkerLoad fields must be >= 0, got {self}")
 
 
@@ -130,12 +128,8 @@ class PolicyConfig:
     local_prefill_hit_ratio: float = 0.8
     colocated: bool = False
     weights: C.CostWeights = field(default_factory=C.CostWeights)
-    decode_growth_blocks: int = 4          # output growth a hand-off needs room for (cost.decode_room_blocks)
 
     def __post_init__(self) -> None:
-        if self.decode_growth_blocks < 1:
-            raise ValueError(f"decode_growth_blocks must be >= 1 (blocks of output growth a decode node "
-                             f"needs room for), got {self.decode_growth_blocks}")
         if self.temperature < 0:
             raise ValueError(f"router temperature must be >= 0 (0 = always the cheapest node), "
                              f"got {self.temperature}")
@@ -401,8 +395,6 @@ class PrefixAwarePolicy(RoutingPolicy):
         return workers[i], float(costs[i])
 
     def pick_decode(self, req, workers, matches) -> Pick:
-        """The cheapest node by ``C.decode_node_cost`` among those with room for the
-        request (``C.has_room``); the cheapest of all when none has room."""
         wt, n_full = self.config.weights.transfer_block, len(req.block_hashes)
         rc = self._vector(workers, "decode", matches)
         if rc is None:
@@ -411,9 +403,9 @@ class PrefixAwarePolicy(RoutingPolicy):
             for x in workers:
                 m = get(x.worker_id)
                 costs.append(base(x.load) + wt * (n_full - m.blocks if m is not None else n_full))
-            return self._room_select(req, workers, costs, matches, None)
+            return self._select(workers, costs)
         if len(rc) > LIST_MAX:
-            return self._room_select(req, workers, rc.keys + wt * (n_full - rc.match_blocks(matches)), matches, rc)
+            return self._select_array(workers, rc.keys + wt * (n_full - rc.match_blocks(matches)))
         penalty = [wt * n_full] * len(rc)
         for mask, info in matches.groups:
             p = wt * (n_full - info.blocks)
@@ -423,42 +415,13 @@ class PrefixAwarePolicy(RoutingPolicy):
             at = rc.position(wid)
             if at is not None:
                 penalty[at] = wt * (n_full - info.blocks)
-        return self._room_select(req, workers, list(map(add, rc.key_list, penalty)), matches, rc)
-
-    def _room_select(self, req: RoutingRequest, workers: Sequence[WorkerView], costs: list[float] | np.ndarray,
-                     matches: Mapping[str, MatchInfo], rc: RoleCosts | None) -> Pick:
-        """Select among the workers with room (all of them when all or none have room)."""
-        full = _without_room(req, workers, matches, self.config.decode_growth_blocks, rc)
-        if not full or len(full) == len(workers):
-            return self._select_array(workers, costs) if isinstance(costs, np.ndarray) else self._select(workers, costs)
-        keep = [i for i in range(len(workers)) if i not in full]
-        i = keep[C.select([float(costs[i]) for i in keep], self.config.temperature, self.rng)]
-        return workers[i], float(costs[i])
+        return self._select(workers, list(map(add, rc.key_list, penalty)))
 
     def pick_colocated(self, req, workers, matches) -> Pick:
         w = self.config.weights
         costs = self._prefill_costs(req, workers, matches)
         costs = [c + C.decode_cost(x.load.running, x.load.kv_usage, w) for c, x in zip(costs, workers)]
         return self._select(workers, costs)
-
-
-def _without_room(req: RoutingRequest, workers: Sequence[WorkerView], matches: Mapping[str, MatchInfo],
-                  growth: int, rc: RoleCosts | None) -> set[int]:
-    """Positions of the workers that cannot hold the request (``C.has_room``). Only a
-    worker with fewer free blocks than the whole prompt plus growth is looked at."""
-    most = C.decode_room_blocks(req.prompt_tokens, req.block_size, 0, growth)
-    if rc is not None:
-        short: Iterable[int] = rc.short_of(most)
-    else:
-        short = [i for i, x in enumerate(workers) if x.load.kv_blocks_free is not None
-                 and x.load.kv_blocks_free < most]
-    out = set()
-    for i in short:
-        m = matches.get(workers[i].worker_id, NO_MATCH)
-        need = C.decode_room_blocks(req.prompt_tokens, req.block_size, m.blocks, growth)
-        if not C.has_room(workers[i].load.kv_blocks_free, need):
-            out.add(i)
-    return out
 
 
 def least_assigned(workers: Sequence[WorkerView], costs: list[float] | np.ndarray, start: int) -> int:

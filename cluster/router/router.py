@@ -8,8 +8,7 @@ to ``update_load()`` / ``observe_stats()``; a dead worker to
 
 Optimistic accounting: between two load reports, each routed request adds its
 uncached tokens to the queued prefill tokens of the node that prefills it,
-and one running sequence, and the KV blocks it needs there (prompt blocks not
-cached there plus output growth: taken off the node's free blocks), to its decode node, so a burst does not pile onto
+and one running sequence to its decode node, so a burst does not pile onto
 the node that looked idle in the last report. A load report replaces these
 additions; without one they lapse after ``pending_ttl_s`` (injected clock).
 
@@ -25,7 +24,6 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
-from cluster.router.cost import decode_room_blocks
 from cluster.router.inflight import InFlightPrefixes, NoInFlightPrefixes
 from cluster.router.index import ApplyResult, PrefixIndex
 from cluster.router.load import LoadReport, LoadSlot, load_from_stats
@@ -96,8 +94,7 @@ class Router:
                 self._fast_roles()
             return
         if load == slot.reported and slot.pending_until is None and not (slot.pending_tokens or
-                                                                         slot.pending_running or
-                                                                         slot.pending_blocks):
+                                                                         slot.pending_running):
             return      # the same report again, nothing optimistic to clear: the view stays
         slot.reported = load
         slot.clear_pending()
@@ -217,9 +214,6 @@ class Router:
         prefill.pending_tokens += req.prompt_tokens - d.prefill_cached_tokens
         prefill.assigned_tokens += req.prompt_tokens - d.prefill_cached_tokens
         decode.pending_running += 1
-        decode.pending_blocks += decode_room_blocks(req.prompt_tokens, req.block_size,
-                                                    d.decode_cached_tokens // req.block_size,
-                                                    self.config.policy_config.decode_growth_blocks)
         for slot in (prefill, decode):
             if slot.pending_until is None:
                 slot.pending_until = until
@@ -255,8 +249,7 @@ class Router:
         fast, self._fast, self._view = self._fast, None, None
         assert fast is not None
         for worker_id, slot in self._slots.items():
-            (slot.pending_tokens, slot.pending_running, slot.pending_blocks,
-             slot.pending_until) = fast.pending(worker_id)
+            slot.pending_tokens, slot.pending_running, slot.pending_until = fast.pending(worker_id)
             slot.assigned_tokens = fast.assigned(worker_id)
             slot.refresh()
         self._next_expiry = fast.next_expiry()

@@ -3,9 +3,8 @@ import random
 
 import pytest
 
-from cluster.router.cost import (CostWeights, decode_cost, decode_node_cost, decode_room_blocks,
-                                 effective_cached_blocks, has_room, prefill_cost, select, should_prefill_locally,
-                                 transfer_cost)
+from cluster.router.cost import (CostWeights, decode_cost, decode_node_cost, effective_cached_blocks,
+                                 prefill_cost, select, should_prefill_locally, transfer_cost)
 
 W = CostWeights()
 MISS = W.uncached_token          # queued tokens one uncached token weighs (6: cost.py's module doc)
@@ -158,12 +157,3 @@ def test_should_prefill_locally_validates():
         should_prefill_locally(10, 2000, 1.5, 64, 0.8)
     with pytest.raises(ValueError):
         should_prefill_locally(10, 2000, 0.5, -1, 0.8)
-
-
-def test_decode_room_blocks_counts_the_partial_block_the_cached_ones_and_growth():
-    assert decode_room_blocks(200, 16, 0, 4) == 13 + 4        # 12.5 blocks: the partial one too
-    assert decode_room_blocks(200, 16, 12, 4) == 1 + 4
-    assert decode_room_blocks(32, 16, 5, 4) == 4               # holds more than the prompt: growth only
-    assert has_room(None, 10**9) and has_room(17, 17) and not has_room(16, 17)
-    with pytest.raises(ValueError, match="growth_blocks"):
-        decode_room_blocks(200, 16, 0, 0)

@@ -79,8 +79,7 @@ def _router(n: int, temperature: float = 0.0, seed: int = 1) -> Router:
 @pytest.mark.parametrize("temperature", [0.0, 0.3])
 def test_array_pick_equals_costing_every_worker(temperature, n):
     """Random caches over three tiers, a prefix most workers hold, loads drawn from a
-    small grid (many ties), free KV blocks from none to ample (the decode room check), in-flight
-    and overriding matches, workers dying and coming back: the
+    small grid (many ties), in-flight and overriding matches, workers dying and coming back: the
     array pick and the Python scan choose the same worker at the same cost (with the
     same random draws above temperature 0)."""
     rng = random.Random(7)
@@ -107,8 +106,7 @@ def test_array_pick_equals_costing_every_worker(temperature, n):
         roll = rng.random()
         if roll < 0.3:
             router.update_load(wid, WorkerLoad(queued_prefill_tokens=rng.choice([0, 0, 64, 128]),
-                                               running=rng.choice([0, 1, 2]), kv_usage=rng.choice([0.0, 0.5]),
-                                               kv_blocks_free=rng.choice([None, 0, 6, 12, 20, 500])))
+                                               running=rng.choice([0, 1, 2]), kv_usage=rng.choice([0.0, 0.5])))
         elif roll < 0.33:
             router.on_worker_dead(wid)
         chain = rng.choice(chains)

@@ -84,8 +84,7 @@ def _churn(rng: random.Random, pair: tuple[Router, Router], feed: _Feed, clock: 
     workers = list(feed.model)
     w, roll = rng.choice(workers), rng.random()
     load = WorkerLoad(queued_prefill_tokens=rng.choice([0, 0, 64, 512, 4000]), running=rng.choice([0, 1, 5]),
-                      waiting=rng.randrange(3), kv_usage=rng.choice([0.0, 0.25, 0.9]),
-                      kv_blocks_free=rng.choice([None, 0, 3, 8, 20, 1000]))    # room: tight to ample
+                      waiting=rng.randrange(3), kv_usage=rng.choice([0.0, 0.25, 0.9]))
     for r in pair:
         if roll < 0.5:
             r.update_load(w, load)
@@ -130,27 +129,6 @@ def test_the_c_decision_equals_the_python_policy(mode, n, seed):
             assert fast.view == py.view, step
     assert fast._fast is not None and fast.index.native_table is not None      # decided in C throughout
     assert len(kinds) >= (1 if MODES[mode].get("colocated") else 2), kinds
-
-
-def test_a_node_without_room_is_skipped_alike_in_c_and_python():
-    """Cheapest by cost, but its free blocks (less those sent since) cannot hold the prompt
-    plus growth: both paths pick the next node with room, and all nodes when none has room."""
-    clock = Clock()
-    fast, py = pair = _pair(["a", "b", "c", "p"], clock)      # a, c decode; b, p prefill
-    for r in pair:
-        r.update_load("a", WorkerLoad(running=1, kv_usage=0.95, kv_blocks_free=10))
-        r.update_load("c", WorkerLoad(running=20, kv_usage=0.5, kv_blocks_free=500))
-    d = _same_route(fast, py, RoutingRequest("big", 200, tuple(range(1, 13)), BS))   # needs 13 + 4 blocks
-    assert d is not None and d.decode_worker_id == "c"
-    d = _same_route(fast, py, RoutingRequest("small", 40, (7, 8), BS))                # needs 3 + 4: fits a
-    assert d is not None and d.decode_worker_id == "a"
-    d = _same_route(fast, py, RoutingRequest("small2", 40, (9, 10), BS))              # a has 3 left now
-    assert d is not None and d.decode_worker_id == "c"
-    for r in pair:
-        r.update_load("c", WorkerLoad(running=20, kv_usage=1.0, kv_blocks_free=0))
-    d = _same_route(fast, py, RoutingRequest("none", 200, tuple(range(1, 13)), BS))  # no room: by cost
-    assert d is not None and d.decode_worker_id == "a"
-    assert fast.view == py.view
 
 
 def test_a_hash_the_tables_cannot_hold_hands_over_to_python_with_the_pending_loads():

@@ -75,12 +75,11 @@ def test_blocks_are_held_on_the_decode_node_while_the_prompt_prefills(monkeypatc
         assert all(in_remote and len(ids) == 16 for in_remote, ids in held.values())
         assert all(pulled[rid] == held[rid][1] for rid in held)
         assert counts == {"made": 3, "refused": 0, "claimed": 3, "freed": 0, "expired": 0}
-        # the router's room check (kv_blocks_free) counts them as taken, as the live worker's report does
-        assert all(load.kv_usage == 16 / 128 and load.kv_blocks_free == 128 - 16 for load in seen.values())
+        assert all(load.kv_usage == 16 / 128 for load in seen.values())
     else:
         assert all(not in_remote and not ids for in_remote, ids in held.values())
         assert counts == {"made": 0, "refused": 0, "claimed": 0, "freed": 0, "expired": 0}
-        assert all(load.kv_usage == 0 and load.kv_blocks_free == 128 for load in seen.values())
+        assert all(load.kv_usage == 0 for load in seen.values())
     assert all(r.tokens_out == r.output_tokens for r in sim.records)
     _no_leak(sim)
 

@@ -5,10 +5,9 @@
  *   optimistic additions that lapsed are dropped (Router._expire); the prompt's deepest in-flight
  *   block is found (InFlightPrefixes.match) and the index walked (PrefixIndex.match), the in-flight
  *   blocks counted beyond that worker's indexed prefix (with_in_flight); the decode node is the
- *   cheapest by decode_node_cost among those with room (cost.has_room, all when none has); it
- *   prefills locally when should_prefill_locally says so, else the prefill node is the cheapest
- *   by prefill_cost, ties from _tie_start (tie_start); colocated: one node by prefill_cost +
- *   decode_cost. Then the chosen nodes' optimistic additions (Router._account) and
+ *   cheapest by decode_node_cost; it prefills locally when should_prefill_locally says so, else
+ *   the prefill node is the cheapest by prefill_cost, ties from _tie_start (tie_start); colocated: one node by
+ *   prefill_cost + decode_cost. Then the chosen nodes' optimistic additions (Router._account) and
  *   the prompt recorded as in flight to the node prefilling it, and the records built. */
 #include "decider.h"
 
@@ -17,7 +16,7 @@ static void expire(Decider *d, double now) {
     for (Py_ssize_t i = 0; i < d->nslots; i++) {
         WSlot *s = &d->slots[i];
         if (!s->id || !s->has_until) continue;
-        if (s->until <= now) { s->pend_tokens = s->pend_running = s->pend_blocks = 0; s->has_until = 0; }
+        if (s->until <= now) { s->pend_tokens = s->pend_running = 0; s->has_until = 0; }
         else if (!has || s->until < nxt) { nxt = s->until; has = 1; }
     }
     d->has_next = has; d->next_expiry = nxt;
@@ -117,29 +116,9 @@ static Pick pick(Decider *d, int role, double *c, Py_ssize_t start) {
     return (Pick){i, c[i], &d->slots[d->role[role][i]]};
 }
 
-/* cost.decode_room_blocks: the prompt blocks the node lacks plus the output growth. */
-static long long room_need(const Decider *d, const WSlot *s, long long prompt, long long bs) {
-    long long need = (prompt + bs - 1) / bs - (long long)blocks_of(match_of(d, s));
-    return (need > 0 ? need : 0) + d->growth;
-}
-
-static inline int has_room(const Decider *d, const WSlot *s, long long prompt, long long bs) {
-    return s->free < 0 || eff_free(s) >= room_need(d, s, prompt, bs);
-}
-
-/* policy.pick_decode: the cheapest node with room (cost.has_room); of all when none or all have room. */
-static Pick pick_decode(Decider *d, double *c, Py_ssize_t n_full, long long prompt, long long bs) {
-    Py_ssize_t n = d->nrole[DECODE], best = -1;
-    int full = 0, room = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const WSlot *s = &d->slots[d->role[DECODE][i]];
-        c[i] = decode_cost(d, s, n_full);
-        if (has_room(d, s, prompt, bs)) room = 1; else full = 1;
-    }
-    if (!full || !room) return pick(d, DECODE, c, 0);
-    for (Py_ssize_t i = 0; i < n; i++)
-        if ((best < 0 || c[i] < c[best]) && has_room(d, &d->slots[d->role[DECODE][i]], prompt, bs)) best = i;
-    return (Pick){best, c[best], &d->slots[d->role[DECODE][best]]};
+static Pick pick_decode(Decider *d, double *c, Py_ssize_t n_full) {
+    for (Py_ssize_t i = 0; i < d->nrole[DECODE]; i++) c[i] = decode_cost(d, &d->slots[d->role[DECODE][i]], n_full);
+    return pick(d, DECODE, c, 0);
 }
 
 /* The prefill pool's node (ties: select_least_assigned from start); colocated (role DECODE):
@@ -157,13 +136,12 @@ static Pick pick_prefill(Decider *d, int role, double *c, double total, long lon
 }
 
 /* Router._account: the prefill node queues (and is assigned) the uncached tokens, the decode node
- * one more sequence and the KV blocks it needs (need: room_need, taken before the accounting). */
-static void account(Decider *d, WSlot *p, WSlot *dec, long long tokens, long long need, double now) {
+ * one more sequence. */
+static void account(Decider *d, WSlot *p, WSlot *dec, long long tokens, double now) {
     double until = now + d->pending_ttl;
     p->pend_tokens += tokens;
     p->assigned += tokens;
     dec->pend_running += 1;
-    dec->pend_blocks += need;
     if (!p->has_until) { p->until = until; p->has_until = 1; }
     if (!dec->has_until) { dec->until = until; dec->has_until = 1; }
     if (!d->has_next) { d->next_expiry = until; d->has_next = 1; }
@@ -172,8 +150,7 @@ static void account(Decider *d, WSlot *p, WSlot *dec, long long tokens, long lon
 static PyObject *inputs_of(Decider *d, const Pick *k, Py_ssize_t candidates) {
     const WSlot *s = k->s;
     return make_inputs(&d->rec, s->id, make_match(&d->rec, match_of(d, s)),
-                       make_load(&d->rec, eff_queued(s), eff_running(s), s->waiting, s->kv, eff_free(s)), k->cost,
-                       candidates);
+                       make_load(&d->rec, eff_queued(s), eff_running(s), s->waiting, s->kv), k->cost, candidates);
 }
 
 static PyObject *decision(Decider *d, PyObject *req_id, const Pick *dk, const Pick *pk, long long bs) {
@@ -202,7 +179,7 @@ static PyObject *choose(Decider *d, const Keys *K, long long prompt, long long b
         *ch = (Chosen){dk.s, dk.s, blocks_of(match_of(d, dk.s)) * bs};
         out = decision(d, req_id, &dk, NULL, bs);
     } else {
-        Pick dk = pick_decode(d, c, K->n, prompt, bs);
+        Pick dk = pick_decode(d, c, K->n);
         long long d_cached = blocks_of(match_of(d, dk.s)) * bs;
         if (prompt - d_cached <= d->threshold || (double)d_cached / (double)prompt >= d->hit_ratio || !np) {
             *ch = (Chosen){dk.s, dk.s, d_cached};
@@ -270,7 +247,7 @@ PyObject *decider_decide(Decider *d, PyObject *const *args, Py_ssize_t nargs) {
     Chosen ch = {NULL, NULL, 0};
     out = choose(d, &K, prompt, bs, args[3], tie, &ch);
     if (!out) goto done;
-    account(d, ch.prefill, ch.decode, prompt - ch.prefill_cached, room_need(d, ch.decode, prompt, bs), now);
+    account(d, ch.prefill, ch.decode, prompt - ch.prefill_cached, now);
     if (flight_record(d, &K, ch.prefill, now) < 0) Py_CLEAR(out);
 done:
     keys_free(&K);

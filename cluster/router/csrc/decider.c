@@ -9,9 +9,9 @@ static PyObject *dc_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     PyObject *blocks, *flight, *epochs, *spec;
     if (!d) return NULL;
     for (int b = 0; b < LANE; b++) d->bit_slot[b] = -1;
-    if (!PyArg_ParseTuple(args, "O!OO(dddddddd)LdpddOL", &BlockTableType, &blocks, &flight, &epochs,
+    if (!PyArg_ParseTuple(args, "O!OO(dddddddd)LdpddO", &BlockTableType, &blocks, &flight, &epochs,
                           &d->w[0], &d->w[1], &d->w[2], &d->w[3], &d->w[4], &d->w[5], &d->w[6], &d->w[7],
-                          &d->threshold, &d->hit_ratio, &d->colocated, &d->pending_ttl, &d->flight_ttl, &spec, &d->growth))
+                          &d->threshold, &d->hit_ratio, &d->colocated, &d->pending_ttl, &d->flight_ttl, &spec))
         goto fail;
     if (flight != Py_None && (!PyObject_TypeCheck(flight, &InFlightTableType) || !PyList_Check(epochs))) {
         PyErr_SetString(PyExc_TypeError, "flight must be an InFlightTable (with its epochs list) or None");
@@ -57,7 +57,7 @@ static PyObject *dc_add(Decider *d, PyObject *args) {
         d->flight_slot = m; d->nflight = n;
     }
     Py_ssize_t i = d->nslots++;
-    d->slots[i] = (WSlot){.id = Py_NewRef(id), .free = -1, .flight = flight};
+    d->slots[i] = (WSlot){.id = Py_NewRef(id), .flight = flight};
     if (flight >= 0) d->flight_slot[flight] = (int32_t)i;
     return PyLong_FromSsize_t(i);
 }
@@ -73,15 +73,14 @@ static PyObject *dc_remove(Decider *d, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* set_load(slot, queued, running, waiting, kv, free): a load report (free -1: not reported); the
- * optimistic additions end. */
+/* set_load(slot, queued, running, waiting, kv): a load report; the optimistic additions end. */
 static PyObject *dc_set_load(Decider *d, PyObject *args) {
-    Py_ssize_t i; long long q, r, w, free; double kv;
-    if (!PyArg_ParseTuple(args, "nLLLdL", &i, &q, &r, &w, &kv, &free)) return NULL;
+    Py_ssize_t i; long long q, r, w; double kv;
+    if (!PyArg_ParseTuple(args, "nLLLd", &i, &q, &r, &w, &kv)) return NULL;
     WSlot *s = slot_at(d, i);
     if (!s) return NULL;
-    s->queued = q; s->running = r; s->waiting = w; s->kv = kv; s->free = free < 0 ? -1 : free;
-    s->pend_tokens = s->pend_running = s->pend_blocks = 0; s->has_until = 0;
+    s->queued = q; s->running = r; s->waiting = w; s->kv = kv;
+    s->pend_tokens = s->pend_running = 0; s->has_until = 0;
     Py_RETURN_NONE;
 }
 
@@ -119,22 +118,21 @@ static PyObject *dc_set_roles(Decider *d, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* load(slot) -> (queued, running, waiting, kv, free | None): as reported plus the optimistic additions. */
+/* load(slot) -> (queued, running, waiting, kv): as reported plus the optimistic additions. */
 static PyObject *dc_load(Decider *d, PyObject *arg) {
     Py_ssize_t i = PyLong_AsSsize_t(arg);
     WSlot *s = i == -1 && PyErr_Occurred() ? NULL : slot_at(d, i);
     if (!s) return NULL;
-    PyObject *free = s->free < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(eff_free(s));
-    return Py_BuildValue("(LLLdN)", eff_queued(s), eff_running(s), s->waiting, s->kv, free);
+    return Py_BuildValue("(LLLd)", eff_queued(s), eff_running(s), s->waiting, s->kv);
 }
 
-/* pending(slot) -> (tokens, running, blocks, until | None): to hand the bookkeeping back to Python. */
+/* pending(slot) -> (tokens, running, until | None): to hand the bookkeeping back to Python. */
 static PyObject *dc_pending(Decider *d, PyObject *arg) {
     Py_ssize_t i = PyLong_AsSsize_t(arg);
     WSlot *s = i == -1 && PyErr_Occurred() ? NULL : slot_at(d, i);
     if (!s) return NULL;
     PyObject *until = s->has_until ? PyFloat_FromDouble(s->until) : Py_NewRef(Py_None);
-    return Py_BuildValue("(LLLN)", s->pend_tokens, s->pend_running, s->pend_blocks, until);
+    return Py_BuildValue("(LLN)", s->pend_tokens, s->pend_running, until);
 }
 
 /* assigned(slot) -> prompt tokens routed to it to compute since it was added. */
@@ -151,11 +149,11 @@ static PyObject *dc_next_expiry(Decider *d, PyObject *unused) {
 static PyMethodDef dc_methods[] = {
     {"add", (PyCFunction)dc_add, METH_VARARGS, "add(worker_id, in_flight_number) -> slot"},
     {"remove", (PyCFunction)dc_remove, METH_O, "remove(slot)"},
-    {"set_load", (PyCFunction)dc_set_load, METH_VARARGS, "set_load(slot, queued, running, waiting, kv, free or -1)"},
+    {"set_load", (PyCFunction)dc_set_load, METH_VARARGS, "set_load(slot, queued, running, waiting, kv)"},
     {"set_bit", (PyCFunction)dc_set_bit, METH_VARARGS, "set_bit(index_bit, slot or -1)"},
     {"set_roles", (PyCFunction)dc_set_roles, METH_VARARGS, "set_roles(prefill_slots, decode_slots)"},
-    {"load", (PyCFunction)dc_load, METH_O, "load(slot) -> (queued, running, waiting, kv_usage, free or None)"},
-    {"pending", (PyCFunction)dc_pending, METH_O, "pending(slot) -> (tokens, running, blocks, until or None)"},
+    {"load", (PyCFunction)dc_load, METH_O, "load(slot) -> (queued, running, waiting, kv_usage)"},
+    {"pending", (PyCFunction)dc_pending, METH_O, "pending(slot) -> (tokens, running, until or None)"},
     {"assigned", (PyCFunction)dc_assigned, METH_O, "assigned(slot) -> prompt tokens routed to it to compute"},
     {"next_expiry", (PyCFunction)dc_next_expiry, METH_NOARGS, "when the first optimistic addition lapses, or None"},
     {"decide", (PyCFunction)(void (*)(void))decider_decide, METH_FASTCALL,

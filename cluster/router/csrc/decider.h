@@ -12,9 +12,7 @@ typedef struct {
     PyObject *id;                          /* worker id; NULL: removed */
     long long queued, running, waiting;    /* as last reported */
     double kv;
-    long long free;                        /* KV blocks free as reported, -1: not reported */
     long long pend_tokens, pend_running;   /* optimistic additions since (Router._Slot) */
-    long long pend_blocks;                 /* KV blocks the hand-offs sent since need (LoadSlot.pending_blocks) */
     long long assigned;                    /* prompt tokens routed here to compute, ever (the tie-break) */
     double until; int has_until;
     int32_t flight;                        /* the in-flight table's number for it, -1: none */
@@ -28,7 +26,7 @@ typedef struct {
     InFlightTable *flight;                 /* NULL: in-flight tracking off */
     PyObject *epochs;                      /* InFlightPrefixes' number -> epoch list (with flight) */
     double w[N_WEIGHTS], hit_ratio, pending_ttl, flight_ttl, next_expiry;
-    long long threshold, growth;           /* growth: PolicyConfig.decode_growth_blocks */
+    long long threshold;
     int colocated, has_next;
     WSlot *slots; Py_ssize_t nslots, cap;
     int32_t bit_slot[LANE];                /* index bit -> slot, -1: none */
@@ -40,10 +38,6 @@ typedef struct {
 
 static inline long long eff_queued(const WSlot *s) { return s->queued + s->pend_tokens; }
 static inline long long eff_running(const WSlot *s) { return s->running + s->pend_running; }
-/* LoadSlot.refresh: free blocks less the pending hand-offs' (>= 0), -1: not reported */
-static inline long long eff_free(const WSlot *s) {
-    return s->free < 0 ? -1 : (s->free > s->pend_blocks ? s->free - s->pend_blocks : 0);
-}
 
 PyObject *decider_decide(Decider *d, PyObject *const *args, Py_ssize_t nargs);
 #endif

@@ -57,11 +57,9 @@ PyObject *make_match(const Records *r, const Match *m) {
     return make_record(&r->match, v);
 }
 
-PyObject *make_load(const Records *r, long long queued, long long running, long long waiting, double kv,
-                    long long free) {
-    PyObject *v[6] = {PyLong_FromLongLong(queued), PyLong_FromLongLong(running), PyLong_FromLongLong(waiting),
-                      PyFloat_FromDouble(kv), Py_NewRef(Py_True),
-                      free < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(free)};
+PyObject *make_load(const Records *r, long long queued, long long running, long long waiting, double kv) {
+    PyObject *v[5] = {PyLong_FromLongLong(queued), PyLong_FromLongLong(running), PyLong_FromLongLong(waiting),
+                      PyFloat_FromDouble(kv), Py_NewRef(Py_True)};
     return make_record(&r->load, v);
 }
 
@@ -79,9 +77,9 @@ int records_init(Records *r, PyObject *spec) {
     if (layout_of(d, df, &r->decision) < 0 || layout_of(i, inf, &r->inputs) < 0 ||
         layout_of(m, mf, &r->match) < 0 || layout_of(l, lf, &r->load) < 0)
         return -1;
-    if (r->decision.n != 9 || r->inputs.n != 5 || r->match.n != 4 || r->load.n != 6) {
+    if (r->decision.n != 9 || r->inputs.n != 5 || r->match.n != 4 || r->load.n != 5) {
         PyErr_SetString(PyExc_TypeError, "record field counts differ from RoutingDecision (9), CostInputs (5), "
-                        "MatchInfo (4), WorkerLoad (6): update records.c with them");
+                        "MatchInfo (4), WorkerLoad (5): update records.c with them");
         return -1;
     }
     Py_INCREF(r->decision.type); Py_INCREF(r->inputs.type); Py_INCREF(r->match.type); Py_INCREF(r->load.type);

@@ -17,8 +17,7 @@ int records_init(Records *r, PyObject *spec);
 void records_clear(Records *r);
 PyObject *make_record(const Layout *l, PyObject **values);
 PyObject *make_match(const Records *r, const Match *m);
-PyObject *make_load(const Records *r, long long queued, long long running, long long waiting, double kv,
-                    long long free);
+PyObject *make_load(const Records *r, long long queued, long long running, long long waiting, double kv);
 PyObject *make_inputs(const Records *r, PyObject *worker_id, PyObject *match, PyObject *load, double cost,
                       Py_ssize_t candidates);
 #endif

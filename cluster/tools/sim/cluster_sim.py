@@ -519,8 +519,7 @@ class ClusterSim:
                 s.kv.drain_events()
                 continue
             # as DecodeWorker.report: hand-offs waiting for KV room are waiting requests
-            load = WorkerLoad(s.num_waiting_tokens, s.num_running, s.num_waiting + node.joining, s.kv_usage,
-                              kv_blocks_free=s.kv.num_free_blocks)
+            load = WorkerLoad(s.num_waiting_tokens, s.num_running, s.num_waiting + node.joining, s.kv_usage)
             batch.append((nid, load, s.kv.drain_events()))
         if batch:
             self.loop.after(self.config.report_lag_s, self._deliver, batch)
