@@ -47,6 +47,7 @@ from cluster.tools.bench.runner import RunnerConfig, run_load  # noqa: E402
 from cluster.config import ServeConfig  # noqa: E402
 from cluster.server_stack import start_stack  # noqa: E402
 from disagg_vs_colocated import free_port, machine  # noqa: E402
+from process_cpu import descendants  # noqa: E402
 
 STAGES = ("join", "room", "pull", "admit", "hold", "first_step", "client_gap", "total")
 MODES = {   # mode -> (reserve_decode_blocks, first_token_release)
@@ -81,25 +82,6 @@ def stage_means(sums: list[tuple[dict, dict]]) -> dict[str, dict]:
     for st in STAGES[:-1]:
         m = out[st]["mean_ms"]
         out[st]["share_of_total"] = round(m / total, 3) if m is not None and total else None
-    return out
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process below `root` (from /proc), so the run pins only its own processes."""
-    parent: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    out, todo = [], [root]
-    while todo:
-        at = todo.pop()
-        kids = [pid for pid, pp in parent.items() if pp == at]
-        out += kids
-        todo += kids
     return out
 
 

@@ -20,7 +20,12 @@ hit rate of the workload (one infinite cache, requests in order: every
 group's system prompt missed once), the hit rate clients see in `usage`
 (which also counts the decode worker's own cache), TTFT p50/p90/p99 and
 throughput, and whether the pool kept up with the arrivals (``backlog``: finished
-over offered req/s, the drain after the last send, TTFT by thirds of the run). Each prefill worker is pinned to its own core (all its threads,
+over offered req/s, the drain after the last send, TTFT by thirds of the run), and
+where the CPU went over the load (``cpu_s``: CPU seconds per worker process and its
+busiest thread, the driver process with the frontend, router and load generator,
+and Ray's other processes; benchmarks/process_cpu.py; ``cpu_s_idle``: the same over
+3 s of the same cluster idle just before, the part that is paid per second, not per
+request). Each prefill worker is pinned to its own core (all its threads,
 os.sched_setaffinity from this process); the decode worker, frontend and load
 generator float.
 
@@ -58,6 +63,7 @@ from cluster.config import ServeConfig  # noqa: E402
 from cluster.router import CostWeights  # noqa: E402
 from cluster.server_stack import start_stack  # noqa: E402
 from disagg_vs_colocated import free_port, machine  # noqa: E402
+from process_cpu import cpu_split, snapshot  # noqa: E402
 from routing_workloads import DEFAULT_TRACE, MooncakeSample, mooncake_dataset  # noqa: E402
 
 
@@ -116,8 +122,12 @@ async def run_policy(policy: str, base: dict, args) -> dict:
         warm = ds.random_dataset(ds.RandomSpec(64, 2), 4, info.vocab_size, 12345)
         await run_load(stack.grpc.target, warm, [0.0] * len(warm), RunnerConfig(progress=False))
         startup = time.monotonic() - t0
-        hit0, q0, c0 = await settled_counters(stack)
+        pids = {w: (await ref.actor.ready.remote()).pid for w, ref in stack.backend.workers.items()}
+        idle0 = snapshot(pids)
+        hit0, q0, c0 = await settled_counters(stack, wait_s=3.0)
+        cpu0 = snapshot(pids)
         run = await run_load(stack.grpc.target, reqs, offsets, RunnerConfig(progress=False, drain_timeout_s=240))
+        cpu1 = snapshot(pids)
         hit1, q1, c1 = await settled_counters(stack)
         waits = prefill_waits(stack)          # the warm-up's 4 distinct prompts never wait
     finally:
@@ -134,7 +144,8 @@ async def run_policy(policy: str, base: dict, args) -> dict:
             "finished": s["requests"]["finished"], "failures": s["failures"], "prefill_prefix_waits": waits,
             "offered_rate_per_s": round(len(reqs) / max(offsets), 3) if max(offsets) > 0 else None,
             **backlog(run, s["elapsed_s"]),
-            "computed_tokens_per_worker": {w: round(c1[w] - c0.get(w, 0.0)) for w in sorted(c1)}}
+            "computed_tokens_per_worker": {w: round(c1[w] - c0.get(w, 0.0)) for w in sorted(c1)},
+            "cpu_s": cpu_split(cpu0, cpu1), "cpu_s_idle": cpu_split(idle0, cpu0)}
 
 
 def backlog(run, elapsed_s: float) -> dict:

@@ -95,6 +95,9 @@ class ServeConfig:
                                           # stayed low this long; no scale-out for half of it after one
     autoscale_prefill_tokens_per_s: float = 0.0   # one prefill worker's prompt tokens/s; 0 = measured
     autoscale_decode_seqs_per_worker: int = 0      # sequences one decode worker holds; 0 = measured
+    # > 0: the wait-miss fraction (measured either way) decides prefill's SLO with this budget;
+    # 0: the TTFT p90 does (docs/autoscaling.md)
+    autoscale_ttft_miss_budget: float = 0.0
     # routing
     router_policy: str = "prefix_aware"
     router_temperature: float = 0.0       # 0 = pick the minimum cost
@@ -270,6 +273,9 @@ def _check_autoscale(cfg: ServeConfig) -> None:
             cfg.autoscale_decode_seqs_per_worker < 0:
         raise ValueError("autoscale_cooldown_s, autoscale_prefill_tokens_per_s and "
                          "autoscale_decode_seqs_per_worker must be >= 0 (0 = measured, for the capacities)")
+    if not 0 <= cfg.autoscale_ttft_miss_budget < 1:
+        raise ValueError(f"autoscale_ttft_miss_budget is a part of the requests, in [0, 1) (0: the TTFT p90 "
+                         f"decides), got {cfg.autoscale_ttft_miss_budget}")
     if not cfg.autoscale:
         return
     for pool in (("decode",) if cfg.colocated else ("prefill", "decode")):

@@ -40,14 +40,14 @@ class PendingRead:
     task: asyncio.Task[ReadResult]
 
 
-def finished_well(pending: Sequence[PendingRead]) -> list[AheadRead]:
+def finished_well(pending: Sequence[PendingRead]) -> list[PendingRead]:
     """The reads (all ended: awaited) whose bytes landed."""
     out = []
     for p in pending:
         if p.task.cancelled() or p.task.exception() is not None:
             continue
         if p.task.result()[0] is TransferStatus.DONE:
-            out.append(p.read)
+            out.append(p)
     return out
 
 

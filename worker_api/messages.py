@@ -59,7 +59,7 @@ class SubmitResult:
     local_prefill: bool
     cached_blocks: int = 0
     transferred_blocks: int = 0
-    transferred_bytes: int = 0
+    transferred_bytes: int = 0      # what the reads reported moving (reads ahead into a reservation too)
     descriptors: int = 0
     transfer_seconds: float = 0.0
     recomputed: bool = False

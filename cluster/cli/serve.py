@@ -54,6 +54,9 @@ HELP = {
                                       "0 = measured from the workers' reports)",
     "autoscale_decode_seqs_per_worker": "sequences one decode worker holds (0 = measured: its KV blocks over "
                                         "the blocks a running sequence holds, capped by --max-num-seqs)",
+    "autoscale_ttft_miss_budget": "part of the requests that may miss --slo-ttft-ms by waiting (of those whose "
+                                  "prefill alone fits it); > 0: this decides the prefill pool's SLO instead of the "
+                                  "TTFT p90 (0: the p90; docs/autoscaling.md)",
     "decode_workers": "decode actors (colocated workers with --colocated)",
     "tensor_parallel_size": "ranks one worker's model is split over, in both pools (Ray actors in one placement "
                             "group, one node; docs/tensor_parallel.md)",

@@ -65,6 +65,9 @@ class Metrics:
         self.autoscale_decisions = C("pdserve_autoscale_decisions", "Autoscaling decisions by pool, "
                                      "direction (up, down, hold) and reason", ["pool", "direction", "reason"],
                                      registry=r)
+        self.ttft_wait_miss = G("pdserve_autoscale_ttft_wait_miss_fraction", "Of the requests whose prefill "
+                                "alone fits the TTFT target, the part that missed it by waiting, over the "
+                                "autoscaler's window (NaN: none counted; --autoscale)", registry=r)
         self.workers = WorkerSeries()
         r.register(self.workers)
         self._vllm: VllmNames | None = None

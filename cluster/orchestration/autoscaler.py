@@ -16,7 +16,12 @@ size per pool, and acts:
 Signals: queued prefill tokens and loads from the router's view (the workers'
 reports); the prompt-token arrival rate from `pdserve_prompt_tokens_total`;
 TTFT and ITL p90 over the interval from the frontends' histograms; each decode
-worker's own KV use (the router's view of its reports) beside the mean. Worker
+worker's own KV use (the router's view of its reports) beside the mean; the TTFT
+wait-miss fraction (autoscale/wait_miss.py, the simulator's definition) over the
+last `wait_miss_window` from each request's first token (`first_token`: its TTFT
+and the prompt tokens its prefill computed, at the per-worker prefill rate the
+controller is given), deciding prefill's SLO when `autoscale_ttft_miss_budget` > 0
+and a gauge either way. Worker
 capacity (prompt tokens/s one prefill worker sustains, sequences one decode
 worker holds) is the operator's figure when given
 or measured here (capacity.py); `pdserve plan` gives the sequences that fit a worker.
@@ -33,6 +38,7 @@ from cluster.observability.metrics import Metrics
 from cluster.orchestration.autoscale.controller import ControllerState, FleetDecision, PoolDecision, decide
 from cluster.orchestration.autoscale.signals import (AutoscaleConfig, DecodeSignals, FleetSignals, PoolBounds,
                                                      PrefillSignals)
+from cluster.orchestration.autoscale.wait_miss import WaitMisses, prefill_alone_at_rate
 from cluster.orchestration.capacity import CapacityEstimate, HistogramWindow
 from cluster.orchestration.pool import WorkerPool
 
@@ -50,11 +56,19 @@ class Resizable(Protocol):
 
 def autoscale_config(cfg: ServeConfig) -> AutoscaleConfig:
     cool = cfg.autoscale_cooldown_s
+    budget = {"ttft_miss_budget": cfg.autoscale_ttft_miss_budget} if cfg.autoscale_ttft_miss_budget > 0 else {}
     return AutoscaleConfig(slo_ttft_ms=cfg.slo_ttft_ms, slo_itl_ms=cfg.slo_itl_ms,
                            prefill=PoolBounds(*cfg.pool_bounds("prefill")),
                            decode=PoolBounds(*cfg.pool_bounds("decode")),
                            predict_ahead_s=cool / 2, scale_in_hold_s=cool, cooldown_out_s=cool / 2,
-                           cooldown_in_s=cool, idle_hold_s=cool)
+                           cooldown_in_s=cool, idle_hold_s=cool, **budget)
+
+
+def wait_miss_window(cfg: ServeConfig) -> float:
+    """Seconds of first tokens the wait-miss fraction covers: the scale-out cool-down (half the
+    cool-down; at least one interval), so the misses that caused one scale-out have left the
+    window before the next may come (the simulator's benchmark: a 30 s window, 5 s interval)."""
+    return max(cfg.autoscale_interval, cfg.autoscale_cooldown_s / 2)
 
 
 class Autoscaler:
@@ -66,6 +80,7 @@ class Autoscaler:
         self.capacity = CapacityEstimate(config)
         self._ttft = HistogramWindow(metrics.ttft)
         self._itl = HistogramWindow(metrics.itl)
+        self._wait_misses = WaitMisses(wait_miss_window(config))
         self._prompt_tokens: float | None = None
         self._last: float | None = None
         self._last_prompt: float | None = None   # the last sample that saw new prompt tokens
@@ -73,6 +88,7 @@ class Autoscaler:
         self._retiring: dict[str, str] = {}            # worker id -> pool
         self._tasks: set[asyncio.Task] = set()
         self.decisions: list[FleetDecision] = []       # the recent ones, for tests and the admin API
+        self.signals: list[FleetSignals] = []          # what each of them saw
         for pool in POOLS:
             self.metrics.pool_target_workers.labels(pool=pool).set(self._workers(pool))
 
@@ -86,14 +102,28 @@ class Autoscaler:
 
     def step(self) -> FleetDecision:
         now = self.clock()
-        decision, self.state = decide(self.controller, self._signals(now), self.state, now)
+        signals = self._signals(now)
+        decision, self.state = decide(self.controller, signals, self.state, now)
         self.decisions = (self.decisions + [decision])[-100:]
+        self.signals = (self.signals + [signals])[-100:]
         for d in decision.pools:
             self._record(d)
             self._act(d)
         return decision
 
     # -------------------------------------------------------------- signals
+    def first_token(self, ttft_s: float, computed_tokens: int) -> None:
+        """A request's first token came `ttft_s` after its arrival; its prefill computed
+        `computed_tokens` prompt tokens (the prompt less its prefix-cache hit)."""
+        alone = prefill_alone_at_rate(computed_tokens, self.capacity.prefill_tokens_per_s())
+        self._wait_misses.add(self.clock(), ttft_s, alone, self.config.slo_ttft_ms / 1000.0)
+
+    def _wait_miss(self, now: float) -> float | None:
+        """The window's wait-miss fraction, into the gauge; the controller's signal when it decides."""
+        miss = self._wait_misses.fraction(now)
+        self.metrics.ttft_wait_miss.set(float("nan") if miss is None else miss)
+        return miss if self.config.autoscale_ttft_miss_budget > 0 else None
+
     def _signals(self, now: float) -> FleetSignals:
         view = self.backend.pool.router.view
         dt = (now - self._last) if self._last is not None else 0.0
@@ -110,6 +140,7 @@ class Autoscaler:
             queued_tokens=sum(v.load.queued_prefill_tokens for v in view.prefill), prompt_tokens_per_s=rate,
             ttft_p90_ms=None if ttft is None else ttft * 1e3,
             tokens_per_s_per_worker=self.capacity.prefill_tokens_per_s(),
+            ttft_wait_miss_fraction=self._wait_miss(now),
             since_last_prompt_s=None if self._last_prompt is None else now - self._last_prompt)
         decode = DecodeSignals(
             workers=self._workers("decode"), ready_workers=len(view.decode),

@@ -11,7 +11,8 @@ It holds the pieces and wires them; the work is theirs:
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Mapping
+import time
+from typing import AsyncIterator, Callable, Mapping
 
 from cluster.config import ServeConfig
 from cluster.observability.metrics import Metrics
@@ -48,12 +49,15 @@ class ClusterBackend(GenerationBackend):
         self._by_wid: dict[str, Handoff] = {}      # worker-side id of each current attempt -> hand-off
         self.autoscaler: Autoscaler | None = None
         self._autoscaling: asyncio.Task | None = None
+        # each request's first token: (TTFT s, prompt tokens its prefill computed); the autoscaler's
+        self._first_token: Callable[[float, int], None] = lambda ttft_s, computed_tokens: None
 
     # ---------------------------------------------------------------- life
     async def start(self) -> None:
         await self.pool.start()
         if self.config.autoscale:
             self.autoscaler = Autoscaler(self, self.config, self.metrics)
+            self._first_token = self.autoscaler.first_token
             self._autoscaling = asyncio.get_running_loop().create_task(self.autoscaler.run())
         else:
             for pool in ("prefill", "decode"):
@@ -72,8 +76,13 @@ class ClusterBackend(GenerationBackend):
             raise BackendError("ALREADY_EXISTS", f"request id {rid!r} is in flight; use a unique id")
         shared = Shared(self.config, self.pool, self.journal, self.metrics, self.hooks, self._by_wid)
         handoff = self._in_flight[rid] = Handoff(shared, job)
+        first = True
         try:
             async for delta in handoff.run():
+                if first and delta.new_token_ids:
+                    first = False
+                    self._first_token(time.monotonic() - job.arrival_time,
+                                      len(job.prompt_token_ids) - delta.num_cached_tokens)
                 yield delta
         finally:
             self._in_flight.pop(rid, None)

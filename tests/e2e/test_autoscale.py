@@ -34,6 +34,7 @@ def cluster(tiny_llama_dir, tmp_path_factory):
                       autoscale_cooldown_s=3.0, max_prefill_workers=2, max_decode_workers=3,
                       slo_ttft_ms=60_000, slo_itl_ms=60_000,   # sized by capacity here, not latency
                       autoscale_prefill_tokens_per_s=1500, autoscale_decode_seqs_per_worker=4,
+                      autoscale_ttft_miss_budget=0.01,   # the wait-miss fraction decides prefill's SLO
                       ray_temp_dir=str(tmp_path_factory.mktemp("ray")))
     c = Cluster(cfg)
     yield c
@@ -66,6 +67,14 @@ class RecordingSender:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def wait_misses(cluster: Cluster) -> list[float]:
+    """The wait-miss fractions the controller saw (intervals with first tokens in the window)."""
+    async def get():
+        return [s.prefill.ttft_wait_miss_fraction for s in cluster.backend.autoscaler.signals
+                if s.prefill.ttft_wait_miss_fraction is not None]
+    return cluster.loop.run(get())
 
 
 def decisions(cluster: Cluster) -> list:
@@ -133,6 +142,10 @@ def test_pool_grows_under_load_and_shrinks_back(cluster, hf, pool, n, distinct, 
         start = time.monotonic()
         requests = requests_of(n, distinct, prompt_len, output_len, seed=len(pool))
         sender = drive(cluster, requests, rate)
+        # every first token reached the live head's wait-miss fraction: measured while the load
+        # ran, and 0 (a 60 s target: none missed)
+        misses = wait_misses(cluster)
+        assert misses and set(misses) == {0.0}, misses
         while not any(s > low for _, s in watch.sizes) and time.monotonic() < start + GROW_WITHIN_S:
             time.sleep(0.25)
         end = time.monotonic() + SHRINK_WITHIN_S

@@ -249,5 +249,8 @@ def test_a_layer_wise_hand_off_reads_the_last_chunk_by_layer_group_and_matches_t
     assert (sub.read_ahead_blocks, sub.layer_read_ahead_blocks, sub.transferred_blocks) == (8, 2, 10), sub
     assert sub.transferred_bytes == 10 * pw.engine.kv_pool.bytes_per_block, "each byte of the prompt's KV once"
     assert (stale_sub.read_ahead_blocks, stale_sub.layer_read_ahead_blocks, stale_sub.transferred_blocks) == (0, 0, 3)
+    # the bytes the reads reported: 2 of 3 layers of 3 blocks read ahead from the decoy (stale, read
+    # again), then the 3 blocks whole
+    assert stale_sub.transferred_bytes == 5 * pw.engine.kv_pool.bytes_per_block, stale_sub
     assert stale_tokens == hf_greedy(tiny_llama_hf, stale, GREEDY.max_tokens)
     assert used == 0

@@ -251,6 +251,24 @@ def test_cli_table(capsys):
     assert "sequences, + 2048-token shared prefix (256.00 MiB once)  255" in out
 
 
+def test_cli_start_split_under_a_fleet_cap(capsys):
+    """`--max-workers N` prints `split_at_cap`'s start split and the peak factor it used: the
+    plan's 8.53 decode nodes x 1.6 / 0.75 -> 19 of 100 (the example above); at the mean, 12."""
+    rates = ("--request-rate", "100", "--prefill-tps", "20000", "--decode-tps", "3000")
+    rc, out, _ = run_cli(capsys, *ISSUE_ARGS, *rates, "--max-workers", "100", "--peak-request-rate", "160")
+    assert rc == 0
+    assert "Start split under a fleet cap of 100 workers (--autoscale): prefill:decode = 81:19" in out
+    assert "at 160 req/s (peak factor 1.60 x the mean) at 75% KV" in out
+    rc, out, _ = run_cli(capsys, *ISSUE_ARGS, *rates, "--max-workers", "100", "--target-kv-usage", "0.5", "--json")
+    split = json.loads(out)["cap_split"]
+    assert rc == 0 and split["ratio"] == "82:18" and split["peak_factor"] == 1.0   # ceil(8.53 / 0.5)
+    assert (split["prefill_workers"], split["decode_workers"], split["max_workers"]) == (82, 18, 100)
+    rc, out, _ = run_cli(capsys, *ISSUE_ARGS, *rates, "--json")
+    assert json.loads(out)["cap_split"] is None
+    rc, out, _ = run_cli(capsys, *ISSUE_ARGS, *rates)
+    assert "fleet cap" not in out
+
+
 def test_cli_smollm2_default_model(capsys, smollm2_gguf):
     rc, out, _ = run_cli(capsys, "--kv-dtype", "fp32", "--interconnect", "pcie4-x16", "--json")
     assert rc == 0 and json.loads(out)["capacity"]["kv_bytes_per_token"] == 46080
@@ -266,6 +284,12 @@ def test_cli_smollm2_default_model(capsys, smollm2_gguf):
     (("--model", "Llama-3-8B", "--request-rate", "5"), "--prefill-tps and --decode-tps"),
     (("--model", "Llama-3-8B", "--request-rate", "5", "--measure"), "is a preset without weights"),
     (("--model", "Llama-3-8B", "--tp", "0"), "--tp must be >= 1"),
+    (("--model", "Llama-3-8B", "--max-workers", "10"), "give --request-rate"),
+    (("--model", "Llama-3-8B", "--peak-request-rate", "10"), "give --max-workers too"),
+    (("--model", "Llama-3-8B", "--request-rate", "5", "--prefill-tps", "1e4", "--decode-tps", "1e3",
+      "--max-workers", "1"), "at least 2 nodes"),
+    (("--model", "Llama-3-8B", "--request-rate", "5", "--prefill-tps", "1e4", "--decode-tps", "1e3",
+      "--max-workers", "10", "--peak-request-rate", "2"), "--peak-request-rate"),
 ])
 def test_cli_bad_input_says_how_to_fix(capsys, argv, message):
     rc, out, err = run_cli(capsys, *argv)

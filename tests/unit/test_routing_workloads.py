@@ -1,23 +1,16 @@
 """benchmarks/routing_workloads.py: the Mooncake replay keeps whole conversations."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_workloads.py"
+from bench_scripts import load_bench_script
 
 
 @pytest.fixture(scope="module")
 def rw():
-    spec = importlib.util.spec_from_file_location("routing_workloads", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod          # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("routing_workloads")
 
 
 ROWS = [  # id 0 is every request's system block: it alone makes no conversation

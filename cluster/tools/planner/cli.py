@@ -2,14 +2,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 from cluster.config import parse_size
+from cluster.orchestration.autoscale.signals import AutoscaleConfig
 from cluster.tools.planner.capacity import KV_CACHE_DTYPES, KV_DTYPE_BYTES, CapacityInputs, plan_capacity, tp_sweep
 from cluster.tools.planner.interconnect import interconnect_names, select_interconnects, transfers
 from cluster.tools.planner.model_spec import ModelSpec, default_model_path, resolve_model
-from cluster.tools.planner.pools import PoolPlan, measure_speeds, size_pools
+from cluster.tools.planner.pools import CapSplit, PoolPlan, cap_split, measure_speeds, size_pools
 from cluster.tools.planner.report import PlanReport, fmt_bytes, render_text, to_json
+
+# the KV share the autoscaler keeps decode at (its controller's default)
+TARGET_KV_USAGE = next(f.default for f in dataclasses.fields(AutoscaleConfig) if f.name == "target_kv_usage")
 
 
 def register(subparsers) -> None:
@@ -41,6 +46,14 @@ def register(subparsers) -> None:
                    help="per-node decode tokens/s at its max concurrent sequences")
     p.add_argument("--measure", action="store_true", help="measure prefill/decode tokens/s here with engine.LLM")
     p.add_argument("--measure-concurrency", type=int, default=8, help="sequences per measured batch (default 8)")
+    p.add_argument("--max-workers", type=int, default=None,
+                   help="a fleet cap (both pools): print the prefill:decode split `pdserve serve --autoscale` "
+                        "should start with under it (needs --request-rate)")
+    p.add_argument("--peak-request-rate", type=float, default=None,
+                   help="with --max-workers: requests/s of the busiest window about one sequence's decode "
+                        "lifetime long (default: --request-rate, a peak factor of 1)")
+    p.add_argument("--target-kv-usage", type=float, default=TARGET_KV_USAGE,
+                   help=f"with --max-workers: the KV share the autoscaler keeps decode at (default {TARGET_KV_USAGE})")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -75,9 +88,21 @@ def build_report(args: argparse.Namespace) -> PlanReport:
     local = None if args.local_bandwidth is None else size_arg("--local-bandwidth", args.local_bandwidth)
     links = select_interconnects(args.interconnect, None if local is None else float(local))
     prompt_bytes = capacity.kv_bytes_per_token_model * args.prompt_len
+    pools = _pools(args, model)
     return PlanReport(model=model, inputs=inputs, capacity=capacity, tp_sweep=tuple(tp_sweep(model, inputs)),
                       prompt_len=args.prompt_len, transfers=tuple(transfers(prompt_bytes, links)),
-                      pools=_pools(args, model), notes=tuple(_notes(model, inputs, capacity)))
+                      pools=pools, notes=tuple(_notes(model, inputs, capacity)), cap_split=_cap_split(args, pools))
+
+
+def _cap_split(args: argparse.Namespace, pools: PoolPlan | None) -> CapSplit | None:
+    if args.max_workers is None:
+        if args.peak_request_rate is not None:
+            raise ValueError("--peak-request-rate sets the start split under a fleet cap: give --max-workers too")
+        return None
+    if pools is None:
+        raise ValueError("--max-workers splits the pools the plan sizes: give --request-rate with "
+                         "--prefill-tps and --decode-tps (or --measure)")
+    return cap_split(args.max_workers, pools, args.peak_request_rate, args.target_kv_usage)
 
 
 def _pools(args: argparse.Namespace, model: ModelSpec) -> PoolPlan | None:

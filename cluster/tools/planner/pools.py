@@ -137,10 +137,35 @@ def split_at_cap(nodes: int, plan: PoolPlan, peak_request_rate: float, target_kv
         raise ValueError(f"a split needs at least 2 nodes (one per pool), got {nodes}")
     if peak_request_rate < plan.request_rate:
         raise ValueError(f"the peak request rate ({peak_request_rate}) is below the plan's mean "
-                         f"({plan.request_rate}): give the rate of the busiest window")
+                         f"({plan.request_rate}): give the rate of the busiest window "
+                         "(pdserve plan --peak-request-rate)")
     if not 0 < target_kv_usage <= 1:
         raise ValueError(f"target_kv_usage is a share of KV, in (0, 1], got {target_kv_usage}")
     at_mean = plan.decode_demand_tps / plan.decode_tps
     decode = math.ceil(at_mean * peak_request_rate / plan.request_rate / target_kv_usage - 1e-9)
     decode = min(max(1, decode), nodes - 1)
     return nodes - decode, decode
+
+
+@dataclass(frozen=True)
+class CapSplit:
+    """`split_at_cap` with what it used: the start split of a fleet capped at ``max_workers``."""
+    max_workers: int
+    prefill_workers: int
+    decode_workers: int
+    peak_request_rate: float      # requests/s of the busiest window the decode pool holds
+    peak_factor: float            # peak_request_rate / the plan's mean rate
+    target_kv_usage: float
+
+    @property
+    def ratio(self) -> str:
+        return f"{self.prefill_workers}:{self.decode_workers}"
+
+
+def cap_split(max_workers: int, plan: PoolPlan, peak_request_rate: float | None,
+              target_kv_usage: float) -> CapSplit:
+    """The split the autoscaler starts a fleet capped at ``max_workers`` with (`split_at_cap`);
+    ``peak_request_rate`` None: the plan's mean rate (a factor of 1)."""
+    peak = plan.request_rate if peak_request_rate is None else peak_request_rate
+    prefill, decode = split_at_cap(max_workers, plan, peak, target_kv_usage)
+    return CapSplit(max_workers, prefill, decode, peak, peak / plan.request_rate, target_kv_usage)

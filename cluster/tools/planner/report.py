@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from cluster.tools.planner.capacity import Capacity, CapacityInputs
 from cluster.tools.planner.interconnect import Transfer
 from cluster.tools.planner.model_spec import ModelSpec
-from cluster.tools.planner.pools import PoolPlan
+from cluster.tools.planner.pools import CapSplit, PoolPlan
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,15 @@ class PlanReport:
     transfers: tuple[Transfer, ...]
     pools: PoolPlan | None
     notes: tuple[str, ...] = ()
+    cap_split: CapSplit | None = None    # with --max-workers: the autoscaler's start split
 
 
 def to_dict(report: PlanReport) -> dict:
     out = asdict(report)
     if report.pools is not None:
         out["pools"]["ratio"] = report.pools.ratio
+    if report.cap_split is not None:
+        out["cap_split"]["ratio"] = report.cap_split.ratio
     return out
 
 
@@ -111,7 +114,17 @@ def _pools(report: PlanReport) -> list[str]:
             ["decode", f"{p.decode_demand_tps:,.0f}", f"{p.decode_tps:,.0f}", str(p.decode_nodes),
              f"{p.decode_utilization:.0%}"]]
     return ["", f"Pools at {p.request_rate:g} req/s, {p.input_len} in / {p.output_len} out "
-                f"(speeds {p.speeds_source}): prefill:decode = {p.ratio}"] + _table(rows)
+                f"(speeds {p.speeds_source}): prefill:decode = {p.ratio}"] + _table(rows) + _cap_split(report)
+
+
+def _cap_split(report: PlanReport) -> list[str]:
+    c = report.cap_split
+    if c is None:
+        return []
+    return ["", f"Start split under a fleet cap of {c.max_workers} workers (--autoscale): prefill:decode = "
+                f"{c.ratio}",
+            f"  decode holds the sequences in flight at {c.peak_request_rate:g} req/s (peak factor "
+            f"{c.peak_factor:.2f} x the mean) at {c.target_kv_usage:.0%} KV; prefill gets the rest"]
 
 
 def render_text(report: PlanReport) -> str:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cluster.orchestration.autoscale import (AutoscaleConfig, ControllerState, DecodeSignals, FleetSignals,
-                                             PrefillSignals, decide)
+                                             PrefillSignals, decide, wait_miss)
 from cluster.tools.planner.capacity import sequences_that_fit
 from cluster.tools.planner.pools import peak_rate, size_pools, split_at_cap
 
@@ -180,8 +180,9 @@ class SimAutoscaler:
             slo_s = self.spec.config.slo_ttft_ms / 1000.0
             alone = prefill_alone_s(self.pure_prefill, self.sim.config.max_num_batched_tokens,
                                     rec.prompt_tokens, rec.cached_tokens)
-            if alone <= slo_s:
-                self.wait_misses.add(rec.first_token_s, 1.0 if rec.ttft > slo_s else 0.0)
+            miss = wait_miss(rec.ttft, alone, slo_s)   # the live head's definition too
+            if miss is not None:
+                self.wait_misses.add(rec.first_token_s, miss)
 
     def on_done(self, rec: "RequestRecord") -> None:
         itl = rec.mean_itl

@@ -84,6 +84,9 @@ Fails on a model storage that needs a path but has none.
 {{- $_ := set $cfg "slo_itl_ms" .sloItlMs }}
 {{- $_ := set $cfg "autoscale_interval" .intervalSeconds }}
 {{- $_ := set $cfg "autoscale_cooldown_s" .cooldownSeconds }}
+{{- if .ttftMissBudget }}
+{{- $_ := set $cfg "autoscale_ttft_miss_budget" .ttftMissBudget }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- if and (ne .Values.model.storage "image") (not $cfg.model) }}
