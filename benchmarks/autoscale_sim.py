@@ -64,7 +64,8 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
         p, d = planned_split(n, reqs, cost, chunk, cost.kv_capacity_tokens // 512 * 512, seqs,
                              target_kv_usage=scale.config.target_kv_usage)
     cfg = SimConfig(p, d, block_size=512, max_num_batched_tokens=chunk, max_num_seqs=seqs, seed=0,
-                    slo=Slo(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0), autoscale=scale)
+                    slo=Slo(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0), autoscale=scale,
+                    reserve_decode_blocks=not args.no_reserve_decode_blocks)
     t0 = time.perf_counter()
     s = ClusterSim(cfg, cost, reqs, PromptBuilder(512)).run()
     row = {"fleet": fleet["label"], "nodes": n, "split": f"{p}:{d}", "autoscale": autoscale, "requests": s["requests"],
@@ -75,7 +76,9 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
            "prefill_worker_hours": round(s["fleet"]["worker_hours"].get("prefill", 0.0), 3),
            "decode_worker_hours": round(s["fleet"]["worker_hours"].get("decode", 0.0), 3),
            "duration_s": round(s["duration_s"], 1), "ttft_p90_s": round(s["ttft_s"]["p90"], 3),
-           "itl_p90_ms": round(s["itl_s"]["p90"] * 1000, 1), "wall_s": round(time.perf_counter() - t0, 1)}
+           "itl_p90_ms": round(s["itl_s"]["p90"] * 1000, 1), "wall_s": round(time.perf_counter() - t0, 1),
+           "decode_reservations": s["sim"]["decode_reservations"],
+           "local_recompute_fallbacks": s["sim"]["local_recompute_fallbacks"]}
     if autoscale:
         a = s["autoscale"]
         row.update(peak_workers=a["peak_workers"], decisions=a["decisions"], changes=len(a["changes"]),
@@ -112,6 +115,9 @@ def main() -> None:
     ap.add_argument("--ttft-miss-budget", type=float, default=0.002,
                     help="part of the requests that may miss TTFT by waiting before prefill grows "
                          "(0: the simulator gives no wait-miss fraction; the TTFT p90 decides)")
+    ap.add_argument("--no-reserve-decode-blocks", action="store_true",
+                    help="allocate a hand-off's decode blocks when its prefill ends (the live cluster reserves "
+                         "them when it is routed, by default)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--output", help="also write every run here (JSON)")
     args = ap.parse_args()
@@ -133,6 +139,7 @@ def main() -> None:
     out = {"slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}, "steer": args.steer,
            "profile": args.profile, "fleet_cap": args.fleet_cap, "decode_first": args.decode_first,
            "start": args.start, "ttft_miss_budget": args.ttft_miss_budget,
+           "reserve_decode_blocks": not args.no_reserve_decode_blocks,
            "startup_delay_s": args.startup_delay, "interval_s": args.interval, "idle_hold_s": args.idle_hold,
            "fleets": {}}
     for f in fleets:
@@ -147,7 +154,8 @@ def main() -> None:
             "autoscaled": {k: auto[k] for k in ("start_split", "good", "good_fraction", "worker_hours", "prefill_worker_hours",
                                                 "decode_worker_hours", "ttft_p90_s", "itl_p90_ms", "duration_s",
                                                 "peak_workers", "changes")},
-            "sweep": [{k: r[k] for k in ("split", "good", "worker_hours", "ttft_p90_s", "itl_p90_ms")} for r in fixed],
+            "sweep": [{k: r[k] for k in ("split", "good", "worker_hours", "ttft_p90_s", "itl_p90_ms",
+                                         "local_recompute_fallbacks")} for r in fixed],
             "goal_met": auto["good"] >= best["good"] and auto["worker_hours"] < best["worker_hours"]}
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.output:

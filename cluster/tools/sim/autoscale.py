@@ -209,7 +209,9 @@ class SimAutoscaler:
             since_last_prompt_s=None if self.last_prompt_s is None else now - self.last_prompt_s)
         d = DecodeSignals(
             workers=len(dec) + sim.starting_count("decode"), ready_workers=len(dec),
-            running=sum(n.scheduler.num_running + n.scheduler.num_remote for n in dec),
+            # as the live head (autoscaler.py: each worker's reported `running`): hand-offs waiting for
+            # their KV (reserved while they prefill, or pulling) are not running; their blocks are in kv_usage
+            running=sum(n.scheduler.num_running for n in dec),
             waiting=sum(n.scheduler.num_waiting + n.joining for n in dec),
             kv_usage=float(np.mean([n.scheduler.kv_usage for n in dec])) if dec else 0.0,
             itl_p90_ms=self.itl_ms.p90(), seqs_per_worker=self.seqs_per_worker,

@@ -78,6 +78,9 @@ def register(subparsers) -> None:
     c.add_argument("--report-interval", type=float, default=0.1, help="load + KV event reports (s)")
     c.add_argument("--report-lag", type=float, default=0.002, help="report delivery lag to the router (s)")
     c.add_argument("--no-collapse", action="store_true", help="one event per decode step (slow; for checks)")
+    c.add_argument("--no-reserve-decode-blocks", action="store_true",
+                   help="allocate a hand-off's decode blocks when its prefill ends, not when it is routed "
+                        "(as `pdserve serve --no-reserve-decode-blocks`)")
     c.add_argument("--seed", type=int, default=0)
     _autoscale_flags(p)
     _output_flags(p)
@@ -245,7 +248,8 @@ def simulate_one(params: dict, args, cost, base_reqs) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens or sched_meta.get("max_num_batched_tokens", 8192),
         max_num_seqs=args.max_num_seqs or sched_meta.get("max_num_seqs", 256),
         report_interval_s=args.report_interval, report_lag_s=args.report_lag,
-        collapse=not args.no_collapse, seed=args.seed, slo=slo_of(args),
+        collapse=not args.no_collapse, reserve_decode_blocks=not args.no_reserve_decode_blocks,
+        seed=args.seed, slo=slo_of(args),
         progress_s=args.progress, autoscale=autoscale_of(args, params["prefill_nodes"], params["decode_nodes"]))
     builder = PromptBuilder(args.block_size, args.tokens_per_id, seed=args.seed)
     return ClusterSim(config, cost, reqs, builder).run()

@@ -40,12 +40,13 @@ from cluster.tools.sim.events import EventLoop
 from cluster.tools.sim.insitu import Interference, step_kind
 from cluster.tools.sim.metrics import LogHistogram, NodeUsage, RequestRecord, Slo, summarize
 from cluster.tools.sim.node import SimNode
+from cluster.tools.sim.reservation import RESERVATION_TTL_FACTOR, Reservations
 from cluster.tools.sim.workload import Prompt, PromptBuilder, TraceRequest
 from engine.block_pool import KVBlock
 from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import RemoteAllocation, Scheduler
 from engine.step_trace import StepShape
 
 
@@ -74,6 +75,10 @@ class SimConfig:
     # pools sized by the autoscaling controller while it runs (prefill_nodes / decode_nodes: the
     # starting sizes); None: fixed pools
     autoscale: SimAutoscale | None = None
+    # as ServeConfig.reserve_decode_blocks (on in the live cluster by default): a hand-off's decode
+    # blocks are reserved when it is routed, while its prompt is prefilled (cluster/tools/sim/reservation.py);
+    # False: allocated only when the prefill ends
+    reserve_decode_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.decode_nodes < 1 or self.prefill_nodes < 0:
@@ -90,7 +95,8 @@ class SimConfig:
 
 
 class _Live:
-    __slots__ = ("rec", "trace", "tokens", "hashes", "packed", "blocks", "deadline", "no_room", "joining")
+    __slots__ = ("rec", "trace", "tokens", "hashes", "packed", "blocks", "deadline", "no_room", "joining",
+                 "reservation", "reserving")
 
     def __init__(self, rec: RequestRecord, trace: TraceRequest, prompt: Prompt) -> None:
         self.rec, self.trace = rec, trace
@@ -98,6 +104,12 @@ class _Live:
         self.deadline = 0.0
         self.no_room: tuple | None = None     # room() when the last join failed
         self.joining = False                  # its hand-off waits to join the decode node
+        self.reservation: RemoteAllocation | None = None     # decode blocks reserved while it prefills
+        self.reserving = False                # the reserve call waits on the decode node
+
+    @property
+    def request_id(self) -> str:
+        return self.rec.request_id
 
 
 def _nothing(node: SimNode) -> None:
@@ -172,6 +184,8 @@ class ClusterSim:
         self._next = 0
         self.wall_s = 0.0
         self.fallbacks = 0
+        self.reservations = Reservations(self.loop, RESERVATION_TTL_FACTOR * config.transfer_timeout_s,
+                                         lambda live: self._request(live, live.tokens, live.trace.output_length))
 
     # ---- pool membership (fixed, or changed by the autoscaler) ----------------
     def _new_id(self, role: str) -> str:
@@ -342,7 +356,8 @@ class ClusterSim:
                  "sim": {"events": self.loop.events_run, "node_runs": sum(n.events for n in every),
                          "engine_steps": sum(n.steps for n in every), "wall_s": self.wall_s,
                          "sim_s_per_wall_s": (end - start) / self.wall_s if self.wall_s else None,
-                         "local_recompute_fallbacks": self.fallbacks}}
+                         "local_recompute_fallbacks": self.fallbacks,
+                         "decode_reservations": dict(self.reservations.counts)}}
         if self.autoscaler is not None:
             extra["autoscale"] = self.autoscaler.summary()
         return summarize(self.records, self.itl, nodes, end - start, c.slo, extra)
@@ -367,6 +382,8 @@ class ClusterSim:
                 self.autoscaler.on_routed(self.loop.now, len(tokens) - d.prefill_cached_tokens)
             req = self._request(live, tokens, 1, hold=True)
             self.nodes[d.prefill_worker_id].post(lambda n: n.scheduler.add_request(req))
+            if self.config.reserve_decode_blocks:       # as handoff.py: reserved as the prefill starts
+                self.reservations.start(self.nodes[d.decode_worker_id], live)
         else:
             req = self._request(live, tokens, tr.output_length)
             self.nodes[d.decode_worker_id].post(lambda n: n.scheduler.add_request(req))
@@ -407,6 +424,7 @@ class ClusterSim:
             return
         if live.trace.output_length <= 1:            # the first token ended it: nobody reads the KV
             node.scheduler.release_held(request.request_id)
+            self.reservations.free(self.nodes[live.rec.decode_node], live)
             self._unhold(node.node_id)
             self._done(live, t, request)
             return
@@ -420,7 +438,7 @@ class ClusterSim:
 
     def _wake_at_deadline(self, decode: SimNode, live: _Live) -> None:
         if live.joining:
-            decode.post(_nothing)
+            decode.post(_nothing, retry=True)
 
     def _done(self, live: _Live, t: float, request: Request) -> None:
         live.rec.finish_s = t
@@ -432,25 +450,41 @@ class ClusterSim:
 
     # ---- prefill -> decode hand-off -----------------------------------------
     def _join(self, dn: SimNode, pn: SimNode, live: _Live) -> bool:
-        rid, rec, now = live.rec.request_id, live.rec, self.loop.now
+        """The hand-off joins ``dn`` (False: it waits for room there; run again)."""
+        alloc = self.reservations.claim(dn, live)
+        if alloc is None:
+            alloc = self._allocate(dn, pn, live)
+            if alloc is None:
+                return not live.joining
+        self._joined(dn, live)
+        self._pull(dn, pn, live, alloc)
+        return True
+
+    def _allocate(self, dn: SimNode, pn: SimNode, live: _Live) -> RemoteAllocation | None:
+        """The join without a reservation: allocate now. None: no room, and it waits for
+        room until its deadline (still joining) or then recomputes on ``dn`` (joined)."""
+        rid, now = live.rec.request_id, self.loop.now
         request = self._request(live, live.tokens, live.trace.output_length)
         if now < live.deadline and live.no_room is not None and live.no_room == room(dn.scheduler, request):
-            return False
+            return None
         alloc = dn.scheduler.add_remote_request(request)
-        if alloc is None:
-            if now < live.deadline:
+        if alloc is not None or now < live.deadline:
+            if alloc is None:
                 if live.no_room is None:              # as DecodeWorker: now it waits for room here
                     dn.joining += 1                   # (joins run inside post / _end: dn is dirty)
                 live.no_room = room(dn.scheduler, request)
-                return False
-            self._joined(dn, live)
-            self.fallbacks += 1                       # as DecodeWorker: recompute here, keep the first token
-            pn.post(lambda n: n.scheduler.release_held(rid))
-            self._unhold(pn.node_id)
-            tokens = live.tokens + [dn.output_token]
-            dn.scheduler.add_request(self._request(live, tokens, max(1, live.trace.output_length - 1)))
-            return True
+            return alloc
         self._joined(dn, live)
+        self.fallbacks += 1                           # as DecodeWorker: recompute here, keep the first token
+        pn.post(lambda n: n.scheduler.release_held(rid))
+        self._unhold(pn.node_id)
+        tokens = live.tokens + [dn.output_token]
+        dn.scheduler.add_request(self._request(live, tokens, max(1, live.trace.output_length - 1)))
+        return None
+
+    def _pull(self, dn: SimNode, pn: SimNode, live: _Live, alloc: RemoteAllocation) -> None:
+        """Read the blocks ``dn`` lacks from ``pn`` (serialised on ``dn``'s NIC); decode on when they land."""
+        rid, rec, now = live.rec.request_id, live.rec, self.loop.now
         held = pn.scheduler.kv.get_block_ids(rid)
         src, dst = held[alloc.num_cached_blocks:len(alloc.block_ids)], list(alloc.blocks_to_pull)
         nbytes = len(dst) * self.config.block_size * self.cost.kv_bytes_per_token
@@ -461,7 +495,6 @@ class ClusterSim:
         done = start + self.cost.transfer_seconds(rec.descriptors, nbytes)
         self.nic_free[dn.node_id] = done
         self.loop.at(done, self._landed, dn, pn, rid)
-        return True
 
     @staticmethod
     def _joined(dn: SimNode, live: _Live) -> None:

@@ -99,8 +99,12 @@ class SimNode:
     def busy(self) -> bool:
         return self._run is not None
 
-    def post(self, action: Action, *, keeps_batch: bool = False) -> None:
+    def post(self, action: Action, *, keeps_batch: bool = False, retry: bool = False) -> None:
         """Run ``action(node)`` between steps (now, if the node is idle).
+
+        ``retry``: then run the pending retries, as a run boundary does (the action
+        frees blocks outside a run, or a retry's deadline passed): an idle node has
+        no run boundary to run them at.
 
         ``keeps_batch``: the action adds nothing to the running batch or the
         waiting queue and reads nothing of the running sequences but the KV
@@ -117,6 +121,8 @@ class SimNode:
                 self._cut_run()
             return
         action(self)
+        if retry and self.retries:
+            self.retries = [r for r in self.retries if not r(self)]
         self._kick()
 
     def _defer(self, action: Action) -> bool:
