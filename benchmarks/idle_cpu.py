@@ -10,7 +10,10 @@ Reported: cores busy in total; per process kind (driver: the serve process with 
 frontend, router and report polling; prefill / decode: the worker actors; ray: Ray's
 own processes (GCS, raylet, its idle workers, log monitor), not pdserve's code); the
 busiest threads by name (/proc/<pid>/task/<tid>/comm), with the process kind; and the
-host's busy cores over the same window (other sessions' jobs included).
+host's busy cores over the same window (other sessions' jobs included). Then
+`ttft_after_idle_ms`: --after-idle-requests pairs [TTFT of a request sent after
+--settle-s of idle, TTFT of the same shape sent at once after it]: what the idle
+back-offs cost the first request.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/idle_cpu.py [--window-s 10]
 
@@ -76,6 +79,21 @@ def window(kinds: dict[int, str], seconds: float) -> dict:
             "host_cores_busy": round(host / wall, 2)}
 
 
+async def ttft_pairs(target: str, vocab_size: int, args) -> list[list[float]]:
+    """--after-idle-requests times: idle --settle-s, then one request (its TTFT after the idle
+    spell, when every back-off is at its longest) and the same shape at once (the warm TTFT)."""
+    pairs = []
+    for i in range(args.after_idle_requests):
+        await asyncio.sleep(args.settle_s)
+        pair = []
+        for j in range(2):
+            req = ds.random_dataset(ds.RandomSpec(64, 2), 1, vocab_size, 1000 + 2 * i + j)
+            res = await run_load(target, req, [0.0], RunnerConfig(progress=False))
+            pair.append(round(1000 * (res.results[0].ttft_s or float("nan")), 1))
+        pairs.append(pair)
+    return pairs
+
+
 async def main_async(args) -> dict:
     import ray
 
@@ -100,6 +118,7 @@ async def main_async(args) -> dict:
             print(json.dumps({"hold_s": args.hold_s, "pids": {str(p): k for p, k in kinds.items()}}),
                   file=sys.stderr, flush=True)
             await asyncio.sleep(args.hold_s)
+        idle["ttft_after_idle_ms"] = await ttft_pairs(stack.grpc.target, info.vocab_size, args)
     finally:
         await stack.drain_and_stop(1.0)
         ray.shutdown()
@@ -118,6 +137,8 @@ def main() -> None:
     p.add_argument("--window-s", type=float, default=10.0)
     p.add_argument("--hold-s", type=float, default=0.0, help="keep the idle cluster up this long after the "
                    "window (its pids on stderr), e.g. to dump stacks with py-spy")
+    p.add_argument("--after-idle-requests", type=int, default=3, help="after the window: this many times, "
+                   "idle --settle-s, then a request and another at once; their TTFTs (ms) as pairs")
     args = p.parse_args()
     print(json.dumps(asyncio.run(main_async(args))))
 
