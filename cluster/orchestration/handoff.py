@@ -47,6 +47,7 @@ from cluster.orchestration.pool import WorkerPool
 from cluster.orchestration.reservation import Reservation
 from cluster.orchestration.work_items import work_item
 from cluster.router.policy import DecisionKind
+from cluster.router.reserve import reserve_at_routing
 from engine.block_hash import block_hashes
 from engine.outputs import StepDelta
 from worker_api.messages import PullFailure
@@ -140,7 +141,7 @@ class Handoff:
             self.s.metrics.routing.labels(kind=decision.kind.value).inc()
             result = None
             if decision.kind is DecisionKind.REMOTE_PREFILL and job.sampling.n == 1:
-                if self.config.reserve_decode_blocks:
+                if self.config.reserve_decode_blocks and reserve_at_routing(decision, self.config.max_num_batched_tokens):
                     self.reservation = Reservation.start(self.s.pool, self.wid, job, decision.decode_worker_id)
                 result = await self._prefill(job, decision.prefill_worker_id)
             if result is None:   # the decode node prefills (policy, or no prefill node left)

@@ -50,11 +50,10 @@ def _autoscale(**kw):
     return SimAutoscale(cfg, interval_s=1.0, window_s=8.0, startup_s=2.0)
 
 
-def _run(reqs, p=1, d=1, autoscale=None, reserve=False):
-    # reserve: decode blocks reserved at routing, as the live cluster's default. Off here: the step's
-    # prefill backlog then fills the decode nodes with reservations for prompts still queued, and
-    # the hand-offs that were prefilled wait for room (tests/unit/test_sim_reservation.py runs this
-    # step with reservations; docs/simulator.md, "Autoscaling", the figures)
+def _run(reqs, p=1, d=1, autoscale=None, reserve=True):
+    # reserve: decode blocks reserved at routing, as the live cluster's default, for prefills that start
+    # within a step (cluster/router/reserve.py; tests/unit/test_sim_reservation.py compares this step
+    # with and without; docs/simulator.md, "Autoscaling", the figures)
     cfg = SimConfig(p, d, block_size=BS, num_blocks=64, max_num_batched_tokens=512, max_num_seqs=16,
                     max_model_len=2048, autoscale=autoscale, reserve_decode_blocks=reserve)
     sim = ClusterSim(cfg, _cost(), reqs, PromptBuilder(BS, tokens_per_id=16))

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.router import DecisionKind, PolicyConfig, Router, RouterConfig, RoutingRequest, WorkerLoad
+from cluster.router.reserve import reserve_at_routing
 from cluster.tools.sim.autoscale import SimAutoscale, SimAutoscaler, worker_hours
 from cluster.tools.sim.cost_model import CostModel
 from cluster.tools.sim.events import EventLoop
@@ -382,7 +383,8 @@ class ClusterSim:
                 self.autoscaler.on_routed(self.loop.now, len(tokens) - d.prefill_cached_tokens)
             req = self._request(live, tokens, 1, hold=True)
             self.nodes[d.prefill_worker_id].post(lambda n: n.scheduler.add_request(req))
-            if self.config.reserve_decode_blocks:       # as handoff.py: reserved as the prefill starts
+            # as handoff.py: reserved at routing when the prefill starts within a step (cluster/router/reserve.py)
+            if self.config.reserve_decode_blocks and reserve_at_routing(d, self.config.max_num_batched_tokens):
                 self.reservations.start(self.nodes[d.decode_worker_id], live)
         else:
             req = self._request(live, tokens, tr.output_length)
