@@ -6,7 +6,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from cluster.config import ServeConfig, parse_size
 from cluster.orchestration.tp_placement import TPPlacement, check_tp_sizes, place_tp_worker
@@ -187,7 +187,9 @@ class WorkerLauncher:
         disagree with each other or with the workers already serving."""
         import ray
 
-        infos: list[ReadyInfo] = await asyncio.gather(*[r.actor.ready.remote() for r in refs])
+        infos: list[ReadyInfo] = await gather_reporting(
+            {r.worker_id: r.actor.ready.remote() for r in refs}, every_s=READY_REPORT_S,
+            describe=lambda: f"free in the Ray cluster: {ray.available_resources()}")
         for r, info in zip(refs, infos):
             log.info("worker %s ready: %s", r.worker_id, asdict(info))   # a dict: tests/testbed_cluster.py reads it
         named = [(r.worker_id, info) for r, info in zip(refs, infos)]
@@ -198,6 +200,31 @@ class WorkerLauncher:
                 r.kill()
             raise
         self._layout = self._layout or (named[0] if named else None)
+
+
+READY_REPORT_S = 30.0    # how often a start-up that waits for its workers says which and why
+
+
+async def gather_reporting(waits: dict[str, Awaitable[Any]], every_s: float,
+                           describe: Callable[[], str]) -> list[Any]:
+    """`asyncio.gather` over named awaitables that also logs, every `every_s` seconds, the names
+    still pending and `describe()` (for workers: what the cluster has free, so a worker that
+    Ray cannot place, e.g. no node offers its pool's resource, is visible rather than a silent
+    hang). The first failure is raised at once and the rest are cancelled."""
+    futs = {name: asyncio.ensure_future(w) for name, w in waits.items()}
+    start = asyncio.get_running_loop().time()
+    while True:
+        done, pending = await asyncio.wait(futs.values(), timeout=every_s, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [f for f in done if not f.cancelled() and f.exception() is not None]
+        if failed:
+            for f in pending:
+                f.cancel()
+            raise failed[0].exception()  # type: ignore[misc]
+        if not pending:
+            return [f.result() for f in futs.values()]
+        waiting = sorted(n for n, f in futs.items() if not f.done())
+        log.warning("still waiting after %.0f s for %s to start; %s", asyncio.get_running_loop().time() - start,
+                    ", ".join(waiting), describe())
 
 
 async def launch_workers(cfg: ServeConfig) -> tuple[WorkerLauncher, list[WorkerRef]]:

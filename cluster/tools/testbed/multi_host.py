@@ -11,8 +11,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 from cluster.tools.testbed import TestBed, TestHost
 
@@ -43,6 +45,29 @@ def ray_start(host: TestHost, *, head: TestHost | None = None, resources: dict |
         raise RuntimeError(f"ray start on {host.name} failed: {res.stdout[-2000:]} {res.stderr[-2000:]}")
 
 
+_ENDPOINT = re.compile(r"^\s+(gRPC|HTTP|metrics)\s+(\S+:\d+\S*)")
+
+
+def read_endpoints(stream: IO[str], timeout: float) -> dict[str, str]:
+    """The endpoints `pdserve serve` prints ("gRPC host:port", "HTTP url", "metrics url", metrics
+    last), read from its stdout on a thread so that a serve that prints nothing, or stops printing,
+    is given up on after `timeout` seconds instead of blocking the caller. Returns what was seen."""
+    found: dict[str, str] = {}
+    done = threading.Event()
+
+    def read() -> None:
+        for line in stream:
+            if m := _ENDPOINT.search(line):
+                found.setdefault(m.group(1), m.group(2))
+                if m.group(1) == "metrics":
+                    break
+        done.set()
+
+    threading.Thread(target=read, name="serve-stdout", daemon=True).start()
+    done.wait(timeout)
+    return dict(found)
+
+
 class MultiHostServe:
     """`pdserve serve --address HEAD:6379` on h1 with prefill actors on the hosts given
     `pdserve_prefill` and decode actors on those given `pdserve_decode`."""
@@ -71,20 +96,20 @@ class MultiHostServe:
         conf.write_text(json.dumps(cfg))
         self.proc = self.head.popen([str(BIN / "pdserve"), "serve", "--config", str(conf)], env=host_env(),
                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True)
-        self.grpc_target = self.http_url = self.metrics_url = ""
-        end = time.monotonic() + 300
-        for line in self.proc.stdout:
-            if m := re.search(r"gRPC\s+(\S+:\d+)", line):
-                self.grpc_target = m.group(1)
-            if m := re.search(r"HTTP\s+(http://\S+)", line):
-                self.http_url = m.group(1)
-            if m := re.search(r"metrics\s+(http://\S+)", line):
-                self.metrics_url = m.group(1)
-                break
-            if time.monotonic() > end:
-                break
+        found = read_endpoints(self.proc.stdout, timeout=300)
+        self.grpc_target, self.http_url = found.get("gRPC", ""), found.get("HTTP", "")
+        self.metrics_url = found.get("metrics", "")
         if not self.metrics_url:
-            raise RuntimeError(f"pdserve serve did not come up ({self.proc.poll()}): {self.log()[-4000:]}")
+            code = self.proc.poll()
+            self.stop(timeout=20)
+            raise RuntimeError(f"pdserve serve printed no endpoints within 300 s (exit code {code}); "
+                               f"its log:\n{self.log()[-4000:]}\n--- ray status ---\n{self._ray_status_or_why()}")
+
+    def _ray_status_or_why(self) -> str:
+        try:
+            return self.ray_status()
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"(ray status failed: {e})"
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
