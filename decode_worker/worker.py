@@ -61,6 +61,7 @@ class DecodeWorker(WorkerBase):
         self._submitting: set[str] = set()
         self._pulling: set[str] = set()     # blocks allocated and being written by a transfer
         self._reserved: dict[str, RemoteAllocation] = {}   # blocks reserved ahead of a submit
+        self._reservation_expiries = 0      # reservations freed unclaimed (reported, cumulative)
 
     def _ready_info(self) -> ReadyInfo:
         info = super()._ready_info()
@@ -157,6 +158,7 @@ class DecodeWorker(WorkerBase):
     async def _expire(self, request_id: str, alloc: RemoteAllocation) -> None:
         if self._reserved.get(request_id) is alloc:   # never claimed: its frontend is gone
             del self._reserved[request_id]
+            self._reservation_expiries += 1
             log.warning("reservation of %s was not claimed in time: freeing its blocks", request_id)
             await self.kv.settle(request_id)
             await self.aengine.call(lambda e: e.abort_request(request_id))
@@ -259,7 +261,7 @@ class DecodeWorker(WorkerBase):
         """The engine's report; `stats.waiting` also counts hand-offs still waiting
         here for KV room: they are queued on this node (and count against its
         queue bound), so the router and the waiting-requests gauge see them."""
-        report = await super().report()
+        report = replace(await super().report(), reservation_expiries=self._reservation_expiries)
         if not self._awaiting_room:
             return report
         return replace(report, stats=replace(report.stats, waiting=report.stats.waiting + self._awaiting_room))

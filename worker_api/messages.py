@@ -84,6 +84,7 @@ class WorkerReport:
     events: tuple[KVEvent, ...]
     leases_active: int = 0          # prefill role: blocks pinned for readers
     lease_expiries: int = 0         # prefill role: cumulative leases that expired unread
+    reservation_expiries: int = 0   # decode role: cumulative reservations no submit claimed in time
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from cluster.observability.metrics_vllm import VllmNames
 from cluster.observability.metrics_workers import PREEMPTION_MODES, TIERS, TierStats, WorkerSeries, WorkerStats
 
-__all__ = ["Metrics", "TierStats", "WorkerStats", "TIERS", "PREEMPTION_MODES", "LATENCY_BUCKETS"]
+__all__ = ["Metrics", "TierStats", "WorkerStats", "TIERS", "PREEMPTION_MODES", "LATENCY_BUCKETS",
+           "RESERVATION_OUTCOMES"]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+RESERVATION_OUTCOMES = ("reserved", "refused", "failed", "skipped_backlog")
 BYTES_BUCKETS = tuple(float(2 ** i) for i in range(10, 34, 2))
 
 
@@ -55,6 +57,7 @@ class Metrics:
         self.routing = C("pdserve_routing_decisions", "Routing decisions by kind", ["kind"], registry=r)
         self.migrations = C("pdserve_request_migrations", "Requests moved to another decode worker "
                             "after theirs died", registry=r)
+        self.decode_reservations = _decode_reservations(r)
         self.transfer_failures = C("pdserve_transfer_failures", "KV transfers that failed", registry=r)
         self.frontend_queue = G("pdserve_frontend_queue_depth", "Requests admitted and not finished",
                                 registry=r)
@@ -72,6 +75,12 @@ class Metrics:
         r.register(self.workers)
         self._vllm: VllmNames | None = None
 
+    def count_decode_reservation(self, outcome: str) -> None:
+        """One hand-off's decode reservation outcome (RESERVATION_OUTCOMES)."""
+        if outcome not in RESERVATION_OUTCOMES:
+            raise ValueError(f"unknown decode reservation outcome {outcome!r}: use one of {RESERVATION_OUTCOMES}")
+        self.decode_reservations.labels(outcome=outcome).inc()
+
     def export_vllm_names(self, model_name: str, block_size: int) -> None:
         """Also export the vllm:* series gateways read (cluster/observability/metrics_vllm.py), labelled model_name."""
         if self._vllm is not None:
@@ -84,3 +93,14 @@ class Metrics:
 
     def forget_worker(self, worker_id: str, pool: str) -> None:
         self.workers.forget(worker_id)
+
+
+def _decode_reservations(r: CollectorRegistry) -> Counter:
+    """pdserve_decode_reservations_total{outcome}, every outcome exported from the start (at 0)."""
+    c = Counter("pdserve_decode_reservations", "Hand-offs whose decode KV blocks the frontend asked to reserve "
+                "at routing, by outcome: reserved, refused (the decode node had no room, a full queue or was "
+                "draining), failed (the call failed), skipped_backlog (not asked: the prefill node had a step's "
+                "tokens or more queued ahead)", ["outcome"], registry=r)
+    for outcome in RESERVATION_OUTCOMES:
+        c.labels(outcome=outcome)
+    return c

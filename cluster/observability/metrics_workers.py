@@ -59,6 +59,7 @@ class WorkerStats:
     tiers: TierStats = field(default_factory=TierStats)
     prefix_waits: int = 0          # cumulative: requests that waited for an in-flight prefix
     prefix_wait_blocks_saved: int = 0   # cumulative: in-flight blocks those took as hits
+    reservation_expiries: int = 0  # cumulative (decode): reserved blocks no submit claimed in time
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ COUNTERS = (   # exported as NAME_total
     _Series("pdserve_prefix_wait_blocks_saved", "KV blocks taken as prefix hits after waiting for them "
             "(not recomputed) per worker", lambda s: s.prefix_wait_blocks_saved),
     _Series("pdserve_lease_expiries", "KV leases that expired unread per worker", lambda s: s.lease_expiries),
+    _Series("pdserve_decode_reservation_expiries", "Decode KV reservations no submit claimed in time (their "
+            "frontend gone), freed by the decode worker, per worker", lambda s: s.reservation_expiries),
     _Series("pdserve_preemptions", "Preemptions per worker", lambda s: s.preemptions),
     _Series("pdserve_kv_page_ins", "Cached KV blocks paged back into the device from host or disk per worker",
             lambda s: s.tiers.page_ins),

@@ -46,7 +46,7 @@ from cluster.orchestration.messages import Counted, Moved, Tokens, WorkerLost
 from cluster.orchestration.pool import WorkerPool
 from cluster.orchestration.reservation import Reservation
 from cluster.orchestration.work_items import work_item
-from cluster.router.policy import DecisionKind
+from cluster.router.policy import DecisionKind, RoutingDecision
 from cluster.router.reserve import reserve_at_routing
 from engine.block_hash import block_hashes
 from engine.outputs import StepDelta
@@ -141,8 +141,7 @@ class Handoff:
             self.s.metrics.routing.labels(kind=decision.kind.value).inc()
             result = None
             if decision.kind is DecisionKind.REMOTE_PREFILL and job.sampling.n == 1:
-                if self.config.reserve_decode_blocks and reserve_at_routing(decision, self.config.max_num_batched_tokens):
-                    self.reservation = Reservation.start(self.s.pool, self.wid, job, decision.decode_worker_id)
+                self._reserve(decision)
                 result = await self._prefill(job, decision.prefill_worker_id)
             if result is None:   # the decode node prefills (policy, or no prefill node left)
                 await self._submit(job, decision.decode_worker_id, None)
@@ -192,6 +191,17 @@ class Handoff:
             if self.continued:
                 delta = replace(delta, num_prompt_tokens=len(self.job.prompt_token_ids))
             return delta
+
+    def _reserve(self, decision: RoutingDecision) -> None:
+        """Reserve the hand-off's decode blocks now if its prefill starts within a step
+        (cluster/router/reserve.py); either way counted in pdserve_decode_reservations_total."""
+        if not self.config.reserve_decode_blocks:
+            return
+        count = self.s.metrics.count_decode_reservation
+        if not reserve_at_routing(decision, self.config.max_num_batched_tokens):
+            count("skipped_backlog")
+            return
+        self.reservation = Reservation.start(self.s.pool, self.wid, self.job, decision.decode_worker_id, count)
 
     def _release_first(self) -> None:
         """The prefill node's first token goes to the client now."""

@@ -285,7 +285,7 @@ class WorkerPool:
         stats = WorkerStats(ref.worker_id, ref.pool, s.running, s.waiting, s.kv_blocks_used, s.kv_blocks_total,
                             s.prefix_queried_tokens, s.prefix_hit_tokens, report.lease_expiries,
                             report.leases_active, s.preemptions, TierStats.from_engine(s),
-                            s.prefix_waits, s.prefix_wait_blocks_saved)
+                            s.prefix_waits, s.prefix_wait_blocks_saved, report.reservation_expiries)
         self.stats[ref.worker_id] = stats
         self.router.observe_stats(stats, queued_prefill_tokens=s.waiting_tokens)
         self.metrics.observe_worker(stats)

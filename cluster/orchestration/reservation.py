@@ -2,11 +2,17 @@
 submit after the prefill then pulls at once instead of first waiting an engine step for
 room. A reservation no submit claims is freed: by the request here (abort, a first token
 that ends it, a submit elsewhere) or, should this frontend vanish, by the decode worker's
-own expiry."""
+own expiry.
+
+Each reserve call's outcome is counted (`pdserve_decode_reservations_total{outcome}`, beside
+the hand-offs the rule skipped, cluster/orchestration/handoff.py): `reserved`, `refused` (the
+decode node reserved nothing: no room, queue full, draining) or `failed` (the call failed, or
+the decode worker was gone). A reserve call cancelled with its request counts nothing."""
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Callable
 
 from cluster.orchestration.backend import BackendError, GenerateJob
 from cluster.orchestration.pool import WorkerPool
@@ -19,16 +25,22 @@ class Reservation:
     task: asyncio.Task             # -> True once reserved
 
     @classmethod
-    def start(cls, pool: WorkerPool, wid: str, job: GenerateJob, decode_id: str | None) -> Reservation | None:
+    def start(cls, pool: WorkerPool, wid: str, job: GenerateJob, decode_id: str | None,
+              outcome: Callable[[str], None]) -> Reservation | None:
+        """Ask `decode_id` to reserve; `outcome` is told what became of the call."""
         ref = pool.live(decode_id)
         if ref is None:
+            outcome("failed")
             return None
 
         async def reserve() -> bool:
             try:
-                return await pool.call(ref, ref.actor.reserve.remote(item=work_item(job, wid)))
+                reserved = bool(await pool.call(ref, ref.actor.reserve.remote(item=work_item(job, wid))))
             except BackendError:   # dead or slow: the submit finds out and allocates as before
+                outcome("failed")
                 return False
+            outcome("reserved" if reserved else "refused")
+            return reserved
         return cls(ref.worker_id, asyncio.get_running_loop().create_task(reserve()))
 
     async def settle(self, pool: WorkerPool, wid: str, decode_id: str | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import urllib.request
 
 import grpc
@@ -196,6 +197,60 @@ def test_gateway_metrics_under_vllm_names_while_requests_run(cluster):
     assert ttft[0].value == one(f, "pdserve_time_to_first_token_seconds",
                                 "pdserve_time_to_first_token_seconds_count")
     assert f["pdserve_prefix_cache_hit_tokens"].type == "counter"
+    cluster.wait_idle()
+
+
+def _reservations(cluster) -> dict[str, float]:
+    """pdserve_decode_reservations_total by outcome, from the scraped /metrics text."""
+    (family,) = [f for f in text_string_to_metric_families(cluster.scrape()) if f.name == "pdserve_decode_reservations"]
+    return {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
+def _wait_prefill_queue_reported_empty(cluster, timeout: float = 60.0) -> None:
+    """Until the router's view of the prefill node holds no queued prompt tokens: a report
+    after the node drained replaced what the router had sent it."""
+    async def queued() -> int:
+        (p,) = cluster.backend.router.view.prefill
+        return p.load.queued_prefill_tokens
+    end = time.monotonic() + timeout
+    while (n := cluster.loop.run(queued())) > 0:
+        assert time.monotonic() < end, f"the router still sees {n} prompt tokens queued at the prefill node"
+        time.sleep(0.1)
+
+
+def test_decode_blocks_are_reserved_for_an_idle_prefill_node_and_not_behind_a_backlog(cluster, hf):
+    """cluster/router/reserve.py as cluster/orchestration/handoff.py applies it (step: 64 tokens):
+    a hand-off routed to an idle prefill node has its decode blocks reserved; of a burst of long
+    prompts, those routed behind the ones already sent (a step's tokens or more queued ahead) are
+    not. Counted from the head's scraped /metrics; the tokens stay transformers' greedy ones."""
+    rng = random.Random(30)
+    cluster.wait_idle()
+    _wait_prefill_queue_reported_empty(cluster)
+    before = _reservations(cluster)
+    assert set(before) == {"reserved", "refused", "failed", "skipped_backlog"}   # exported from the start
+    alone = [rng.randrange(3, 380) for _ in range(100)]
+    out = asyncio.run(_complete(cluster.target, alone))
+    assert out.tokens == hf_greedy(hf, alone, 10) and out.finish_reason == "length"
+    idle = _reservations(cluster)
+    assert {k: idle[k] - before[k] for k in idle} == {"reserved": 1, "refused": 0, "failed": 0, "skipped_backlog": 0}
+
+    # 8 prompts of 300 tokens (5 steps each) at once: the first sees an idle node, the rest
+    # (at least) the prompts routed before them
+    burst = [[rng.randrange(3, 380) for _ in range(300)] for _ in range(8)]
+
+    async def go():
+        async with GenerationClient(cluster.target) as c:
+            return await asyncio.gather(*[c.complete(prompt_token_ids=p, max_tokens=10, temperature=0.0,
+                                                     ignore_eos=True) for p in burst])
+
+    outs = asyncio.run(go())
+    for p, o in zip(burst, outs):
+        assert o.tokens == hf_greedy(hf, p, 10) and o.finish_reason == "length"
+    after = _reservations(cluster)
+    grew = {k: after[k] - idle[k] for k in after}
+    assert sum(grew.values()) == len(burst), grew   # each hand-off counted once
+    assert grew["skipped_backlog"] >= len(burst) // 2, grew
+    assert grew["refused"] == grew["failed"] == 0, grew
     cluster.wait_idle()
 
 

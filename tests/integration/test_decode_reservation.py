@@ -193,12 +193,14 @@ def test_no_room_reserves_nothing_and_an_unclaimed_reservation_expires(tiny_llam
         held = await _used(dw)
         too_big = await dw.reserve(item=_item("big", list(range(3, 73))))   # 5 blocks: 3 are free
         after_refusal = await _used(dw)
+        counted = (await dw.report()).reservation_expiries
         await asyncio.sleep(RESERVATION_TTL_FACTOR * timeout + 0.5)
-        return held, too_big, after_refusal, await _used(dw)
+        return held, too_big, after_refusal, await _used(dw), counted, (await dw.report()).reservation_expiries
 
-    held, too_big, after_refusal, expired = asyncio.run(go())
+    held, too_big, after_refusal, expired, before, after = asyncio.run(go())
     assert held == 3 and too_big is False and after_refusal == 3
     assert expired == 0, "an unclaimed reservation outlived its time"
+    assert (before, after) == (0, 1), "the decode worker's report counts the expiry (a refusal is no expiry)"
 
 
 

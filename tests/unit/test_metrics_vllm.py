@@ -21,7 +21,8 @@ CUMULATIVE = ("pdserve_prefix_cache_queried_tokens", "pdserve_prefix_cache_hit_t
               "pdserve_preemptions", "pdserve_kv_page_ins", "pdserve_kv_page_outs", "pdserve_kv_tier_bytes_moved",
               "pdserve_preemptions_by_mode", "pdserve_requests", "pdserve_prompt_tokens",
               "pdserve_generation_tokens", "pdserve_kv_transfer_blocks", "pdserve_transfer_failures",
-              "pdserve_routing_decisions", "pdserve_request_migrations")
+              "pdserve_routing_decisions", "pdserve_request_migrations", "pdserve_decode_reservations",
+              "pdserve_decode_reservation_expiries")
 
 
 def scrape(m: Metrics) -> dict:
