@@ -23,12 +23,14 @@ class LLM:
                  seed: int = 0, host_kv_memory_bytes: int = 0, num_host_kv_blocks: int | None = None,
                  disk_kv_dir: str = "", disk_kv_bytes: int = 0, preemption_mode: str = "auto",
                  kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
-                 packed_weights: bool = True) -> None:
+                 packed_weights: bool = True, omp_threads_bind: str = "off") -> None:
         """``tensor_parallel_size`` N > 1 splits the model over N ranks: this process is rank 0
-        and N - 1 processes are spawned (close() or the end of the program stops them)."""
+        and N - 1 processes are spawned (close() or the end of the program stops them).
+        ``omp_threads_bind``: "off", "auto" or a core list such as "0-1": pin the OpenMP threads
+        of the thread that calls generate() to one core each (engine/thread_pinning.py)."""
         config = EngineConfig(
             model=model or "", device=device, dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
-            packed_weights=packed_weights,
+            packed_weights=packed_weights, omp_threads_bind=omp_threads_bind,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching,
