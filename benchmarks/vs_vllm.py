@@ -16,11 +16,12 @@ prompt tok/s (prefill throughput, one sampled token per prompt); ``b1_decode`` i
 Token-id prompts (seeded random ids), greedy, ignore_eos, 2 GiB of KV and 64 sequences
 in both engines, SmolLM2-135M-Instruct as a Hugging Face directory (without --model the
 bundled GGUF is converted once into a plain fp32 LlamaForCausalLM directory, in this venv).
-Modes: ``pdserve`` (its default: linear layers on oneDNN-packed weights), ``pdserve_plain``
-(``--pdserve-plain``: ``F.linear`` on plain weights, as before), ``pdserve_b128`` (128-token
-KV blocks), ``pdserve_pinned`` (``omp_threads_bind="auto"``), ``vllm_eager`` (``enforce_eager``) and ``vllm_compiled`` (vLLM's default
-torch.compile + CUDA-graph-free CPU path), all at --dtype (default float32: the parity
-setting; vLLM's own default for an fp32 checkpoint on CPU is bfloat16: pass
+Modes: ``pdserve`` (its defaults: linear layers on oneDNN-packed weights, OpenMP threads
+pinned one per core as vLLM pins its own), ``pdserve_plain`` (``--pdserve-plain``:
+``F.linear`` on plain weights, as before), ``pdserve_b128`` (128-token KV blocks),
+``pdserve_unpinned`` (``omp_threads_bind="off"``), ``vllm_eager`` (``enforce_eager``) and
+``vllm_compiled`` (vLLM's default torch.compile + CUDA-graph-free CPU path), all at --dtype
+(default float32: the parity setting; vLLM's own default for an fp32 checkpoint on CPU is bfloat16: pass
 ``--dtype bfloat16`` for that). Each figure is the best of the rounds (this host is shared;
 the median is also printed). Greedy outputs of the first round are compared between
 pdserve and each vLLM mode, sequence by sequence. Prints one JSON line: the ISA seen
@@ -85,7 +86,7 @@ def child_pdserve(spec: dict) -> dict:
               max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_num_batched_tokens"],
               packed_weights=spec["mode"] != "pdserve_plain",
               block_size=128 if spec["mode"] == "pdserve_b128" else 16,
-              omp_threads_bind="auto" if spec["mode"] == "pdserve_pinned" else "off")
+              omp_threads_bind="off" if spec["mode"] == "pdserve_unpinned" else "auto")
 
     def generate(prompts, max_tokens):
         res = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -231,11 +232,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--modes", nargs="+", default=["pdserve", "vllm_eager", "vllm_compiled"],
-                   choices=("pdserve", "pdserve_plain", "pdserve_b128", "pdserve_pinned", "vllm_eager",
+                   choices=("pdserve", "pdserve_plain", "pdserve_b128", "pdserve_unpinned", "vllm_eager",
                             "vllm_compiled"),
                    help="pdserve_b128: pdserve with 128-token KV blocks, the block size vLLM's CPU build "
-                   "uses by default (pdserve's default is 16); pdserve_pinned: omp_threads_bind='auto' "
-                   "(its OpenMP threads pinned one per core, as vLLM's are)")
+                   "uses by default (pdserve's default is 16); pdserve_unpinned: omp_threads_bind='off' "
+                   "(pdserve's default, 'auto', pins its OpenMP threads one per core, as vLLM does)")
     p.add_argument("--pdserve-plain", action="store_true", help="add the pdserve_plain mode (F.linear on plain "
                    "weights, as before oneDNN packing)")
     p.add_argument("--max-model-len", type=int, default=2048)

@@ -2,16 +2,19 @@
 
 torch's CPU ops (its own kernels, oneDNN, MKL and pdserve's kernels) share one OpenMP team per
 calling thread: the thread that runs the engine's steps is team thread 0 and the others are
-GOMP workers. Unpinned, the kernel may put two of them on one core for a while, and every
-fork/join of a step then waits for a time slice. vLLM pins its team the same way
-(``VLLM_CPU_OMP_THREADS_BIND``).
+GOMP workers. Unpinned, the kernel may put two of them on one core for a while (another
+process's thread on the host is enough), and every fork/join of a step then waits for a time
+slice. vLLM pins its team the same way (``VLLM_CPU_OMP_THREADS_BIND``).
 
-``omp_threads_bind`` values: ``"off"`` (leave the threads to the kernel), ``"auto"`` (the
-first N cores of the stepping thread's affinity mask, N = torch's intra-op threads; left
-unpinned, with a warning, when the mask has fewer cores than threads) or a core list such as
-``"0-1"`` / ``"2,3"`` (one core per thread, each in the process's mask). Team thread i goes
-to the i-th core. Pinning happens on the first step of each thread that steps the engine
-(``ThreadPinner.ensure``); threads that thread creates afterwards inherit its single core.
+``omp_threads_bind`` values: ``"off"`` (leave the threads to the kernel), ``"auto"`` (pin when
+the team has the stepping thread's cores to itself: as many intra-op threads as cores in that
+thread's affinity mask, thread i to the i-th core; otherwise left unpinned, so engines that
+share a host with fewer threads each do not all land on its first cores) or a core list such
+as ``"0-1"`` / ``"2,3"`` (one core per thread, each in the mask; team thread i to the i-th).
+Pinning happens on the first step of each thread that steps the engine (``ThreadPinner.ensure``);
+``release()`` gives that thread its own mask back (``LLM.generate`` does at its end, so the
+caller's thread is pinned only while it steps; the GOMP workers stay pinned). Threads the
+stepping thread creates while pinned inherit its single core.
 """
 from __future__ import annotations
 
@@ -48,11 +51,11 @@ def resolve_cores(spec: str, threads: int, allowed: set[int]) -> tuple[int, ...]
     if cores is None:
         return None
     if cores == ():
-        if len(allowed) < threads:
-            log.warning("omp_threads_bind=auto: %d intra-op threads but %d cores in this thread's mask %s; "
-                        "left unpinned", threads, len(allowed), sorted(allowed))
+        if len(allowed) != threads:
+            log.info("omp_threads_bind=auto: %d intra-op threads for the %d cores of this thread's mask %s: "
+                     "left unpinned (give a core list to pin them)", threads, len(allowed), sorted(allowed))
             return None
-        return tuple(sorted(allowed)[:threads])
+        return tuple(sorted(allowed))
     if len(cores) < threads:
         raise ValueError(f"omp_threads_bind={spec!r} lists {len(cores)} core(s) for {threads} intra-op threads: "
                          f"list one core per thread, or lower the threads (torch.set_num_threads / OMP_NUM_THREADS)")
@@ -62,14 +65,18 @@ def resolve_cores(spec: str, threads: int, allowed: set[int]) -> tuple[int, ...]
     return cores[:threads]
 
 
-def pin_intra_op_threads(cores: tuple[int, ...]) -> dict[int, int]:
-    """Pin the calling thread's OpenMP team, thread i to ``cores[i]``; returns {thread id: core}."""
+def pin_intra_op_threads(cores: tuple[int, ...], required: bool = True) -> dict[int, int]:
+    """Pin the calling thread's OpenMP team, thread i to ``cores[i]``; returns {thread id: core}.
+    Without pdserve's CPU kernels: RuntimeError if ``required``, else a warning and {}."""
     import torch
 
     from engine.attention.kernels import load_cpu_kernel
 
     why = load_cpu_kernel()
     if why is not None:
+        if not required:
+            log.warning("omp_threads_bind=auto: threads left unpinned, pdserve's CPU kernels did not build (%s)", why)
+            return {}
         raise RuntimeError(f"pinning needs pdserve's CPU kernels, which did not build ({why}): "
                            f"set omp_threads_bind='off'")
     tids = list(torch.ops.pdserve.pin_intra_op_threads(list(cores)))
@@ -85,16 +92,23 @@ class ThreadPinner:
     def __init__(self, spec: str) -> None:
         parse_bind(spec)
         self.spec = spec
-        self._done: set[int] = set()
-        self.pinned: dict[int, int] = {}     # thread id -> core, for every team pinned so far
+        self._masks: dict[int, set[int]] = {}   # stepping thread -> its mask before the pinning
+        self.pinned: dict[int, int] = {}         # kernel thread id -> core, every team pinned so far
 
     def ensure(self) -> None:
-        if self.spec == "off" or threading.get_ident() in self._done:
+        if self.spec == "off" or threading.get_ident() in self._masks:
             return
         import torch
 
-        self._done.add(threading.get_ident())
-        cores = resolve_cores(self.spec, torch.get_num_threads(), os.sched_getaffinity(0))
+        mask = os.sched_getaffinity(0)
+        self._masks[threading.get_ident()] = mask
+        cores = resolve_cores(self.spec, torch.get_num_threads(), mask)
         if cores is not None:
-            self.pinned.update(pin_intra_op_threads(cores))
+            self.pinned.update(pin_intra_op_threads(cores, required=self.spec != "auto"))
             log.info("omp_threads_bind=%s: intra-op threads pinned %s", self.spec, self.pinned)
+
+    def release(self) -> None:
+        """Give the calling thread its mask from before ``ensure``; its next step pins again."""
+        mask = self._masks.pop(threading.get_ident(), None)
+        if mask is not None and os.sched_getaffinity(0) != mask:
+            os.sched_setaffinity(0, mask)
