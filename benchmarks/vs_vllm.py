@@ -92,9 +92,10 @@ def child_pdserve(spec: dict) -> dict:
         res = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         return [list(r.outputs[0].token_ids) for r in res]
 
+    rows = _run_workloads(spec, generate)
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(), "block_size": llm.engine.config.cache.block_size,
-            **_run_workloads(spec, generate)}
+            "pinned_cores": sorted(llm.engine.thread_pinner.pinned.values()), **rows}
 
 
 def child_vllm(spec: dict) -> dict:
@@ -218,6 +219,8 @@ def summarise(results: dict[str, list[dict]]) -> dict:
                             "median": round(statistics.median(r[row]["tok_s"] for r in runs), 2),
                             "rounds": [r[row]["tok_s"] for r in runs]} for row in ROWS}
         rows[mode]["process_s"] = [r["process_s"] for r in runs]
+        if mode.startswith("pdserve"):
+            rows[mode]["pinned_cores"] = [r.get("pinned_cores") for r in runs]
     return rows
 
 
