@@ -58,6 +58,12 @@ def _pin_on_fresh_thread(spec: str, threads: int) -> tuple[ThreadPinner, dict[in
         out["masks"] = {tid: os.sched_getaffinity(tid) for tid in pinner.pinned}
         out["pinner"], out["me"] = pinner, threading.get_native_id()
 
+    _run_on_fresh_thread(body, threads)
+    return out["pinner"], out["masks"], out["me"]
+
+
+def _run_on_fresh_thread(body, threads: int) -> None:
+    """``body`` on a new thread with ``threads`` intra-op threads; pytest's thread keeps its mask."""
     before, main_mask = torch.get_num_threads(), os.sched_getaffinity(0)
     torch.set_num_threads(threads)
     try:
@@ -67,7 +73,6 @@ def _pin_on_fresh_thread(spec: str, threads: int) -> tuple[ThreadPinner, dict[in
     finally:
         torch.set_num_threads(before)
     assert os.sched_getaffinity(0) == main_mask
-    return out["pinner"], out["masks"], out["me"]
 
 
 def test_auto_pins_each_team_thread_to_its_own_core():
@@ -115,14 +120,9 @@ def test_llm_pins_while_it_steps_and_stays_greedy_exact(tiny_llama_dir, tiny_lla
         out["me"], out["my_mask"] = threading.get_native_id(), os.sched_getaffinity(0)
         out["masks"] = {tid: os.sched_getaffinity(tid) for tid in llm.engine.thread_pinner.pinned}
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(len(cores))
     try:
-        t = threading.Thread(target=body)
-        t.start()
-        t.join()
+        _run_on_fresh_thread(body, len(cores))
     finally:
-        torch.set_num_threads(before)
         llm.close()
     pinned = llm.engine.thread_pinner.pinned
     assert len(pinned) == len(cores) and pinned[out["me"]] == cores[0]     # the caller stepped as thread 0
