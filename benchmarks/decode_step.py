@@ -28,8 +28,8 @@ from engine.loader import load_model_source
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.thread_pinning import ThreadPinner
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine.thread_pinning import ThreadPinner
 
 
 class Case:

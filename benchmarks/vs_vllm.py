@@ -21,8 +21,8 @@ pinned one per core as vLLM pins its own), ``pdserve_plain`` (``--pdserve-plain`
 ``F.linear`` on plain weights, as before), ``pdserve_b128`` (128-token KV blocks),
 ``pdserve_unpinned`` (``omp_threads_bind="off"``), ``vllm_eager`` (``enforce_eager``) and
 ``vllm_compiled`` (vLLM's default torch.compile + CUDA-graph-free CPU path), all at --dtype
-(default float32: the parity setting; vLLM's own default for an fp32 checkpoint on CPU is bfloat16: pass
-``--dtype bfloat16`` for that). Each figure is the best of the rounds (this host is shared;
+(default float32: the parity setting; vLLM's own default for an fp32 checkpoint on CPU is
+bfloat16: pass ``--dtype bfloat16`` for that). Each figure is the best of the rounds (this host is shared;
 the median is also printed). Greedy outputs of the first round are compared between
 pdserve and each vLLM mode, sequence by sequence. Prints one JSON line: the ISA seen
 (/proc/cpuinfo flags and torch's CPU capability), every mode's rows, the ratios
