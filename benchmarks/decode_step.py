@@ -8,6 +8,7 @@ Prints one JSON line.  Usage:
   python benchmarks/decode_step.py ... --threads 1     # steadier on a shared host
   python benchmarks/decode_step.py --batch 1 32 --ctx 512 --attention-backend torch_paged cpu_paged --interleave
   python benchmarks/decode_step.py --batch 48 --ctx 192 --dtype float32 --qkv-path torch fused --interleave
+  python benchmarks/decode_step.py --batch 32 --ctx 512 --dtype float32 --threads 2 --omp-threads-bind auto
 ``--qkv-path torch`` runs the backend's generic ``forward_qkv`` (RoPE in torch, then
 ``forward``: the K/V write by ``index_put_``) instead of its own (cpu_paged: one fused op).
 """
@@ -28,6 +29,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from engine.thread_pinning import ThreadPinner
 
 
 class Case:
@@ -130,9 +132,13 @@ def main() -> None:
                     help="prefill every case first, then time their decode steps in turn (side by side)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: torch's); 1 keeps timings steady on a shared host")
+    ap.add_argument("--omp-threads-bind", default="off",
+                    help="off, auto or a core list: pin this thread's OpenMP team (engine/thread_pinning.py)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    pinner = ThreadPinner(args.omp_threads_bind)
+    pinner.ensure()
     cfg, state = load_model_source(args.model)
     grid = [(b, d, kv, ab, qp) for d in args.dtype for kv in args.kv_cache_dtype for b in args.batch
             for ab in args.attention_backend for qp in args.qkv_path]
@@ -146,7 +152,8 @@ def main() -> None:
     else:
         results = [run(cfg, state, b, args.ctx, args.steps, d, args.block_size, kv, ab, qp) for b, d, kv, ab, qp in grid]
     print(json.dumps({"benchmark": "decode_step", "model": cfg.name,
-                      "threads": torch.get_num_threads(), "results": results}))
+                      "threads": torch.get_num_threads(), "omp_threads_bind": args.omp_threads_bind,
+                      "pinned": pinner.pinned, "results": results}))
 
 
 if __name__ == "__main__":

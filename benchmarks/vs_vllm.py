@@ -16,11 +16,13 @@ prompt tok/s (prefill throughput, one sampled token per prompt); ``b1_decode`` i
 Token-id prompts (seeded random ids), greedy, ignore_eos, 2 GiB of KV and 64 sequences
 in both engines, SmolLM2-135M-Instruct as a Hugging Face directory (without --model the
 bundled GGUF is converted once into a plain fp32 LlamaForCausalLM directory, in this venv).
-Modes: ``pdserve`` (its default: linear layers on oneDNN-packed weights), ``pdserve_plain``
-(``--pdserve-plain``: ``F.linear`` on plain weights, as before), ``vllm_eager`` (``enforce_eager``) and ``vllm_compiled`` (vLLM's default
-torch.compile + CUDA-graph-free CPU path), all at --dtype (default float32: the parity
-setting; vLLM's own default for an fp32 checkpoint on CPU is bfloat16: pass
-``--dtype bfloat16`` for that). Each figure is the best of the rounds (this host is shared;
+Modes: ``pdserve`` (its defaults: linear layers on oneDNN-packed weights, OpenMP threads
+pinned one per core as vLLM pins its own), ``pdserve_plain`` (``--pdserve-plain``:
+``F.linear`` on plain weights, as before), ``pdserve_b128`` (128-token KV blocks),
+``pdserve_unpinned`` (``omp_threads_bind="off"``), ``vllm_eager`` (``enforce_eager``) and
+``vllm_compiled`` (vLLM's default torch.compile + CUDA-graph-free CPU path), all at --dtype
+(default float32: the parity setting; vLLM's own default for an fp32 checkpoint on CPU is
+bfloat16: pass ``--dtype bfloat16`` for that). Each figure is the best of the rounds (this host is shared;
 the median is also printed). Greedy outputs of the first round are compared between
 pdserve and each vLLM mode, sequence by sequence. Prints one JSON line: the ISA seen
 (/proc/cpuinfo flags and torch's CPU capability), every mode's rows, the ratios
@@ -83,15 +85,17 @@ def child_pdserve(spec: dict) -> dict:
     llm = LLM(spec["model"], dtype=spec["dtype"], kv_cache_memory_bytes=KV_GIB << 30, max_num_seqs=MAX_SEQS,
               max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_num_batched_tokens"],
               packed_weights=spec["mode"] != "pdserve_plain",
-              block_size=128 if spec["mode"] == "pdserve_b128" else 16)
+              block_size=128 if spec["mode"] == "pdserve_b128" else 16,
+              omp_threads_bind="off" if spec["mode"] == "pdserve_unpinned" else "auto")
 
     def generate(prompts, max_tokens):
         res = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         return [list(r.outputs[0].token_ids) for r in res]
 
+    rows = _run_workloads(spec, generate)
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(), "block_size": llm.engine.config.cache.block_size,
-            **_run_workloads(spec, generate)}
+            "pinned_cores": sorted(llm.engine.thread_pinner.pinned.values()), **rows}
 
 
 def child_vllm(spec: dict) -> dict:
@@ -215,6 +219,8 @@ def summarise(results: dict[str, list[dict]]) -> dict:
                             "median": round(statistics.median(r[row]["tok_s"] for r in runs), 2),
                             "rounds": [r[row]["tok_s"] for r in runs]} for row in ROWS}
         rows[mode]["process_s"] = [r["process_s"] for r in runs]
+        if mode.startswith("pdserve"):
+            rows[mode]["pinned_cores"] = [r.get("pinned_cores") for r in runs]
     return rows
 
 
@@ -229,9 +235,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--modes", nargs="+", default=["pdserve", "vllm_eager", "vllm_compiled"],
-                   choices=("pdserve", "pdserve_plain", "pdserve_b128", "vllm_eager", "vllm_compiled"),
+                   choices=("pdserve", "pdserve_plain", "pdserve_b128", "pdserve_unpinned", "vllm_eager",
+                            "vllm_compiled"),
                    help="pdserve_b128: pdserve with 128-token KV blocks, the block size vLLM's CPU build "
-                   "uses by default (pdserve's default is 16)")
+                   "uses by default (pdserve's default is 16); pdserve_unpinned: omp_threads_bind='off' "
+                   "(pdserve's default, 'auto', pins its OpenMP threads one per core, as vLLM does)")
     p.add_argument("--pdserve-plain", action="store_true", help="add the pdserve_plain mode (F.linear on plain "
                    "weights, as before oneDNN packing)")
     p.add_argument("--max-model-len", type=int, default=2048)

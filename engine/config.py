@@ -97,6 +97,9 @@ class EngineConfig:
     # > 1: a prefill_only request's last prompt chunk reports its layers in this many groups while
     # it computes (StepDelta.computed_layers; engine/layer_progress.py), all groups but the last
     prompt_layer_groups: int = 1
+    # pin the stepping thread's OpenMP team to cores: "off", "auto" or a core list "0-1"
+    # (engine/thread_pinning.py)
+    omp_threads_bind: str = "off"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -108,5 +111,11 @@ class EngineConfig:
             raise ValueError(f"prompt_layer_groups must be >= 1 (1 = no layer progress), got {self.prompt_layer_groups}")
         if not self.attention_backend:
             raise ValueError("attention_backend must be 'auto' or a backend name such as 'torch_paged'")
+        from engine.thread_pinning import parse_bind
+
+        parse_bind(self.omp_threads_bind)
+        if self.omp_threads_bind != "off" and self.tensor_parallel_size > 1:
+            raise ValueError("omp_threads_bind pins rank 0's threads only: with tensor_parallel_size > 1 "
+                             "set it to 'off'")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

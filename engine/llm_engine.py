@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import RemoteAllocation, Scheduler
 from engine.sequence import SeqGroup, Sequence, make_sequence
 from engine.step_trace import StepShape
+from engine.thread_pinning import ThreadPinner
 from engine.tiers.cost import PreemptionPolicy, ThroughputMeter
 from engine.tokenizer import Tokenizer
 
@@ -90,6 +91,7 @@ class LLMEngine:
         groups = config.prompt_layer_groups if config.tensor_parallel_size == 1 else 1
         self._layer_marks = layer_marks(runner.model_config.num_layers, groups)
         self._device_sync = device_sync(runner.device)
+        self.thread_pinner = ThreadPinner(config.omp_threads_bind)   # pins on each stepping thread's first step
         log.info("KV pool: %s", runner.kv_pool.describe())
 
     @classmethod
@@ -225,6 +227,7 @@ class LLMEngine:
         if admitted and on_early is not None:
             on_early(admitted)
             admitted = []
+        self.thread_pinner.ensure()
         t0 = time.perf_counter()
         logits = self.runner.execute(sched, self._layer_progress(sched, on_early))
         if any(s.num_new_tokens > 1 for s in sched.seqs):

@@ -3,8 +3,9 @@
 The kernel is compiled with ``torch.utils.cpp_extension`` (g++, ninja, ``-O3 -march=native
 -fopenmp``) into a cache directory keyed by the source, the torch version and the CPU's
 flags, so a process builds it once per machine and every later process (and test) just
-loads the shared library; it registers ``torch.ops.pdserve.paged_attention`` and
-``torch.ops.pdserve.rotary_kv_write`` (RoPE + the K/V write into the pool).
+loads the shared library; it registers ``torch.ops.pdserve.paged_attention``,
+``torch.ops.pdserve.rotary_kv_write`` (RoPE + the K/V write into the pool), ``silu_mul`` and
+``pin_intra_op_threads`` (engine/thread_pinning.py).
 
 Cache directory: ``$PDSERVE_KERNEL_DIR`` or ``~/.cache/pdserve/kernels``.
 """
@@ -23,7 +24,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "rotary_kv.cpp", _CSRC / "silu_mul.cpp")
+_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "rotary_kv.cpp", _CSRC / "silu_mul.cpp",
+            _CSRC / "thread_affinity.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 
@@ -62,7 +64,7 @@ def _drop_stale_lock(lock: Path, max_age_s: float = 600.0) -> None:
 @functools.lru_cache(maxsize=1)
 def load_cpu_kernel() -> str | None:
     """Build (once per machine) and load the kernel; ``None`` when it loaded, else why not."""
-    if hasattr(torch.ops, "pdserve") and hasattr(torch.ops.pdserve, "silu_mul"):
+    if hasattr(torch.ops, "pdserve") and hasattr(torch.ops.pdserve, "pin_intra_op_threads"):
         return None
     try:
         from torch.utils.cpp_extension import load
