@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # -ffp-contract=off: no fused multiply-adds, so the decider's costs round as Python's do
-_FLAGS = ["-O2", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off"]
+_FLAGS = ["-O2", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-ffp-contract=off"]
 
 
 class BlockTable(Protocol):

@@ -133,3 +133,28 @@ def test_the_table_can_be_switched_off(monkeypatch):
         monkeypatch.delenv("PDSERVE_ROUTER_NATIVE")
         native.module.cache_clear()
     assert PrefixIndex()._native is not None
+
+
+def test_the_in_flight_table_grown_into_prepared_arrays_answers_as_the_dicts():
+    """Past 2**15 slots the C table doubles into an array a helper thread made ready
+    (csrc/prepare.c): 60k random sends of up to 8 blocks take it through three such
+    doublings and a new generation, with removals between them."""
+    rng = random.Random(7)
+    c, py = InFlightPrefixes(1.0), InFlightPrefixes(1.0, use_native=False)
+    sent: list[tuple[int, ...]] = []
+    for step in range(60_000):
+        now = step / 40_000                       # one generation change, at step 40k
+        chain = tuple(rng.getrandbits(64) for _ in range(rng.randint(1, 8)))
+        w = rng.choice(("p0", "p1"))
+        for f in (c, py):
+            f.record(w, chain, now)
+        sent.append(chain)
+        if step % 97 == 0:
+            gone = rng.choice(sent)
+            for f in (c, py):
+                f.on_removed(w, gone)
+        if step % 10_000 == 9_999:
+            assert len(c) == len(py), step
+            for prompt in rng.sample(sent, 300):
+                _same(c, py, prompt, now)
+    assert c.native and len(c) > 150_000

@@ -2,11 +2,16 @@
  * tables, and their ageing (InFlightPrefixes._age: the generation's start lives here). */
 #include "routerfast.h"
 
+static void fslots_init(void *mem, size_t bytes) {
+    FSlot *s = mem;
+    for (size_t i = 0; i < bytes / sizeof(FSlot); i++) s[i].worker = -1;
+}
+
 static int fg_alloc(FGen *g, uint64_t cap) {
     FSlot *s = PyMem_RawMalloc(cap * sizeof(FSlot));
     if (!s) { PyErr_NoMemory(); return -1; }
     want_huge_pages(s, cap * sizeof(FSlot));
-    for (uint64_t i = 0; i < cap; i++) s[i].worker = -1;
+    fslots_init(s, cap * sizeof(FSlot));
     g->slots = s; g->mask = cap - 1; g->count = 0;
     return 0;
 }
@@ -24,9 +29,37 @@ static PyObject *ft_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static void ft_dealloc(InFlightTable *t) {
+    prep_drop(&t->next);
     PyMem_RawFree(t->cur.slots);
     PyMem_RawFree(t->prev.slots);
     Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+/* cur doubled: into the prepared array where it is ready-made (prepare.c), else as any table. */
+static int ft_grow(InFlightTable *t) {
+    FGen *g = &t->cur;
+    uint64_t cap = g->mask + 1;
+    FSlot *old = g->slots, *s = prep_take(&t->next, 2 * cap * sizeof(FSlot));
+    if (!s) return fg_grow(g);
+    g->slots = s; g->mask = 2 * cap - 1; g->count = 0;
+    for (uint64_t i = 0; i < cap; i++) {                    /* home slots prefetched ahead: misses overlap */
+        const FSlot *a = &old[(i + PREFETCH_AHEAD) & (cap - 1)];
+        if (!F_EMPTY(a)) __builtin_prefetch(&s[mix(a->key) & g->mask], 1);
+        if (!F_EMPTY(&old[i])) fg_place(g, &old[i]);
+    }
+    PyMem_RawFree(old);
+    return 0;
+}
+
+/* Past PREP_LOAD (3/8: half-way to a doubling) a big cur's next array is made ready; one of
+ * another size (cur started afresh at a new generation) is dropped first. */
+static void ft_prepare(InFlightTable *t) {
+    const FGen *g = &t->cur;
+    uint64_t cap = g->mask + 1;
+    size_t bytes = 2 * cap * sizeof(FSlot);
+    if (cap < ((uint64_t)1 << PREP_MIN_BITS) || (uint64_t)g->count * 8 <= cap * 3 || t->next.bytes == bytes) return;
+    prep_drop(&t->next);
+    prep_start(&t->next, bytes, fslots_init);
 }
 
 int ft_record_keys(InFlightTable *t, const Keys *K, int32_t worker, uint32_t epoch, double expiry) {
@@ -34,7 +67,7 @@ int ft_record_keys(InFlightTable *t, const Keys *K, int32_t worker, uint32_t epo
     const uint64_t *keys = K->keys; Py_ssize_t n = K->n;
     if (K->bad) { PyErr_SetString(PyExc_OverflowError, "block hashes must be 64-bit unsigned ints"); return -1; }
     while ((uint64_t)(g->count + n) * 4 > (g->mask + 1) * 3)     /* load <= 0.75 after this send */
-        if (fg_grow(g) < 0) return -1;
+        if (ft_grow(t) < 0) return -1;
     for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) __builtin_prefetch(&g->slots[mix(keys[i]) & g->mask], 1);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n) __builtin_prefetch(&g->slots[mix(keys[i + PREFETCH_AHEAD]) & g->mask], 1);
@@ -42,6 +75,7 @@ int ft_record_keys(InFlightTable *t, const Keys *K, int32_t worker, uint32_t epo
         FSlot v = {keys[i], expiry, worker, epoch};
         if (s) *s = v; else fg_place(g, &v);
     }
+    ft_prepare(t);
     return 0;
 }
 

@@ -3,6 +3,7 @@
  *
  *   blocktable.c  BlockTable: block hash -> PrefixIndex._held's three 64-bit lanes, walked per prompt
  *   inflight.c    InFlightTable: InFlightPrefixes' two generations (hash -> worker, epoch, expiry)
+ *   prepare.c     Prep: a table's next slot array faulted in by a helper thread before it is needed
  *   decider.c     Decider: one routing decision (prefix_aware, temperature 0) in one call
  *   records.c     the decision's frozen records (RoutingDecision, CostInputs, ...) built in C
  *   routerfast.c  the module
@@ -13,12 +14,14 @@
 #define ROUTERFAST_H
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
 #define PREFETCH_AHEAD 16
 #define MIN_BITS 10
 #define LANE 64
+#define PREP_MIN_BITS 15        /* tables of this many slots and more grow into a prepared array */
 
 /* A table's Python type: its methods, len(), constructor and destructor, named by prefix. */
 #define TABLE_TYPE(var, name, cls, pre) \
@@ -79,6 +82,15 @@ void keys_free(Keys *k);
 int to_key(PyObject *h, uint64_t *out);
 void want_huge_pages(void *p, size_t n);
 
+/* ---- Prep (prepare.c): the slot array a table will grow into, made ready by a helper thread.
+ * prep_start allocates ``bytes`` (GIL held) and has a thread run want_huge_pages and ``init`` over
+ * them; prep_take joins it and hands over the array if it has that size (else NULL, nothing
+ * waited for); prep_drop joins and frees. One array at a time: prep_start with one held is a no-op. */
+typedef struct { void *mem; size_t bytes; void (*init)(void *, size_t); pthread_t thread; int running; } Prep;
+int prep_start(Prep *p, size_t bytes, void (*init)(void *, size_t));
+void *prep_take(Prep *p, size_t bytes);
+void prep_drop(Prep *p);
+
 /* ---- BlockTable (blocktable.c) */
 typedef struct { uint64_t key, any, off, disk; } BSlot;     /* any == 0: empty */
 typedef struct { PyObject_HEAD BSlot *slots; uint64_t mask; Py_ssize_t count; } BlockTable;
@@ -92,7 +104,8 @@ void bt_walk_keys(const BlockTable *t, const Keys *k, Walk *w);
 /* ---- InFlightTable (inflight.c) */
 typedef struct { uint64_t key; double expiry; int32_t worker; uint32_t epoch; } FSlot;   /* worker < 0: empty */
 typedef struct { FSlot *slots; uint64_t mask; Py_ssize_t count; } FGen;
-typedef struct { PyObject_HEAD FGen cur, prev; double gen_start; int has_gen; } InFlightTable;
+/* next: the array cur will double into, made ready once cur is past PREP_LOAD of its size */
+typedef struct { PyObject_HEAD FGen cur, prev; double gen_start; int has_gen; Prep next; } InFlightTable;
 extern PyTypeObject InFlightTableType;
 
 int ft_is_empty(const InFlightTable *t);
