@@ -77,7 +77,13 @@ cool-down still) and prefill grows into the room. What keeps decode from giving 
 is the **memory of peaks**: no pool shrinks below the most it needed at the scale-in level
 (sequences at ``scale_in_utilization``, KV at ``scale_in_kv_usage``) at any interval of
 the last ``scale_in_memory_factor`` holds (3 x 60 s), longer than the hold itself, so the
-quiet minute before a rise does not set its size.
+quiet minute before a rise does not set its size. When the caller measures the wait-miss fraction,
+the trade is decided by **marginal value** instead (`trade.py`): decode gives the k-th worker only
+while what one more prefill worker saves in TTFT misses over the budget (an M/M/1 queue per worker at
+the planner's tokens/s, calibrated on the measured fraction) exceeds what one fewer decode worker
+puts at risk (the part of decode's KV demand over the memory, the current interval at the predicted
+load, that the rest would hold above the KV target), never below decode's own ask at the target,
+a step per cool-down, and only once the memory of peaks is full (its evidence is the memory).
 
 **The first hold**: nothing shrinks (nor gives way at the fleet cap) before the controller has
 watched the pool for one ``scale_in_hold_s``: the memory of peaks that bounds every shrink has
