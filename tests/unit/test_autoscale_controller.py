@@ -202,7 +202,7 @@ def test_invalid_inputs_say_how_to_fix(bad):
 
 def test_reason_values_are_stable_labels():
     assert {r.value for r in Reason} == {"load", "queue", "ttft_slo", "kv_room", "itl_slo", "idle", "cooldown",
-                                         "at_max", "at_min", "steady"}
+                                         "at_max", "at_min", "steady", "trade"}
     assert replace(prefill(1, 0.0), workers=2).workers == 2
 
 

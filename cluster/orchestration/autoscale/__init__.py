@@ -4,6 +4,9 @@
                  reads each interval), `AutoscaleConfig` / `PoolBounds` (what the operator sets)
 - controller.py  `decide(config, signals, state, now) -> (FleetDecision, ControllerState)`:
                  the pure decision with its `Reason`; which signals decide each pool and why
+- trade.py       `workers_to_trade` (at the fleet cap, how many workers decode gives prefill: the
+                 TTFT misses one more prefill worker saves against the KV room one fewer decode
+                 worker costs)
 - wait_miss.py   `wait_miss` (did a request miss TTFT by waiting: the one definition of
                  `PrefillSignals.ttft_wait_miss_fraction`, live head and simulator) and its window
 

@@ -77,7 +77,13 @@ cool-down still) and prefill grows into the room. What keeps decode from giving 
 is the **memory of peaks**: no pool shrinks below the most it needed at the scale-in level
 (sequences at ``scale_in_utilization``, KV at ``scale_in_kv_usage``) at any interval of
 the last ``scale_in_memory_factor`` holds (3 x 60 s), longer than the hold itself, so the
-quiet minute before a rise does not set its size.
+quiet minute before a rise does not set its size. When the caller measures the wait-miss fraction,
+the trade is decided by **marginal value** instead (`trade.py`): decode gives the k-th worker only
+while what one more prefill worker saves in TTFT misses over the budget (an M/M/1 queue per worker at
+the planner's tokens/s, calibrated on the measured fraction) exceeds what one fewer decode worker
+puts at risk (the part of decode's KV demand over the memory, the current interval at the predicted
+load, that the rest would hold above the KV target), never below decode's own ask at the target,
+a step per cool-down, and only once the memory of peaks is full (its evidence is the memory).
 
 **The first hold**: nothing shrinks (nor gives way at the fleet cap) before the controller has
 watched the pool for one ``scale_in_hold_s``: the memory of peaks that bounds every shrink has
@@ -113,6 +119,7 @@ from dataclasses import dataclass, replace
 
 from cluster.orchestration.autoscale.signals import (AutoscaleConfig, DecodeSignals, FleetSignals, PoolBounds,
                                                      PrefillSignals)
+from cluster.orchestration.autoscale.trade import workers_to_trade
 
 _NEVER = float("-inf")
 
@@ -124,6 +131,7 @@ class Reason(str, enum.Enum):
     KV_ROOM = "kv_room"      # decode KV use, or requests waiting for room
     ITL_SLO = "itl_slo"      # ITL p90 over target
     IDLE = "idle"            # load below the scale-in threshold for the hold time: shrink
+    TRADE = "trade"          # at the fleet cap, decode gives workers to prefill (marginal value, trade.py)
     COOLDOWN = "cooldown"    # a change is wanted but the last one is too recent
     AT_MAX = "at_max"        # more wanted, the pool (or fleet) is at its maximum
     AT_MIN = "at_min"        # fewer wanted, the pool is at its minimum
@@ -175,6 +183,10 @@ class PoolState:
     # scale_in_memory_factor x scale_in_hold_s: no shrink goes below its most
     peaks: tuple[tuple[float, int], ...] = ()
     first_t: float | None = None     # the first observation: the memory of peaks starts here
+    # decode: (time, KV demand in worker units, observed) over the memory of peaks; with the
+    # current interval's at the predicted load, what the marginal trade at the fleet cap
+    # (trade.py) weighs one fewer worker against
+    kv_demand: tuple[tuple[float, float], ...] = ()
 
     def observe(self, load: float, now: float, config: AutoscaleConfig) -> "PoolState":
         if self.ewma is None or self.last_t is None:
@@ -209,6 +221,8 @@ class _Want:
     may_shrink: bool          # the SLO holds with margin: shrinking is allowed at all
     predicted: float
     load_per_worker: float    # the load one worker takes at the target utilisation, unscaled
+    kv_observed: float = 0.0  # decode: KV in worker units, in use (reservations included) + the waiting's
+    kv_demand: float = 0.0    # decode: the same at the predicted load (at least the observed)
 
 
 def _learn(st: PoolState, want: _Want, workers: int, dt: float, c: AutoscaleConfig) -> PoolState:
@@ -301,8 +315,8 @@ def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
         out, reason = _slo_step(s.workers, itl, c.slo_itl_ms, c), Reason.ITL_SLO
     fits_in = max(_ceil(seqs_in / (spw * c.scale_in_utilization)), _ceil(kv_workers / c.scale_in_kv_usage))
     may_shrink = _under_margin(s.itl_p90_ms, c.slo_itl_ms, c) and not waits_on_full(s, c)
-    return _Want(out, reason, fits_in, may_shrink, seqs_out,
-                 s.seqs_per_worker * c.target_utilization)
+    return _Want(out, reason, fits_in, may_shrink, seqs_out, s.seqs_per_worker * c.target_utilization,
+                 kv_workers, kv_workers * max(1.0, seqs_out / seqs_obs) if seqs_obs > 0 else kv_workers)
 
 
 def waits_on_full(s: DecodeSignals, c: AutoscaleConfig) -> bool:
@@ -379,6 +393,30 @@ def _trade(c: AutoscaleConfig, s: FleetSignals, prefill: _Want) -> bool:
         s.prefill.workers + s.decode.workers + s.draining >= cap
 
 
+def _give_way(c: AutoscaleConfig, s: FleetSignals, wp: _Want, wd: _Want, d: PoolDecision, st: PoolState,
+              now: float) -> tuple[PoolDecision, PoolState]:
+    """At the cap with prefill asking, and the wait-miss fraction measured: decode gives the workers
+    whose move saves more requests on prefill than it puts at risk on decode (trade.py), a step per
+    cool-down at most, never below its own ask, and not before one hold watched nor while its SLO
+    or a full worker says it needs what it has."""
+    miss = s.prefill.ttft_wait_miss_fraction
+    watched = now - (st.first_t if st.first_t is not None else now)
+    memory = c.scale_in_memory_factor * c.scale_in_hold_s
+    if miss is None or d.target != d.current or not wd.may_shrink or watched < max(c.scale_in_hold_s, memory) \
+            or now - st.last_change_t < c.cooldown_in_s:
+        return d, st
+    pw = s.prefill.workers
+    rho = wp.predicted / (max(1, pw) * s.prefill.tokens_per_s_per_worker)
+    demand = tuple(x for t, x in st.kv_demand if t < now) + (wd.kv_demand,)   # past: observed; now: predicted
+    k = workers_to_trade(miss, c.ttft_miss_budget, rho, pw, demand, d.current,
+                         max(c.decode.min_workers, wd.out), c.target_kv_usage,
+                         max(1, math.floor(d.current * c.max_step_down)))
+    if k == 0:
+        return d, st
+    return replace(d, target=d.current - k, reason=Reason.TRADE), replace(st, last_change_t=now, below_since=None,
+                                                                          needs=())
+
+
 def _idle_since(s: PrefillSignals, since: float | None, now: float) -> float | None:
     """Since when no prompt arrived and none queued (None: prompts queue or arrive). With the
     caller's ``since_last_prompt_s``, from the last prompt's arrival; else from the first interval
@@ -430,10 +468,17 @@ def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerStat
     wp, wd = _prefill_want(signals.prefill, ps, config), _decode_want(signals.decode, ds, config)
     ps = _learn(ps, wp, signals.prefill.workers, dt_p, config)
     ds = _learn(ds, wd, signals.decode.workers, dt_d, config)
+    memory = config.scale_in_memory_factor * config.scale_in_hold_s
+    ds = replace(ds, kv_demand=tuple(x for x in ds.kv_demand if x[0] > now - memory) + ((now, wd.kv_observed),))
+    # measured wait misses: decode gives way at the cap by marginal value (_give_way); else without its hold
+    marginal = signals.prefill.ttft_wait_miss_fraction is not None
+    trade = _trade(config, signals, wp)
     p, ps = _pool("prefill", signals.prefill.workers, wp, ps, config.prefill, config, now,
                   config.prefill_hold_factor * config.scale_in_hold_s)
     d, ds = _pool("decode", signals.decode.workers, wd, ds, config.decode, config, now,
-                  0.0 if _trade(config, signals, wp) else config.scale_in_hold_s)
+                  0.0 if trade and not marginal else config.scale_in_hold_s)
+    if trade and marginal:
+        d, ds = _give_way(config, signals, wp, wd, d, ds, now)
     idle_since = _idle_since(signals.prefill, state.idle_since, now)
     if config.idle_hold_s is not None and idle_since is not None and now - idle_since >= config.idle_hold_s:
         p, ps = _to_min(p, ps, config.prefill, now)
