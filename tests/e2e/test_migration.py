@@ -30,7 +30,7 @@ def cluster(tiny_llama_dir, tmp_path_factory):
 def test_killed_decode_worker_migrates_streams_exactly(cluster, tiny_llama_dir):
     hf = load_hf_model(tiny_llama_dir)
     prompts = [list(range(3 + i, 40 + i)) for i in range(4)]
-    max_tokens = 60
+    max_tokens = 150     # the kill after 10 streamed tokens must land while decode still runs
     killed: list[str] = []
 
     async def one(ids):

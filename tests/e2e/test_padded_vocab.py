@@ -137,7 +137,10 @@ def test_migration_continues_through_padded_ids(cluster, tok, hf):
     """A decode worker dies mid-stream; the request continues elsewhere from prompt + emitted ids,
     which hold ids past the tokenizer."""
     ids, _ = padded_first(tok, hf)[0]
-    max_tokens = 40
+    # long enough that the kill after 12 streamed tokens lands while the decode worker is still
+    # generating: with 40 the tiny model had sometimes finished every token before the kill, and
+    # the request, correct, never migrated (CI at 0efeb18)
+    max_tokens = 300
     ref = hf_greedy(hf, ids, max_tokens)
     assert sum(t >= TOKENS for t in ref[:12]) >= 1
     killed: list[str] = []
