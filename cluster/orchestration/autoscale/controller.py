@@ -409,8 +409,7 @@ def _give_way(c: AutoscaleConfig, s: FleetSignals, wp: _Want, wd: _Want, d: Pool
     rho = wp.predicted / (max(1, pw) * s.prefill.tokens_per_s_per_worker)
     demand = tuple(x for t, x in st.kv_demand if t < now) + (wd.kv_demand,)   # past: observed; now: predicted
     k = workers_to_trade(miss, c.ttft_miss_budget, rho, pw, demand, d.current,
-                         max(c.decode.min_workers, wd.out), c.target_kv_usage,
-                         max(1, math.floor(d.current * c.max_step_down)))
+                         max(c.decode.min_workers, wd.out), max(1, math.floor(d.current * c.max_step_down)))
     if k == 0:
         return d, st
     return replace(d, target=d.current - k, reason=Reason.TRADE), replace(st, last_change_t=now, below_since=None,
