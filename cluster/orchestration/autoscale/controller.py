@@ -82,7 +82,8 @@ the trade is decided by **marginal value** instead (`trade.py`): decode gives th
 while what one more prefill worker saves in TTFT misses over the budget (an M/M/1 queue per worker at
 the planner's tokens/s, calibrated on the measured fraction) exceeds what one fewer decode worker
 puts at risk (the part of decode's KV demand over the memory, the current interval at the predicted
-load, that the rest would hold above the KV target), never below decode's own ask at the target,
+load, that the rest could not hold: above their blocks, KV use 1.0, not the target, which is
+headroom for scale-out), never below decode's own ask at the target,
 a step per cool-down, and only once the memory of peaks is full (its evidence is the memory).
 
 **The first hold**: nothing shrinks (nor gives way at the fleet cap) before the controller has
