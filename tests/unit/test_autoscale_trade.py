@@ -33,35 +33,24 @@ def test_prefill_saving_counts_misses_over_the_budget_only():
     assert math.isclose(s1, 0.05 - prefill_miss_after(0.05, 0.3, 10, 1))
 
 
-def test_decode_cost_is_the_demand_one_fewer_worker_cannot_hold():
-    # in worker units at KV use 1.0: 10 workers hold 10.0, 9 hold 9.0, 8 hold 8.0
+def test_decode_cost_is_the_demand_one_fewer_worker_holds_over_the_target():
+    # 10 workers at a 0.75 target hold 7.5 worker units; 9 hold 6.75
     quiet = (3.0, 4.0, 5.0, 6.0)
-    assert decode_cost(quiet, 10, 1) == 0.0
-    burst = quiet + (9.5,)
-    assert math.isclose(decode_cost(burst, 10, 1), 0.5 / sum(burst))
-    assert math.isclose(decode_cost(burst, 10, 2), 1.0 / sum(burst))     # 8 hold 8.0: 1.5 - 0.5 more
-    assert decode_cost((), 10, 1) == 0.0 and decode_cost((1.0,), 1, 1) == math.inf
-
-
-def test_decode_cost_counts_demand_over_capacity_not_over_the_kv_target():
-    # a burst of 8.0 worker units: 9 workers would run it at 0.89 KV use, above the 0.75 target
-    # (6.75) but within their blocks: nothing waits, nothing is at risk. 7 workers cannot hold it
-    burst = (3.0, 4.0, 8.0)
-    assert decode_cost(burst, 10, 1) == 0.0 and decode_cost(burst, 10, 2) == 0.0
-    assert math.isclose(decode_cost(burst, 10, 3), 1.0 / sum(burst))
+    assert decode_cost(quiet, 10, 1, 0.75) == 0.0
+    burst = quiet + (7.0,)
+    assert math.isclose(decode_cost(burst, 10, 1, 0.75), 0.25 / sum(burst))
+    assert math.isclose(decode_cost(burst, 10, 2, 0.75), 0.75 / sum(burst))     # 8 hold 6.0: 1.0 - 0.25 more
+    assert decode_cost((), 10, 1, 0.75) == 0.0 and decode_cost((1.0,), 1, 1, 0.75) == math.inf
 
 
 def test_workers_to_trade_stops_where_the_saving_no_longer_pays():
     quiet = (3.0,) * 10
-    # decode never needed more than 3 workers' blocks: it gives its step, down to its floor
-    assert workers_to_trade(0.05, 0.002, 0.3, 10, quiet, 10, 1, 3) == 3
-    assert workers_to_trade(0.05, 0.002, 0.3, 10, quiet, 10, 8, 3) == 2
-    # within budget nothing moves; a burst that 9 workers cannot hold costs more than it saves
-    assert workers_to_trade(0.001, 0.002, 0.3, 10, quiet, 10, 1, 3) == 0
-    assert workers_to_trade(0.05, 0.002, 0.3, 10, quiet + (9.9,), 10, 1, 3) == 0
-    # a burst over the 0.75 target of 9 and 8 workers (6.75, 6.0) but within their blocks no longer
-    # holds decode back; 7 workers could not hold it (7.4 over 7.0): the third stays
-    assert workers_to_trade(0.05, 0.002, 0.3, 10, quiet + (7.4,), 10, 1, 3) == 2
+    # decode never needed more than 4 workers at the target: it gives its step, down to its floor
+    assert workers_to_trade(0.05, 0.002, 0.3, 10, quiet, 10, 1, 0.75, 3) == 3
+    assert workers_to_trade(0.05, 0.002, 0.3, 10, quiet, 10, 8, 0.75, 3) == 2
+    # within budget nothing moves; a burst that 9 workers hold over the target costs more than it saves
+    assert workers_to_trade(0.001, 0.002, 0.3, 10, quiet, 10, 1, 0.75, 3) == 0
+    assert workers_to_trade(0.05, 0.002, 0.3, 10, quiet + (7.4,), 10, 1, 0.75, 3) == 0
 
 
 def _config() -> AutoscaleConfig:
@@ -86,7 +75,8 @@ def _replay(series, p0: int = 8, d0: int = 8):
 
 
 def test_decode_gives_way_by_marginal_value_after_its_memory():
-    # recorded: decode's KV use 0.2-0.3 of 8 workers (at most 2.4 worker units: 3 hold it), prefill missing 5% by waiting at rho 0.375. Nothing moves before the memory (2 holds,
+    # recorded: decode's KV use 0.2-0.3 of 8 workers (at most 2.4 worker units: 4 hold it under
+    # 0.75), prefill missing 5% by waiting at rho 0.375. Nothing moves before the memory (2 holds,
     # 60 s) is full; then decode gives 3 (its own ask at the target, 5, is the floor) and prefill
     # grows into the room
     series = [(0.05, 0.2 + 0.1 * (i % 2)) for i in range(16)]
@@ -94,12 +84,9 @@ def test_decode_gives_way_by_marginal_value_after_its_memory():
     assert all(d.decode.target == 8 for d in out[:12])
     assert (out[12].decode.target, out[12].decode.reason) == (5, Reason.TRADE)
     assert out[12].prefill.target == 11
-    # a burst in the memory at the target (0.75 of 8: 6 worker units): over what 7 and 6 workers
-    # hold at the target (5.25, 4.5) but within their blocks, so it costs nothing until 5 workers
-    # could not hold it; decode gives 2, not 3 (by the 0.75 target it kept all 8)
+    # a burst in the memory (0.75 of 8: 6 worker units) that 7 workers would hold over the
+    # target (5.25): its cost outweighs what one more prefill worker saves; decode keeps its 8
     burst = series[:6] + [(0.05, 0.75)] + series[7:]
-    out = _replay(burst)
-    assert all(d.decode.target == 8 for d in out[:12])
-    assert (out[12].decode.target, out[12].decode.reason, out[12].prefill.target) == (6, Reason.TRADE, 10)
+    assert all(d.decode.target == 8 for d in _replay(burst))
     # misses within the budget: no trade
     assert all(d.decode.target == 8 for d in _replay([(0.001, 0.2)] * 16))

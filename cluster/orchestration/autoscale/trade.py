@@ -19,17 +19,16 @@ part of the requests:
   (W + k) miss rho' x exp(-mu t (1 - rho')). Where the queue model cannot hold the
   measurement (m >= rho, or rho >= 1), misses scale with rho.
 - **What one fewer decode worker costs**: the part of decode's KV demand that
-  D - 1 workers could not hold (demand above their blocks, KV use 1.0), over
-  decode's recent samples (the last ``scale_in_memory_factor`` holds, the current
-  one at the predicted load). A sample's demand is KV in worker units: mean KV use
-  (reserved blocks included) x ready workers + waiting / sequences per worker.
-  Every sequence above what the workers hold counts as a request at risk: it waits
-  for room or is preempted (a TTFT or ITL miss). Demand between the KV target and
-  1.0 is held: the target is planning headroom for scale-out, not a loss. Weighted
-  by demand, so a burst's samples weigh what they hold.
+  D - 1 workers would hold above the KV target, over decode's recent samples
+  (the last ``scale_in_memory_factor`` holds, the current one at the predicted
+  load). A sample's demand is KV in worker units: mean KV use (reserved blocks
+  included) x ready workers + waiting / sequences per worker. Every sequence
+  above the target counts as a request at risk (the target is the margin that
+  keeps decode off its cliff: a full worker makes hand-offs wait and every ITL
+  stretch). Weighted by demand, so a burst's samples weigh what they hold.
 
 Both sides use only the model's figures (one prefill worker's tokens/s, the
-sequences one decode worker holds, the miss budget) and what the
+sequences one decode worker holds, the KV target, the miss budget) and what the
 controller measured; the k-th worker moves only while its saving exceeds its cost
 (both fall off with k), and never below what decode asks for itself.
 """
@@ -57,14 +56,13 @@ def prefill_saving(miss: float, budget: float, rho: float, workers: int, added: 
     return before - max(0.0, prefill_miss_after(miss, rho, workers, added) - budget)
 
 
-def decode_cost(demand: tuple[float, ...], workers: int, removed: int) -> float:
-    """The part of decode's KV demand in worker units (sequences, weighted by what each sample
-    holds) that ``workers - removed`` could not hold (above KV use 1.0) and ``workers - removed + 1``
-    could."""
+def decode_cost(demand: tuple[float, ...], workers: int, removed: int, target_kv: float) -> float:
+    """The part of decode's KV demand (sequences, weighted by what each sample holds) that
+    ``workers - removed`` would hold above the KV target and ``workers - removed + 1`` not."""
     total = sum(demand)
     if total <= 0:
         return 0.0
-    room_after, room_before = workers - removed, workers - removed + 1
+    room_after, room_before = (workers - removed) * target_kv, (workers - removed + 1) * target_kv
     if room_after <= 0:
         return math.inf
     over = sum(max(0.0, x - room_after) - max(0.0, x - room_before) for x in demand)
@@ -72,14 +70,15 @@ def decode_cost(demand: tuple[float, ...], workers: int, removed: int) -> float:
 
 
 def workers_to_trade(miss: float, budget: float, rho: float, prefill_workers: int,
-                     demand: tuple[float, ...], decode_workers: int, decode_floor: int, step: int) -> int:
+                     demand: tuple[float, ...], decode_workers: int, decode_floor: int, target_kv: float,
+                     step: int) -> int:
     """How many workers decode gives to prefill (at most ``step``, never below ``decode_floor``):
     the k-th only while one more prefill worker saves more requests than one fewer decode
     worker puts at risk."""
     k = 0
     while k < step and decode_workers - k - 1 >= decode_floor:
         saving = prefill_saving(miss, budget, rho, prefill_workers, k + 1)
-        if saving <= 0 or saving <= decode_cost(demand, decode_workers, k + 1):
+        if saving <= 0 or saving <= decode_cost(demand, decode_workers, k + 1, target_kv):
             break
         k += 1
     return k
