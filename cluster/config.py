@@ -98,6 +98,9 @@ class ServeConfig:
     # > 0: the wait-miss fraction (measured either way) decides prefill's SLO with this budget;
     # 0: the TTFT p90 does (docs/autoscaling.md)
     autoscale_ttft_miss_budget: float = 0.0
+    # both pools together may hold at most this many workers (draining ones included): the GPUs
+    # the fleet owns; at the cap the controller moves workers between the pools (0 = no cap)
+    autoscale_max_total_workers: int = 0
     # routing
     router_policy: str = "prefix_aware"
     router_temperature: float = 0.0       # 0 = pick the minimum cost
@@ -266,6 +269,23 @@ def _check_tp(cfg: ServeConfig) -> None:
                          f"gpus_per_worker to 1 (a worker then holds its TP size in GPUs), got {cfg.gpus_per_worker}")
 
 
+def _check_fleet_cap(cfg: ServeConfig) -> None:
+    cap = cfg.autoscale_max_total_workers
+    if cap < 0:
+        raise ValueError(f"autoscale_max_total_workers is a number of workers, >= 0 (0: no fleet cap), got {cap}")
+    if not cap or not cfg.autoscale:
+        return
+    if cfg.colocated:
+        raise ValueError("autoscale_max_total_workers caps the prefill and decode pools together; colocated "
+                         "workers form one pool: bound it with max_decode_workers and leave the cap at 0")
+    start = cfg.prefill_workers + cfg.decode_workers
+    floor = cfg.min_prefill_workers + cfg.min_decode_workers
+    if cap < max(start, floor):
+        raise ValueError(f"autoscale_max_total_workers ({cap}) must hold the start sizes (prefill_workers + "
+                         f"decode_workers = {start}) and the minimums (min_prefill_workers + min_decode_workers = "
+                         f"{floor}): raise it to at least {max(start, floor)} or lower those")
+
+
 def _check_autoscale(cfg: ServeConfig) -> None:
     if cfg.slo_ttft_ms <= 0 or cfg.slo_itl_ms <= 0 or cfg.autoscale_interval <= 0:
         raise ValueError("slo_ttft_ms, slo_itl_ms and autoscale_interval must be positive")
@@ -276,6 +296,7 @@ def _check_autoscale(cfg: ServeConfig) -> None:
     if not 0 <= cfg.autoscale_ttft_miss_budget < 1:
         raise ValueError(f"autoscale_ttft_miss_budget is a part of the requests, in [0, 1) (0: the TTFT p90 "
                          f"decides), got {cfg.autoscale_ttft_miss_budget}")
+    _check_fleet_cap(cfg)
     if not cfg.autoscale:
         return
     for pool in (("decode",) if cfg.colocated else ("prefill", "decode")):

@@ -57,6 +57,9 @@ HELP = {
     "autoscale_ttft_miss_budget": "part of the requests that may miss --slo-ttft-ms by waiting (of those whose "
                                   "prefill alone fits it); > 0: this decides the prefill pool's SLO instead of the "
                                   "TTFT p90 (0: the p90; docs/autoscaling.md)",
+    "autoscale_max_total_workers": "both pools together hold at most this many workers, draining ones included "
+                                   "(the GPUs the fleet owns); at the cap a worker moves to the pool that gains "
+                                   "more (0 = no cap: each pool within its own bounds; docs/autoscaling.md)",
     "decode_workers": "decode actors (colocated workers with --colocated)",
     "tensor_parallel_size": "ranks one worker's model is split over, in both pools (Ray actors in one placement "
                             "group, one node; docs/tensor_parallel.md)",

@@ -61,7 +61,8 @@ def autoscale_config(cfg: ServeConfig) -> AutoscaleConfig:
                            prefill=PoolBounds(*cfg.pool_bounds("prefill")),
                            decode=PoolBounds(*cfg.pool_bounds("decode")),
                            predict_ahead_s=cool / 2, scale_in_hold_s=cool, cooldown_out_s=cool / 2,
-                           cooldown_in_s=cool, idle_hold_s=cool, **budget)
+                           cooldown_in_s=cool, idle_hold_s=cool,
+                           max_total_workers=cfg.autoscale_max_total_workers or None, **budget)
 
 
 def wait_miss_window(cfg: ServeConfig) -> float:

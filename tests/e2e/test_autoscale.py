@@ -35,6 +35,7 @@ def cluster(tiny_llama_dir, tmp_path_factory):
                       slo_ttft_ms=60_000, slo_itl_ms=60_000,   # sized by capacity here, not latency
                       autoscale_prefill_tokens_per_s=1500, autoscale_decode_seqs_per_worker=4,
                       autoscale_ttft_miss_budget=0.01,   # the wait-miss fraction decides prefill's SLO
+                      autoscale_max_total_workers=4,     # a fleet cap under the pools' maxima together (5)
                       ray_temp_dir=str(tmp_path_factory.mktemp("ray")))
     c = Cluster(cfg)
     yield c
@@ -171,3 +172,12 @@ def test_pool_grows_under_load_and_shrinks_back(cluster, hf, pool, n, distinct, 
     downs = cluster.sample("pdserve_autoscale_decisions_total", pool=pool, direction="down", reason="idle")
     assert ups >= 1 and downs >= 1
     assert cluster.sample("pdserve_pool_target_workers", pool=pool) == low
+    assert fleet_peak(cluster) <= 4      # the cap held: targets of both pools plus draining workers
+
+
+def fleet_peak(cluster: Cluster) -> int:
+    async def get():
+        a = cluster.backend.autoscaler
+        assert a.controller.max_total_workers == 4
+        return max(d.prefill.target + d.decode.target + s.draining for d, s in zip(a.decisions, a.signals))
+    return cluster.loop.run(get())

@@ -53,7 +53,7 @@ SCENARIOS: dict[str, list[str]] = {
                 "--set", "grafanaDashboard.namespace=monitoring", "--set", "networkPolicy.enabled=true"],
     # SLO autoscaling: pdserve sizes the pools, the Ray autoscaler adds and removes pods
     "autoscale": ["--set", "autoscaling.enabled=true", "--set", "autoscaling.sloTtftMs=500",
-                  "--set-json", "autoscaling.ttftMissBudget=0.01",
+                  "--set-json", "autoscaling.ttftMissBudget=0.01", "--set", "autoscaling.maxTotalWorkers=9",
                   "--set", "workerGroups.decode.maxReplicas=4", "--set", "workerGroups.decode.workersPerPod=2",
                   "--set", "workerGroups.prefill.minReplicas=1", "--set", "workerGroups.prefill.maxReplicas=3"],
 }
@@ -292,7 +292,7 @@ def test_autoscaling_values_turn_on_both_autoscalers_with_the_groups_bounds():
     docs = render("autoscale")
     cfg = ServeConfig(**rendered_config(docs))
     assert cfg.autoscale and cfg.slo_ttft_ms == 500 and cfg.slo_itl_ms == 200
-    assert cfg.autoscale_ttft_miss_budget == 0.01
+    assert cfg.autoscale_ttft_miss_budget == 0.01 and cfg.autoscale_max_total_workers == 9
     assert cfg.pool_bounds("decode") == (2, 8) and cfg.decode_workers == 2     # replicas x workersPerPod
     assert cfg.pool_bounds("prefill") == (1, 3) and cfg.prefill_workers == 1
     spec = one(docs, "RayCluster")["spec"]
@@ -303,6 +303,7 @@ def test_autoscaling_values_turn_on_both_autoscalers_with_the_groups_bounds():
     off = render("default")
     assert one(off, "RayCluster")["spec"]["enableInTreeAutoscaling"] is False
     assert "autoscale_ttft_miss_budget" not in rendered_config(off)
+    assert "autoscale_max_total_workers" not in rendered_config(off)
     assert "autoscale" not in rendered_config(off) and "autoscalerOptions" not in one(off, "RayCluster")["spec"]
 
 

@@ -87,6 +87,9 @@ Fails on a model storage that needs a path but has none.
 {{- if .ttftMissBudget }}
 {{- $_ := set $cfg "autoscale_ttft_miss_budget" .ttftMissBudget }}
 {{- end }}
+{{- if .maxTotalWorkers }}
+{{- $_ := set $cfg "autoscale_max_total_workers" (int .maxTotalWorkers) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- if and (ne .Values.model.storage "image") (not $cfg.model) }}
