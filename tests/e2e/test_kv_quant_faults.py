@@ -18,7 +18,7 @@ from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.ray
 BS = 16
-MAX_TOKENS = 40
+MAX_TOKENS = 120     # the decode-kill test must kill while decode still runs (a 40-token stream raced it)
 
 
 @pytest.fixture(scope="module")
