@@ -22,10 +22,23 @@ async def _fail_after(s: float) -> None:
 
 
 def test_results_in_order_and_the_slow_one_is_named(caplog):
+    """decode-0 finishes only once a report has named it (no race with the clock)."""
     caplog.set_level(logging.WARNING, logger="pdserve.launcher")
-    out = asyncio.run(gather_reporting({"prefill-0": _after(0.01, "a"), "decode-0": _after(0.35, "b")},
-                                       every_s=0.1, describe=lambda: "free: {'pdserve_decode': 0.0}"))
-    assert out == ["a", "b"]
+
+    async def run() -> list[object]:
+        reported = asyncio.Event()
+
+        async def decode_ready() -> str:
+            await reported.wait()
+            return "b"
+
+        def describe() -> str:
+            reported.set()
+            return "free: {'pdserve_decode': 0.0}"
+        return await gather_reporting({"prefill-0": _after(0.0, "a"), "decode-0": decode_ready()},
+                                      every_s=0.05, describe=describe)
+
+    assert asyncio.run(run()) == ["a", "b"]
     lines = [r.getMessage() for r in caplog.records]
     assert lines and all("decode-0" in m and "prefill-0" not in m and "pdserve_decode" in m for m in lines)
 
