@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from engine.batch import AttentionMetadata, BatchInput
 from engine.model_runner import StepInputs
-from engine.parallel.group import TPGroup, free_tcp_address, rank_device
+from engine.parallel.group import Rendezvous, TPGroup, rank_device
 from engine.parallel.rank import StepMessage
 
 SHAPES = {"tiny": dict(hidden=64, layers=3, vocab=384), "smollm2": dict(hidden=576, layers=30, vocab=49152)}
@@ -115,8 +115,8 @@ def main() -> None:
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    init = free_tcp_address()
-    procs = [ctx.Process(target=_rank, args=(r, init, args.device, args.reps, queue)) for r in range(TP)]
+    meet = Rendezvous.listen(TP)     # the store lives here; both ranks join it
+    procs = [ctx.Process(target=_rank, args=(r, meet.address, args.device, args.reps, queue)) for r in range(TP)]
     for p in procs:
         p.start()
     rows = queue.get(timeout=600)

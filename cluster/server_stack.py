@@ -8,6 +8,7 @@ and hands it to each frontend it starts; either frontend runs without the other
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from cluster.frontends.grpc.server import GrpcServer
     from cluster.frontends.http import HttpServer
     from cluster.observability.metrics_server import MetricsServer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,14 +83,32 @@ def make_backend(cfg: ServeConfig, metrics: Metrics) -> GenerationBackend:
 
 
 async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None) -> ServerStack:
+    """Start everything `pdserve serve` runs. The frontends' ports are claimed first (a taken port
+    fails here, before Ray and the weights; cluster/frontends/ports.py); a step that fails stops
+    what the steps before it started (the backend's workers included) before the error propagates."""
+    from cluster.frontends.ports import claim_ports
+
+    check_frontends(cfg)
+    claims = claim_ports(cfg.host, cfg.grpc_port, cfg.http_port)
+    started: list = []     # what to stop, last first, if a later step fails
+    try:
+        return await _start(cfg, backend, claims, started)
+    except BaseException:
+        await _stop_started(started)
+        raise
+    finally:
+        claims.release()
+
+
+async def _start(cfg: ServeConfig, backend: GenerationBackend | None, claims, started: list) -> ServerStack:
     from cluster.frontends.auth import ApiKeys, TlsConfig
     from cluster.observability.metrics_server import start_metrics_server
     from cluster.preflight import preflight
 
-    check_frontends(cfg)
     cfg = preflight(cfg)     # certificates, keys, device, model: checked before Ray and the weights
     metrics = Metrics()
     backend = backend or make_backend(cfg, metrics)
+    started.append(backend)
     await backend.start()
     info = backend.model_info()
     metrics.export_vllm_names(info.model_name, info.block_size)   # what inference gateways scrape
@@ -99,8 +120,25 @@ async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None
     if cfg.grpc_port != 0:
         from cluster.frontends.grpc.server import serve_grpc
         grpc_server = await serve_grpc(runner, cfg, api_keys=keys, tls=tls)
+        started.append(grpc_server)
+        claims.release_grpc()    # gRPC holds the port now
     if cfg.http_port != 0:
         from cluster.frontends.http import serve_http
-        http = await serve_http(runner, cfg, api_keys=keys, model_names=cfg.served_model_name, tls=tls)
+        http = await serve_http(runner, cfg, api_keys=keys, model_names=cfg.served_model_name, tls=tls,
+                                sock=claims.take_http())
+        started.append(http)
     msrv = start_metrics_server(metrics, cfg.host, cfg.metrics_port)
     return ServerStack(cfg, metrics, backend, runner, grpc_server, http, msrv)
+
+
+async def _stop_started(started: list) -> None:
+    """Stop what a failed start had started, last first; a stop that fails too is logged, not raised
+    (the start's own error is the one to see)."""
+    for part in reversed(started):
+        try:
+            if isinstance(part, GenerationBackend):
+                await part.stop()
+            else:
+                await part.stop(grace=0)
+        except Exception:
+            log.exception("stopping %s after a failed start", type(part).__name__)

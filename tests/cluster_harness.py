@@ -13,7 +13,15 @@ from grpc_harness import LoopThread, free_port  # noqa: F401 (re-exported for th
 class Cluster:
     def __init__(self, cfg: ServeConfig) -> None:
         self.loop = LoopThread()
-        self.stack: ServerStack = self.loop.run(start_stack(cfg), timeout=300)
+        try:
+            self.stack: ServerStack = self.loop.run(start_stack(cfg), timeout=300)
+        except BaseException:
+            # start_stack stopped what it started; this process's Ray goes too, so the next
+            # module's cluster starts its own instead of joining this one's leftovers
+            import ray
+            ray.shutdown()
+            self.loop.close()
+            raise
         self.backend = self.stack.backend
 
     @property

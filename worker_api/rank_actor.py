@@ -71,12 +71,12 @@ class TPRankActor:
         return RankReady(memory=rank_memory(self.runner, self.group.rank),
                          source=RankSource(self.transfer.peer_info(), self.shard))
 
-    def serve(self, init_method: str) -> int:
+    def serve(self, rendezvous: str) -> int:
         """Join rank 0's group and run its steps until it says stop; the steps run."""
         if not self._serving.acquire(blocking=False):
             raise RuntimeError(f"rank {self.group.rank} already serves a group")
         try:
-            self.group.connect(init_method)
+            self.group.connect(rendezvous)
             steps = serve_rank(self.runner, self.group)
         except BaseException:
             log.exception("tensor-parallel rank %d lost its group: exiting (Ray restarts it)", self.group.rank)

@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.parallel.executor import TPExecutor
-from engine.parallel.group import TPGroup, free_tcp_address, rank_device
+from engine.parallel.group import Rendezvous, TPGroup, rank_device
 from engine.parallel.rank import RankMemory
 from kvtransfer.handle import RankSource
 from worker_api.rank_actor import RankReady
@@ -42,8 +42,8 @@ class RayRanks:
         self.sources = [r.source for r in ready]
         return ready
 
-    def start(self, init_method: str) -> None:
-        self.serving = [a.serve.remote(init_method) for a in self.actors]
+    def start(self, rendezvous: str) -> None:
+        self.serving = [a.serve.remote(rendezvous) for a in self.actors]
 
     def shutdown(self) -> None:
         """Stop the ranks' step loops and leave the group; never raises. (The actors
@@ -72,9 +72,9 @@ def start_tp_executor(config: EngineConfig, actors: list[Any], host: str) -> tup
     try:
         ranks.wait_ready()
         executor.check_ranks_agree(ranks.memory)
-        init_method = free_tcp_address(host)
-        ranks.start(init_method)
-        group.connect(init_method)
+        meet = Rendezvous.listen(n, host)
+        ranks.start(meet.address)
+        group.connect(meet)
     except BaseException:
         ranks.shutdown()
         raise

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.parallel.group import TPGroup, free_tcp_address, rank_device
+from engine.parallel.group import Rendezvous, TPGroup, rank_device
 from engine.parallel.local_ranks import LocalRanks
 from engine.parallel.rank import RankMemory, StepMessage, inputs_to, rank_memory
 from engine.parallel.sharded_model import TPShard
@@ -63,14 +63,14 @@ class TPExecutor(ModelRunner):
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group: one "
                                "tensor-parallel engine per process (close() the other LLM first)")
-        init_method = free_tcp_address()
+        meet = Rendezvous.listen(n)
         group = TPGroup(rank=0, world_size=n, device=rank_device(config.device, 0))
-        ranks = LocalRanks.spawn(config, group, init_method)
+        ranks = LocalRanks.spawn(config, group, meet.address)
         try:
             executor = cls(config, group, ranks)
             others = ranks.wait_ready()
             executor.check_ranks_agree(others)
-            group.connect(init_method)
+            group.connect(meet)
         except BaseException:
             ranks.shutdown()
             raise

@@ -9,9 +9,9 @@ timeout that catches a rank lost inside a step.
 """
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -33,11 +33,34 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{(d.index or 0) + rank}"
 
 
-def free_tcp_address(host: str = "127.0.0.1") -> str:
-    """A ``tcp://host:port`` init method on a port free right now (for ranks on one host)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
+@dataclass
+class Rendezvous:
+    """Where a group's ranks meet: a ``torch.distributed`` store listening on ``host`` before any
+    rank is told its address. The kernel picks the port as the store binds it, so nothing started
+    meanwhile (Ray's processes, the ranks' model loading) can take it, as it could a port found
+    free and bound later. Held by whoever spawns the ranks (rank 0's process in pdserve) for the
+    group's life; the ranks join it by :attr:`address` (rank 0 may pass the object itself)."""
+    host: str
+    store: dist.TCPStore
+
+    @classmethod
+    def listen(cls, world_size: int, host: str = "127.0.0.1") -> "Rendezvous":
+        store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False, timeout=DEVICE_TIMEOUT)
+        return cls(host, store)
+
+    @property
+    def address(self) -> str:
+        """``tcp://host:port``, what a rank in another process passes to :meth:`TPGroup.connect`."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.store.port}"
+
+
+def _join_store(address: str, world_size: int) -> dist.TCPStore:
+    """A client of the rendezvous store at ``tcp://host:port``."""
+    url = urlparse(address)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"a rendezvous address is tcp://host:port (Rendezvous.address), got {address!r}")
+    return dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=DEVICE_TIMEOUT)
 
 
 @dataclass
@@ -48,20 +71,24 @@ class TPGroup:
     world_size: int
     device: str
     control: dist.ProcessGroup | None = None
+    store: dist.Store | None = None      # the rendezvous store joined (rank 0's keeps the group's port)
 
     @property
     def connected(self) -> bool:
         return self.control is not None
 
-    def connect(self, init_method: str) -> None:
-        """Join the group (every rank calls this; it returns once all have). One group per process."""
+    def connect(self, meet: "Rendezvous | str") -> None:
+        """Join the group at ``meet`` (the :class:`Rendezvous`, or its address from another
+        process); every rank calls this and it returns once all have. One group per process."""
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group: one "
                                "tensor-parallel engine per process (close the other LLM first)")
+        store = meet.store if isinstance(meet, Rendezvous) else _join_store(meet, self.world_size)
         if torch.device(self.device).type == "cuda":
             torch.cuda.set_device(torch.device(self.device))
-        dist.init_process_group(backend_for(self.device), init_method=init_method, rank=self.rank,
+        dist.init_process_group(backend_for(self.device), store=store, rank=self.rank,
                                 world_size=self.world_size, timeout=DEVICE_TIMEOUT)
+        self.store = store
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
     # ------------------------------------------------------------ the model's collectives
@@ -102,4 +129,4 @@ class TPGroup:
         """Leave the group (this process's torch.distributed state); idempotent."""
         if self.control is not None and dist.is_initialized():
             dist.destroy_process_group()
-        self.control = None
+        self.control = self.store = None

@@ -48,7 +48,7 @@ def _parent_gone(parent_pid: int, wait_s: float = 1.0) -> bool:
     return True
 
 
-def rank_process_main(config: EngineConfig, rank: int, world_size: int, init_method: str,
+def rank_process_main(config: EngineConfig, rank: int, world_size: int, rendezvous: str,
                       parent_pid: int, conn: Connection) -> None:
     """The body of rank ``rank``'s process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C is the parent's to handle
@@ -63,7 +63,7 @@ def rank_process_main(config: EngineConfig, rank: int, world_size: int, init_met
         return
     conn.send(rank_memory(runner, rank))
     conn.close()
-    group.connect(init_method)
+    group.connect(rendezvous)
     try:
         serve_rank(runner, group)
     except Exception:
@@ -84,14 +84,14 @@ class LocalRanks:
     _stopped: bool = False
 
     @classmethod
-    def spawn(cls, config: EngineConfig, group: TPGroup, init_method: str) -> "LocalRanks":
+    def spawn(cls, config: EngineConfig, group: TPGroup, rendezvous: str) -> "LocalRanks":
         ctx = mp.get_context("spawn")
         procs: list[BaseProcess] = []
         conns: list[Connection] = []
         for rank in range(1, group.world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=rank_process_main, name=f"pdserve-tp-rank{rank}", daemon=True,
-                            args=(config, rank, group.world_size, init_method, os.getpid(), child_end))
+                            args=(config, rank, group.world_size, rendezvous, os.getpid(), child_end))
             p.start()
             child_end.close()
             procs.append(p)

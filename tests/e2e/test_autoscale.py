@@ -70,14 +70,6 @@ class RecordingSender:
         await self.client.close()
 
 
-def wait_misses(cluster: Cluster) -> list[float]:
-    """The wait-miss fractions the controller saw (intervals with first tokens in the window)."""
-    async def get():
-        return [s.prefill.ttft_wait_miss_fraction for s in cluster.backend.autoscaler.signals
-                if s.prefill.ttft_wait_miss_fraction is not None]
-    return cluster.loop.run(get())
-
-
 def decisions(cluster: Cluster) -> list:
     async def get():
         return [(d.prefill.target, d.prefill.reason.value, round(d.prefill.predicted_load),
@@ -87,10 +79,13 @@ def decisions(cluster: Cluster) -> list:
 
 
 class PoolWatch:
-    """Samples a pool's serving size from the frontend's loop."""
+    """Samples a pool's serving size from the frontend's loop, and the wait-miss fraction
+    (the part of the window's first tokens that missed TTFT by waiting) of each of the
+    controller's intervals: recorded here, as the controller keeps only its last 100."""
 
     def __init__(self, cluster: Cluster, pool: str) -> None:
         self.cluster, self.pool, self.sizes = cluster, pool, []
+        self.wait_misses: dict[int, float] = {}     # id of the interval's signals -> its fraction
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -100,9 +95,19 @@ class PoolWatch:
             return len(self.cluster.backend.pool.serving(self.pool))
         return self.cluster.loop.run(serving())
 
+    def _sample(self) -> tuple[int, dict[int, float]]:
+        async def get():
+            signals = self.cluster.backend.autoscaler.signals[-8:]   # 2 s of intervals; sampled every 0.25 s
+            return len(self.cluster.backend.pool.serving(self.pool)), {
+                id(s): s.prefill.ttft_wait_miss_fraction for s in signals
+                if s.prefill.ttft_wait_miss_fraction is not None}
+        return self.cluster.loop.run(get())
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.sizes.append((time.monotonic(), self.size()))
+            size, misses = self._sample()
+            self.sizes.append((time.monotonic(), size))
+            self.wait_misses.update(misses)
             time.sleep(0.25)
 
     def stop(self) -> None:
@@ -145,7 +150,7 @@ def test_pool_grows_under_load_and_shrinks_back(cluster, hf, pool, n, distinct, 
         sender = drive(cluster, requests, rate)
         # every first token reached the live head's wait-miss fraction: measured while the load
         # ran, and 0 (a 60 s target: none missed)
-        misses = wait_misses(cluster)
+        misses = list(watch.wait_misses.values())
         assert misses and set(misses) == {0.0}, misses
         while not any(s > low for _, s in watch.sizes) and time.monotonic() < start + GROW_WITHIN_S:
             time.sleep(0.25)

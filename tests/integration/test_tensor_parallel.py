@@ -109,14 +109,38 @@ def test_a_dropped_engine_stops_its_ranks_and_the_next_one_starts(tiny_llama_dir
 
 def test_a_rank_that_fails_to_load_is_named_at_once_and_leaves_nothing(tmp_path):
     from engine.config import EngineConfig
-    from engine.parallel.group import TPGroup, free_tcp_address
+    from engine.parallel.group import Rendezvous, TPGroup
     from engine.parallel.local_ranks import LocalRanks
 
     config = EngineConfig(model=str(tmp_path / "no-such-model"), tensor_parallel_size=2)
-    ranks = LocalRanks.spawn(config, TPGroup(rank=0, world_size=2, device="cpu"), free_tcp_address())
+    ranks = LocalRanks.spawn(config, TPGroup(rank=0, world_size=2, device="cpu"), Rendezvous.listen(2).address)
     try:
         with pytest.raises(RuntimeError, match="rank 1: ValueError: .*no-such-model"):
             ranks.wait_ready(timeout_s=120)
     finally:
         ranks.shutdown()
     assert _no_rank_left() and not dist.is_initialized()
+
+
+def test_the_rendezvous_port_is_held_from_the_moment_it_is_named(tmp_path):
+    """The ranks' meeting point listens before its address exists: no other socket can bind the
+    port while the ranks load (a port found free and bound later could be taken meanwhile)."""
+    import socket
+
+    from engine.parallel.group import Rendezvous, TPGroup
+
+    meet = Rendezvous.listen(1)
+    host, port = meet.address.removeprefix("tcp://").rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) == meet.store.port > 0
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError):
+            s.bind(("127.0.0.1", int(port)))
+    group = TPGroup(rank=0, world_size=1, device="cpu")
+    group.connect(meet.address)        # a rank in another process joins by the address
+    try:
+        assert group.connected and group.all_gather("rank0") == ["rank0"]
+    finally:
+        group.destroy()
+    with pytest.raises(ValueError, match="tcp://host:port"):
+        TPGroup(rank=0, world_size=1, device="cpu").connect("env://")

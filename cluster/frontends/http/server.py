@@ -26,6 +26,7 @@ from cluster.config import ServeConfig
 from cluster.frontends.auth import ApiKeys, TlsConfig
 from cluster.frontends.http.app import create_app
 from cluster.frontends.http.state import EndpointState
+from cluster.frontends.ports import bind_http
 from cluster.frontends.runner import RequestRunner
 
 log = logging.getLogger(__name__)
@@ -53,20 +54,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):   # the serve process handles signals and drains us
         yield
-
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(f"cannot bind the HTTP endpoint to {host}:{port} ({e}); pick a free --http-port "
-                           "(0 turns HTTP off in `pdserve serve`)") from e
-    sock.setblocking(False)
-    return sock
 
 
 def uvicorn_tls(tls: TlsConfig | None) -> dict:
@@ -124,16 +111,21 @@ class HttpServer:
 
 async def serve_http(runner: RequestRunner, config: ServeConfig, *, api_keys: ApiKeys | None = None,
                      model_name: str | None = None, model_names: tuple[str, ...] = (),
-                     tls: TlsConfig | None = None) -> HttpServer:
-    """Start the OpenAI-compatible endpoint on config.host:config.http_port (0 = any free port)
+                     tls: TlsConfig | None = None, sock: socket.socket | None = None) -> HttpServer:
+    """Start the OpenAI-compatible endpoint on config.host:config.http_port (0 = any free port),
+    or on `sock` when the caller bound it already (cluster/frontends/ports.py; the endpoint closes it)
     over `runner` (the process's one runner: admission, deadline, metrics and in-flight tracking
     shared with the gRPC endpoint when it runs); HTTPS with `tls`.
     `model_names`: the served names (aliases, the first listed); default: `model_name`, else the backend's."""
-    app = create_app(runner, model_names=model_names or ((model_name,) if model_name else ()),
-                     api_keys=api_keys, write_timeout=config.stream_write_timeout)
-    sock = bind(config.host, config.http_port)
-    cfg = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, http=nodelay_protocol(),
-                         timeout_keep_alive=30, ws="none", **uvicorn_tls(tls))
+    sock = sock if sock is not None else bind_http(config.host, config.http_port)
+    try:
+        app = create_app(runner, model_names=model_names or ((model_name,) if model_name else ()),
+                         api_keys=api_keys, write_timeout=config.stream_write_timeout)
+        cfg = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, http=nodelay_protocol(),
+                             timeout_keep_alive=30, ws="none", **uvicorn_tls(tls))
+    except BaseException:
+        sock.close()
+        raise
     server = _Server(cfg)
     port = sock.getsockname()[1]
     task = asyncio.ensure_future(server.serve(sockets=[sock]))

@@ -1,0 +1,87 @@
+"""The frontends' ports, claimed before the backend starts.
+
+`pdserve serve` starts Ray and loads weights before its endpoints listen: seconds to
+minutes, in which Ray's own processes open many sockets. A port named in the config
+(`--grpc-port`, `--http-port`) is claimed first, so a port already taken fails the
+start at once, before Ray, and no process started meanwhile can take it.
+
+- HTTP: the endpoint's own socket, bound here and handed to `serve_http`.
+- gRPC: the Python server binds its own socket and cannot adopt one, but it binds
+  with SO_REUSEPORT (gRPC's default on Linux). The claim is a socket bound with
+  SO_REUSEPORT too, not listening: no other socket can bind the port (nor can the
+  kernel hand it out as an ephemeral port), while gRPC's bind beside it succeeds.
+  The claim is released once gRPC holds the port.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+
+@dataclass
+class PortClaims:
+    grpc: socket.socket | None = None   # the SO_REUSEPORT placeholder; None: gRPC off
+    http: socket.socket | None = None   # the HTTP endpoint's socket; None: HTTP off (or handed over)
+
+    def take_http(self) -> socket.socket | None:
+        """The HTTP socket, now the endpoint's to close."""
+        sock, self.http = self.http, None
+        return sock
+
+    def release_grpc(self) -> None:
+        if self.grpc is not None:
+            self.grpc.close()
+            self.grpc = None
+
+    def release(self) -> None:
+        """Everything still held (a start that failed before the endpoints took their ports)."""
+        self.release_grpc()
+        if self.http is not None:
+            self.http.close()
+            self.http = None
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP endpoint's socket on host:port (0: any free port), non-blocking, not yet listening."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"cannot bind the HTTP endpoint to {host}:{port} ({e.strerror}); pick a free "
+                           "--http-port (0 turns HTTP off in `pdserve serve`)") from e
+    sock.setblocking(False)
+    return sock
+
+
+def claim_grpc(host: str, port: int) -> socket.socket:
+    """A placeholder holding host:port for the gRPC server, which binds beside it."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"cannot bind the gRPC endpoint to {host}:{port} ({e.strerror}); pick a free "
+                           "--grpc-port (0 turns gRPC off in `pdserve serve`)") from e
+    return sock
+
+
+def claim_ports(host: str, grpc_port: int, http_port: int) -> PortClaims:
+    """Claim the ports of the frontends that are on (a port of 0 turns that frontend off, as
+    in `pdserve serve`); both or neither: a second claim that fails releases the first."""
+    claims = PortClaims()
+    try:
+        if grpc_port:
+            claims.grpc = claim_grpc(host, grpc_port)
+        if http_port:
+            claims.http = bind_http(host, http_port)
+    except BaseException:
+        claims.release()
+        raise
+    return claims
