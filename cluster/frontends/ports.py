@@ -41,35 +41,29 @@ class PortClaims:
             self.http = None
 
 
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
+def _bound(host: str, port: int, option: int, endpoint: str, flag: str) -> socket.socket:
+    """A TCP socket bound to host:port with socket `option` set; a clear error when it cannot be."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, option, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"cannot bind the {endpoint} endpoint to {host}:{port} ({e.strerror}); pick a free "
+                           f"--{flag}-port (0 turns {endpoint} off in `pdserve serve`)") from e
+    return sock
 
 
 def bind_http(host: str, port: int) -> socket.socket:
     """The HTTP endpoint's socket on host:port (0: any free port), non-blocking, not yet listening."""
-    sock = socket.socket(_family(host), socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(f"cannot bind the HTTP endpoint to {host}:{port} ({e.strerror}); pick a free "
-                           "--http-port (0 turns HTTP off in `pdserve serve`)") from e
+    sock = _bound(host, port, socket.SO_REUSEADDR, "HTTP", "http")
     sock.setblocking(False)
     return sock
 
 
 def claim_grpc(host: str, port: int) -> socket.socket:
     """A placeholder holding host:port for the gRPC server, which binds beside it."""
-    sock = socket.socket(_family(host), socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(f"cannot bind the gRPC endpoint to {host}:{port} ({e.strerror}); pick a free "
-                           "--grpc-port (0 turns gRPC off in `pdserve serve`)") from e
-    return sock
+    return _bound(host, port, socket.SO_REUSEPORT, "gRPC", "grpc")
 
 
 def claim_ports(host: str, grpc_port: int, http_port: int) -> PortClaims:
