@@ -66,10 +66,13 @@ class ServerStack:
 
 
 def check_frontends(cfg: ServeConfig) -> None:
-    """At least one frontend: gRPC (grpc_port) or HTTP (http_port); 0 turns one off."""
+    """At least one frontend: gRPC (grpc_port) or HTTP (http_port), on two ports; 0 turns one off."""
     if cfg.grpc_port == 0 and cfg.http_port == 0:
         raise ValueError("grpc_port and http_port are both 0, which turns both frontends off; set one "
                          "(--grpc-port 50051 for gRPC, --http-port 8000 for the OpenAI-compatible HTTP API)")
+    if cfg.grpc_port == cfg.http_port:
+        raise ValueError(f"grpc_port and http_port are both {cfg.grpc_port}: the two endpoints need two ports "
+                         "(e.g. --grpc-port 50051 --http-port 8000)")
 
 
 def make_backend(cfg: ServeConfig, metrics: Metrics) -> GenerationBackend:
@@ -119,9 +122,8 @@ async def _start(cfg: ServeConfig, backend: GenerationBackend | None, claims, st
     grpc_server = http = None
     if cfg.grpc_port != 0:
         from cluster.frontends.grpc.server import serve_grpc
-        grpc_server = await serve_grpc(runner, cfg, api_keys=keys, tls=tls)
+        grpc_server = await serve_grpc(runner, cfg, api_keys=keys, tls=tls, claim=claims)
         started.append(grpc_server)
-        claims.release_grpc()    # gRPC holds the port now
     if cfg.http_port != 0:
         from cluster.frontends.http import serve_http
         http = await serve_http(runner, cfg, api_keys=keys, model_names=cfg.served_model_name, tls=tls,

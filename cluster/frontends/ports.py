@@ -6,11 +6,10 @@ minutes, in which Ray's own processes open many sockets. A port named in the con
 start at once, before Ray, and no process started meanwhile can take it.
 
 - HTTP: the endpoint's own socket, bound here and handed to `serve_http`.
-- gRPC: the Python server binds its own socket and cannot adopt one, but it binds
-  with SO_REUSEPORT (gRPC's default on Linux). The claim is a socket bound with
-  SO_REUSEPORT too, not listening: no other socket can bind the port (nor can the
-  kernel hand it out as an ephemeral port), while gRPC's bind beside it succeeds.
-  The claim is released once gRPC holds the port.
+- gRPC: the Python server binds its own socket and cannot adopt one. The claim is a
+  bound socket (not listening) that `serve_grpc` closes just before its server binds
+  the port, in the same thread, without SO_REUSEPORT: so a second server on the port
+  is refused rather than sharing it (gRPC's default would let two bind it).
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 
 @dataclass
 class PortClaims:
-    grpc: socket.socket | None = None   # the SO_REUSEPORT placeholder; None: gRPC off
+    grpc: socket.socket | None = None   # the placeholder serve_grpc releases as it binds; None: gRPC off
     http: socket.socket | None = None   # the HTTP endpoint's socket; None: HTTP off (or handed over)
 
     def take_http(self) -> socket.socket | None:
@@ -41,11 +40,12 @@ class PortClaims:
             self.http = None
 
 
-def _bound(host: str, port: int, option: int, endpoint: str, flag: str) -> socket.socket:
-    """A TCP socket bound to host:port with socket `option` set; a clear error when it cannot be."""
+def _bound(host: str, port: int, endpoint: str, flag: str) -> socket.socket:
+    """A TCP socket bound to host:port (SO_REUSEADDR: as a server binds, past a closed
+    connection's TIME_WAIT, never beside a listener); a clear error when it cannot be."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, option, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as e:
         sock.close()
@@ -56,14 +56,14 @@ def _bound(host: str, port: int, option: int, endpoint: str, flag: str) -> socke
 
 def bind_http(host: str, port: int) -> socket.socket:
     """The HTTP endpoint's socket on host:port (0: any free port), non-blocking, not yet listening."""
-    sock = _bound(host, port, socket.SO_REUSEADDR, "HTTP", "http")
+    sock = _bound(host, port, "HTTP", "http")
     sock.setblocking(False)
     return sock
 
 
 def claim_grpc(host: str, port: int) -> socket.socket:
-    """A placeholder holding host:port for the gRPC server, which binds beside it."""
-    return _bound(host, port, socket.SO_REUSEPORT, "gRPC", "grpc")
+    """A placeholder holding host:port until the gRPC server binds it."""
+    return _bound(host, port, "gRPC", "grpc")
 
 
 def claim_ports(host: str, grpc_port: int, http_port: int) -> PortClaims:

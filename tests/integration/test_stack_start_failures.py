@@ -6,6 +6,7 @@ A leaked backend was seen in CI: a gRPC port taken while Ray started failed one 
 after its workers were up, they stayed, and the next test's cluster never got a CPU."""
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import grpc
@@ -41,10 +42,11 @@ def _listening(port: int = 0) -> socket.socket:
     return s
 
 
-def _bindable(port: int) -> bool:
-    """As a server binds (SO_REUSEADDR: a closed connection's TIME_WAIT does not hold the port)."""
+def _bindable(port: int, reuse: bool = True) -> bool:
+    """As a server binds (SO_REUSEADDR: a closed connection's TIME_WAIT does not hold the port),
+    or a plain bind (`reuse=False`)."""
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse))
         try:
             s.bind(("127.0.0.1", port))
             return True
@@ -93,30 +95,52 @@ def test_a_start_failing_after_the_backend_stops_it_and_frees_the_ports(tiny_lla
     assert _bindable(grpc_port) and _bindable(http_port)
 
 
-def test_a_claimed_grpc_port_is_held_for_grpc_alone():
-    """While claimed, no other socket binds the port; gRPC's server binds beside the claim and
-    serves once the claim is released."""
-    import asyncio
+def test_a_claimed_grpc_port_is_held_until_grpc_binds_it(tiny_llama_dir, loop):
+    """While claimed, a plain bind of the port fails; serve_grpc releases the claim as it binds,
+    serves, and a second endpoint (or another stack's claim) on that port is then refused:
+    without SO_REUSEPORT, two servers cannot silently share one port."""
+    from cluster.frontends.grpc.server import serve_grpc
+    from cluster.frontends.runner import RequestRunner
+    from cluster.observability.metrics import Metrics
+    from cluster.orchestration.launcher import engine_config
 
     port = free_port()
+    cfg = _cfg(tiny_llama_dir, grpc_port=port, http_port=0, metrics_port=0)
     claims = claim_ports("127.0.0.1", port, 0)
+    backend = LocalEngineBackend(engine_config(cfg))
     try:
-        assert not _bindable(port)
+        assert not _bindable(port, reuse=False)
 
-        async def serve() -> None:
-            server = grpc.aio.server()
-            assert server.add_insecure_port(f"127.0.0.1:{port}") == port
-            claims.release_grpc()
-            await server.start()
-            try:
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        async def serve():
+            await backend.start()
+            return await serve_grpc(RequestRunner.from_config(backend, cfg, Metrics()), cfg, claim=claims)
+        server = loop.run(serve(), timeout=120)
+        try:
+            assert claims.grpc is None and server.port == port
+
+            async def ready() -> None:
+                async with grpc.aio.insecure_channel(server.target) as ch:
                     await asyncio.wait_for(ch.channel_ready(), 10)
-            finally:
-                await server.stop(0)
-        asyncio.run(serve())
+            asyncio.run(ready())
+            with pytest.raises(RuntimeError, match="pick a free --grpc-port"):
+                claim_ports("127.0.0.1", port, 0)
+            with pytest.raises(RuntimeError, match="pick a free --grpc-port"):
+                loop.run(serve_grpc(RequestRunner.from_config(backend, cfg, Metrics()), cfg), timeout=60)
+        finally:
+            loop.run(server.stop(grace=0))
     finally:
         claims.release()
+        loop.run(backend.stop())
     assert _bindable(port)
+
+
+def test_one_port_for_both_endpoints_is_refused():
+    with pytest.raises(ValueError, match="two ports"):
+        loop = LoopThread()
+        try:
+            loop.run(start_stack(ServeConfig(model="/nonexistent", grpc_port=8000, http_port=8000)), timeout=30)
+        finally:
+            loop.close()
 
 
 def test_claims_are_both_or_neither():
@@ -128,3 +152,54 @@ def test_claims_are_both_or_neither():
         assert _bindable(grpc_port)
     finally:
         taken.close()
+
+
+_PROBE = """
+import json, socket, struct, sys
+from cluster.frontends.ports import claim_ports
+claims = claim_ports("127.0.0.1", 40001, 40002) if sys.argv[1] == "claimed" else None
+binds, connects = set(), set()
+for _ in range(40):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        binds.add(s.getsockname()[1])
+listener = socket.socket()
+listener.bind(("127.0.0.1", 40003))
+listener.listen(64)
+for _ in range(40):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # no TIME_WAIT
+    s.connect(("127.0.0.1", 40003))
+    connects.add(s.getsockname()[1])
+    s.close()
+print(json.dumps([sorted(binds), sorted(connects)]))
+"""
+
+
+def _probe(mode: str) -> list[list[int]]:
+    """The probe in a network namespace of its own whose ephemeral ports are 40000-40003."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a network namespace of its own")
+    repo = str(Path(__file__).resolve().parents[2])
+    script = (f"ip link set lo up && sysctl -qw net.ipv4.ip_local_port_range='40000 40003' && "
+              f"exec {sys.executable} -c '{_PROBE}' {mode}")
+    out = subprocess.run(["unshare", "--net", "sh", "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": repo}, check=True)
+    return json.loads(out.stdout)
+
+
+def test_claimed_ports_are_never_handed_out_as_ephemeral_ports():
+    """The CI failure's interleaving, made certain: with four ephemeral ports, unclaimed ports are
+    handed to bind(0) (odd) and connect() (even) callers; claimed, never (a started Ray opens such
+    sockets by the hundred while the frontends wait for the backend)."""
+    free_binds, free_connects = _probe("free")
+    assert 40001 in free_binds and 40002 in free_connects    # 40 tries each; a miss is 2**-40
+    binds, connects = _probe("claimed")
+    assert binds == [40003] and connects == [40000]

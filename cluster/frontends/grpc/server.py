@@ -30,6 +30,7 @@ from cluster.config import ServeConfig
 from cluster.frontends.auth import ApiKeys, TlsConfig
 from cluster.frontends.grpc.auth import AuthInterceptor, server_credentials
 from cluster.frontends.grpc.convert import BadRequest, deserialize_generate, to_input, to_response
+from cluster.frontends.ports import PortClaims
 from cluster.frontends.runner import RequestRunner, outcome_of
 from cluster.frontends.validation import ValidationError
 from cluster.orchestration.backend import BackendError
@@ -191,20 +192,29 @@ class GrpcServer:
 
 
 async def serve_grpc(runner: RequestRunner, config: ServeConfig, *, api_keys: ApiKeys | None = None,
-                     tls: TlsConfig | None = None) -> GrpcServer:
+                     tls: TlsConfig | None = None, claim: PortClaims | None = None) -> GrpcServer:
     """Start the gRPC endpoint on config.host:config.grpc_port (0 = any free port) over `runner`
-    (the process's one runner: the HTTP endpoint may share it). Keys and TLS are off unless given."""
+    (the process's one runner: the HTTP endpoint may share it). Keys and TLS are off unless given.
+    `claim`: the port's claim (cluster/frontends/ports.py), released just before the server binds.
+    The server binds without SO_REUSEPORT (gRPC's default turns it on), so a second server on a
+    port one already serves is refused instead of silently taking half its connections."""
     servicer = GenerationServicer(runner, api_keys, config.stream_write_timeout)
-    server = grpc.aio.server(interceptors=_interceptors(runner, api_keys))
+    server = grpc.aio.server(interceptors=_interceptors(runner, api_keys), options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((_generic_handler(servicer),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.grpc_port}"
-    port = (server.add_secure_port(address, server_credentials(tls)) if tls
-            else server.add_insecure_port(address))
+    if claim is not None:
+        claim.release_grpc()
+    credentials = server_credentials(tls) if tls else None
+    try:
+        port = (server.add_secure_port(address, credentials) if credentials is not None
+                else server.add_insecure_port(address))
+    except RuntimeError:    # grpcio raises where older versions returned 0
+        port = 0
     if port == 0:
-        raise RuntimeError(f"cannot bind the gRPC endpoint to {address}; pick a free --grpc-port "
+        raise RuntimeError(f"cannot bind the gRPC endpoint to {address} (in use?); pick a free --grpc-port "
                            "(0 turns gRPC off in `pdserve serve`)")
     await server.start()
     out = GrpcServer(server, port, config.host, health_servicer, servicer, runner)
