@@ -1,6 +1,7 @@
 """`pdserve serve --autoscale` on a local Ray cluster (cluster/orchestration/autoscaler.py):
-the bench harness sends load one worker of a pool cannot hold, the pool grows within its
-bound; the load stops, the pool shrinks back to its minimum. Every request finishes with
+the bench harness sends load one worker of a pool cannot hold (decode: streams long enough, at
+the speed measured on the cluster just before, to keep three workers' sequences busy; prefill:
+prompt tokens/s over the capacity the controller is given), the pool grows within its bound; the load stops, the pool shrinks back to its minimum. Every request finishes with
 the tokens of an undisturbed greedy run, and no KV block or lease is left behind.
 
 Bounds stated: with a decision every 0.5 s and a 3 s cool-down, a pool grows within 20 s
@@ -8,6 +9,7 @@ of the load starting and is back at its minimum within 60 s of the load ending."
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 
@@ -137,12 +139,37 @@ def requests_of(n: int, distinct: int, prompt_len: int, output_len: int, seed: i
     return [BenchRequest(prompts[i % distinct], output_len, prompt_len=prompt_len) for i in range(n)]
 
 
+def seconds_per_token(cluster: Cluster, output_len: int = 64) -> float:
+    """One stream's decode time per token on this cluster, now (the host's speed drifts)."""
+    async def go() -> float:
+        async with GenerationClient(cluster.target) as c:
+            first, n = None, 0
+            async for r in c.generate(prompt_token_ids=list(range(3, 27)), max_tokens=output_len,
+                                      temperature=0.0, ignore_eos=True):
+                if r.token_ids and first is None:
+                    first = time.monotonic()
+                n += len(r.token_ids)
+            assert first is not None and n == output_len
+            return (time.monotonic() - first) / (n - 1)
+    return asyncio.run(go())
+
+
+def streams_one_worker_cannot_hold(cluster: Cluster, rate: float) -> int:
+    """An output length at which `rate` streams a second keep three decode workers' sequences
+    (3 x max_num_seqs) busy, by the stream speed measured now: a load one worker cannot hold on a
+    fast host as on a slow one (a fixed length was held by one worker on a quiet host)."""
+    spt = seconds_per_token(cluster)
+    want = 3 * cluster.backend.config.max_num_seqs
+    return int(min(512, max(32, math.ceil(want / (rate * spt)))))
+
+
 @pytest.mark.parametrize("pool, n, distinct, prompt_len, output_len, rate", [
-    ("decode", 180, 24, 24, 32, 12.0),    # 15 s of 12 streams/s of 32 tokens: far more than 4 sequences
+    ("decode", 180, 8, 24, None, 12.0),   # 15 s of 12 streams/s, long enough to need 3 workers' sequences
     ("prefill", 150, 150, 480, 2, 10.0),  # 15 s of 10 x 480 prompt tokens/s against 1500 per worker
 ])
 def test_pool_grows_under_load_and_shrinks_back(cluster, hf, pool, n, distinct, prompt_len, output_len, rate):
     low, high = cluster.backend.config.pool_bounds(pool)
+    output_len = output_len or streams_one_worker_cannot_hold(cluster, rate)
     watch = PoolWatch(cluster, pool)
     try:
         start = time.monotonic()
@@ -161,7 +188,8 @@ def test_pool_grows_under_load_and_shrinks_back(cluster, hf, pool, n, distinct, 
     finally:
         watch.stop()
     grown = [(t, s) for t, s in watch.sizes if s > low]
-    assert grown, f"the {pool} pool never grew: {watch.sizes[::8]}; decisions {decisions(cluster)}"
+    assert grown, (f"the {pool} pool never grew under {n} requests of {prompt_len} + {output_len} tokens at "
+                   f"{rate}/s: {watch.sizes[::8]}; decisions {decisions(cluster)}")
     assert grown[0][0] - start <= GROW_WITHIN_S
     assert max(s for _, s in watch.sizes) <= high
     expected: dict[tuple[int, ...], list[int]] = {}
