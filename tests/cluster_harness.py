@@ -16,11 +16,15 @@ class Cluster:
         try:
             self.stack: ServerStack = self.loop.run(start_stack(cfg), timeout=300)
         except BaseException:
-            # start_stack stopped what it started; this process's Ray goes too, so the next
-            # module's cluster starts its own instead of joining this one's leftovers
+            # start_stack stops what it started; a start still running (it timed out) is cancelled
+            # into doing so, and nothing on the loop calls Ray while it shuts down. This process's
+            # Ray goes too, so the next module's cluster starts its own instead of joining this one's.
             import ray
-            ray.shutdown()
-            self.loop.close()
+            try:
+                self.loop.run(_cancel_pending(), timeout=60)
+            finally:
+                ray.shutdown()
+                self.loop.close()
             raise
         self.backend = self.stack.backend
 

@@ -22,7 +22,7 @@ import yaml
 from chaos_lib import check_outcomes, trials
 from chaos_load import TokenCount, draw_requests, run_load
 from cluster.cli.client import GenerationClient
-from grpc_harness import free_port
+from grpc_harness import held_port
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +30,13 @@ DRAIN_TIMEOUT = 120.0
 
 
 def start_server(model_dir, tmp: Path) -> tuple[subprocess.Popen, str, Path]:
-    cfg = dict(model=str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_seqs=8, grpc_port=free_port(),
+    # the port stays held here while the server process starts (imports, then its claim)
+    with held_port() as port:
+        return _start_server(model_dir, tmp, port)
+
+
+def _start_server(model_dir, tmp: Path, grpc_port: int) -> tuple[subprocess.Popen, str, Path]:
+    cfg = dict(model=str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_seqs=8, grpc_port=grpc_port,
                metrics_port=0, http_port=0, prefill_workers=1, decode_workers=1, transfer_backend="tcp",
                drain_timeout=DRAIN_TIMEOUT, ray_temp_dir=str(tmp / "ray"), local_prefill_threshold=0,
                log_level="INFO,pdserve.requests=DEBUG")   # each request's trace, for explain_from_log

@@ -81,13 +81,14 @@ def decisions(cluster: Cluster) -> list:
 
 
 class PoolWatch:
-    """Samples a pool's serving size from the frontend's loop, and the wait-miss fraction
-    (the part of the window's first tokens that missed TTFT by waiting) of each of the
-    controller's intervals: recorded here, as the controller keeps only its last 100."""
+    """Samples a pool's serving size from the frontend's loop, and each of the controller's
+    intervals (what it saw and decided): recorded here, as the controller keeps only its last 100
+    (50 s), which a slow machine's load and drain outlast."""
 
     def __init__(self, cluster: Cluster, pool: str) -> None:
         self.cluster, self.pool, self.sizes = cluster, pool, []
-        self.wait_misses: dict[int, float] = {}     # id of the interval's signals -> its fraction
+        self.intervals: dict[int, tuple] = {}     # id of the interval's signals -> (its signals, its decision)
+        self._before = self._sample()[1]          # intervals decided before the watch: not this run's
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -97,20 +98,30 @@ class PoolWatch:
             return len(self.cluster.backend.pool.serving(self.pool))
         return self.cluster.loop.run(serving())
 
-    def _sample(self) -> tuple[int, dict[int, float]]:
+    def _sample(self) -> tuple[int, list[tuple]]:
         async def get():
-            signals = self.cluster.backend.autoscaler.signals[-8:]   # 2 s of intervals; sampled every 0.25 s
-            return len(self.cluster.backend.pool.serving(self.pool)), {
-                id(s): s.prefill.ttft_wait_miss_fraction for s in signals
-                if s.prefill.ttft_wait_miss_fraction is not None}
+            a = self.cluster.backend.autoscaler
+            return len(self.cluster.backend.pool.serving(self.pool)), list(zip(a.signals, a.decisions))
         return self.cluster.loop.run(get())
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            size, misses = self._sample()
+            size, intervals = self._sample()
             self.sizes.append((time.monotonic(), size))
-            self.wait_misses.update(misses)
+            # the objects are kept (here and in _before), so no id is reused for a later interval
+            old = {id(s) for s, _ in self._before}
+            self.intervals.update((id(s), (s, d)) for s, d in intervals if id(s) not in old)
             time.sleep(0.25)
+
+    def wait_misses(self) -> list[float]:
+        """The wait-miss fraction (the part of the window's first tokens that missed TTFT by
+        waiting) of each interval that had first tokens in its window."""
+        return [s.prefill.ttft_wait_miss_fraction for s, _ in self.intervals.values()
+                if s.prefill.ttft_wait_miss_fraction is not None]
+
+    def fleet_peak(self) -> int:
+        """The most workers the fleet held: targets of both pools plus draining workers."""
+        return max(d.prefill.target + d.decode.target + s.draining for s, d in self.intervals.values())
 
     def stop(self) -> None:
         self._stop.set()
@@ -177,7 +188,7 @@ def test_pool_grows_under_load_and_shrinks_back(cluster, hf, pool, n, distinct, 
         sender = drive(cluster, requests, rate)
         # every first token reached the live head's wait-miss fraction: measured while the load
         # ran, and 0 (a 60 s target: none missed)
-        misses = list(watch.wait_misses.values())
+        misses = watch.wait_misses()
         assert misses and set(misses) == {0.0}, misses
         while not any(s > low for _, s in watch.sizes) and time.monotonic() < start + GROW_WITHIN_S:
             time.sleep(0.25)
@@ -205,12 +216,5 @@ def test_pool_grows_under_load_and_shrinks_back(cluster, hf, pool, n, distinct, 
     downs = cluster.sample("pdserve_autoscale_decisions_total", pool=pool, direction="down", reason="idle")
     assert ups >= 1 and downs >= 1
     assert cluster.sample("pdserve_pool_target_workers", pool=pool) == low
-    assert fleet_peak(cluster) <= 4      # the cap held: targets of both pools plus draining workers
-
-
-def fleet_peak(cluster: Cluster) -> int:
-    async def get():
-        a = cluster.backend.autoscaler
-        assert a.controller.max_total_workers == 4
-        return max(d.prefill.target + d.decode.target + s.draining for d, s in zip(a.decisions, a.signals))
-    return cluster.loop.run(get())
+    assert cluster.backend.autoscaler.controller.max_total_workers == 4
+    assert watch.fleet_peak() <= 4      # the cap held, in every interval of the run

@@ -165,10 +165,11 @@ def test_gateway_metrics_under_vllm_names_while_requests_run(cluster):
 
     async def scrape_while_streaming(n=4):
         async with GenerationClient(cluster.target) as c:
-            streams = [c.generate(prompt_token_ids=list(range(3 + i, 60 + i)), max_tokens=300, temperature=0.0,
+            streams = [c.generate(prompt_token_ids=list(range(3 + i, 60 + i)), max_tokens=440, temperature=0.0,
                                   ignore_eos=True) for i in range(n)]
-            for s in streams:
-                await anext(s)   # every request has its first token: all are held by the frontend
+            # all sent at once, every request has its first token: all are held by the frontend
+            # (sent one after another's first token, the first could be done before the last started)
+            await asyncio.gather(*[anext(s) for s in streams])
             loop = asyncio.get_running_loop()
             out = await loop.run_in_executor(None, families, cluster.stack.metrics_server.url)
             for s in streams:

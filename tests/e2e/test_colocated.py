@@ -11,6 +11,7 @@ import pytest
 from cluster.cli.client import GenerationClient
 from cluster.config import ServeConfig
 from cluster_harness import Cluster, free_port
+from engine.block_hash import block_hashes
 from tiny_models import hf_greedy, load_hf_model
 
 pytestmark = pytest.mark.ray
@@ -33,6 +34,16 @@ async def _complete(target, ids, max_tokens=8):
         return await c.complete(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+def _wait(predicate, cluster: Cluster, message: str, timeout: float = 60.0) -> None:
+    """Until predicate() holds, evaluated on the frontend's loop (the router's state is not thread-safe)."""
+    async def check() -> bool:
+        return predicate()
+    end = time.monotonic() + timeout
+    while not cluster.loop.run(check()):
+        assert time.monotonic() < end, message
+        time.sleep(0.05)
+
+
 def _hit_tokens(cluster) -> dict[str, float]:
     return {w: cluster.sample("pdserve_prefix_cache_hit_tokens_total", worker=w, pool="colocated")
             for w in cluster.backend.workers}
@@ -45,12 +56,15 @@ def test_colocated_greedy_and_prefix_routing(cluster, tiny_llama_dir):
     prompts = [system + [rng.randrange(3, 380) for _ in range(10)] for _ in range(4)]
     first = asyncio.run(_complete(cluster.target, prompts[0]))
     assert first.tokens == hf_greedy(hf, prompts[0], 8)
-    time.sleep(0.5)    # let the router index the first request's KV events
+    prefix = set(block_hashes(system, BS))
+    _wait(lambda: any(prefix <= set(cluster.backend.router.index.worker_blocks(w)) for w in cluster.backend.workers),
+          cluster, "the router never indexed the first request's prefix blocks")   # its workers' KV events
     outs = [asyncio.run(_complete(cluster.target, p)) for p in prompts[1:]]
     for p, out in zip(prompts[1:], outs):
         assert out.tokens == hf_greedy(hf, p, 8)
         assert out.usage[0].cached_tokens >= 8 * BS, "the router should pick the worker holding the prefix"
-    time.sleep(0.5)    # one report interval: the per-worker hit counters reach the metrics
+    # the workers' reports carry their hit counters to the metrics
+    _wait(lambda: sum(_hit_tokens(cluster).values()) >= 3 * 8 * BS, cluster, "the prefix hits never reached the metrics")
     hits = _hit_tokens(cluster)
     assert max(hits.values()) >= 3 * 8 * BS and min(hits.values()) == 0, hits
     assert cluster.sample("pdserve_routing_decisions_total", kind="local_prefill") >= 4

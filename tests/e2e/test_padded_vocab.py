@@ -54,12 +54,14 @@ def cluster(model_dir, tmp_path_factory):
                       prefill_workers=1, decode_workers=2, max_migrations=1, local_prefill_threshold=0,
                       local_prefill_hit_ratio=1.0, ray_temp_dir=str(tmp_path_factory.mktemp("ray")))
     c = Cluster(cfg)
-    from cluster.frontends.http import serve_http
-    c.http = c.loop.run(serve_http(c.stack.runner, ServeConfig(http_port=0),
-                                   model_names=c.stack.config.served_model_name))
-    yield c
-    c.loop.run(c.http.stop(2))
-    c.close()
+    try:   # whatever fails here or in teardown, Ray goes with the cluster: the next module starts its own
+        from cluster.frontends.http import serve_http
+        c.http = c.loop.run(serve_http(c.stack.runner, ServeConfig(http_port=0),
+                                       model_names=c.stack.config.served_model_name))
+        yield c
+        c.loop.run(c.http.stop(2))
+    finally:
+        c.close()
 
 
 def padded_first(tok, hf) -> list[tuple[list[int], list[int]]]:

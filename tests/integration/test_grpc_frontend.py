@@ -3,6 +3,7 @@ engine (LocalEngineBackend, tiny random Llama), clients from cluster.cli.client.
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 
 import grpc
@@ -288,8 +289,9 @@ def test_stop_keeps_answering_while_in_flight_calls_finish(fe, hf):
                     await asyncio.sleep(0.01)
                 assert srv.runner.in_flight == 1
                 stopping = asyncio.wrap_future(fe.loop.submit(srv.stop(grace=60)))
-                await asyncio.sleep(0.1)
-                health = await c.health()
+                end = time.monotonic() + 60   # until stop() has begun on the frontend's loop (its thread)
+                while (health := await c.health()) == "SERVING" and time.monotonic() < end:
+                    await asyncio.sleep(0.01)
                 with pytest.raises(grpc.aio.AioRpcError) as ei:
                     await c.complete(prompt="new", max_tokens=2)
                 await asyncio.sleep(0.3)

@@ -7,6 +7,7 @@ import pytest
 from kvtransfer import side_channel
 from kvtransfer.nixl_backend import NixlConfig
 from kvtransfer.registry import available_backends
+from grpc_harness import held_port
 from kvtransfer.settings import TransferSettings
 
 
@@ -72,20 +73,14 @@ def test_garbage_peer_is_a_connection_error():
         listener.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("backend", available_backends())
 def test_settings_thread_the_side_channel_port(backend):
     import torch
     from kvtransfer.layout import KVPoolLayout
     if backend == "ucxx":
         pytest.skip("ucxx addresses peers by UCX worker address, no socket")
-    port = _free_port()
-    engine = TransferSettings(backend=backend, side_channel_port=port).create("settings-port")
+    with held_port() as port:   # held while the engine starts (NIXL's UCX opens its own listeners first)
+        engine = TransferSettings(backend=backend, side_channel_port=port).create("settings-port")
     try:
         pool = torch.zeros(4, 256, dtype=torch.uint8)
         engine.register_pool(KVPoolLayout.from_tensor(pool))

@@ -16,7 +16,7 @@ from cluster.cli import main
 from cluster.config import ServeConfig
 from cluster.preflight import preflight
 from engine.loader.load import resolve_model_path, served_name
-from grpc_harness import free_port
+from grpc_harness import free_port, held_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,9 +32,10 @@ def short_model(tmp_path_factory):
 def serve_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """`pdserve serve ...` in a fresh process, as a user runs it."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_AUTO_CONNECT": "0", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--grpc-port", str(free_port()),
-                           "--http-port", "0", "--metrics-port", "0", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=ROOT)
+    with held_port() as port:   # serve claims it before preflight: held while the process starts
+        return subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--grpc-port", str(port),
+                               "--http-port", "0", "--metrics-port", "0", *args], capture_output=True, text=True,
+                              timeout=timeout, env=full_env, cwd=ROOT)
 
 
 def assert_refused(proc: subprocess.CompletedProcess, ray_dir: Path, *needles: str) -> None:
