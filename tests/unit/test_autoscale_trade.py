@@ -6,7 +6,7 @@ import math
 
 from cluster.orchestration.autoscale import (AutoscaleConfig, ControllerState, DecodeSignals, FleetSignals,
                                              PoolBounds, PrefillSignals, Reason, decide)
-from cluster.orchestration.autoscale.trade import (decode_cost, prefill_miss_after, prefill_saving, recurrence,
+from cluster.orchestration.autoscale.trade import (decode_cost, prefill_miss_after, prefill_saving,
                                                    workers_to_trade)
 
 CAP_TPS = 10_000.0
@@ -41,38 +41,6 @@ def test_decode_cost_is_the_demand_one_fewer_worker_holds_over_the_target():
     assert math.isclose(decode_cost(burst, 10, 1, 0.75), 0.25 / sum(burst))
     assert math.isclose(decode_cost(burst, 10, 2, 0.75), 0.75 / sum(burst))     # 8 hold 6.0: 1.0 - 0.25 more
     assert decode_cost((), 10, 1, 0.75) == 0.0 and decode_cost((1.0,), 1, 1, 0.75) == math.inf
-
-
-def test_recurrence_is_the_chance_a_load_that_high_comes_within_the_draws():
-    demand = (3.0, 4.0, 4.0, 9.0)
-    # the highest, seen once in 4: 1 - (3/4)^2 in 2 draws; 4.0 is reached by 3 of 4; the lowest always
-    assert recurrence(demand, 2.0) == (1.0, 1 - (1 / 4) ** 2, 1 - (1 / 4) ** 2, 1 - (3 / 4) ** 2)
-    assert recurrence(demand, math.inf) == (1.0,) * 4 and recurrence((), 6.0) == ()
-    w = recurrence(demand, 6.0)
-    assert w[3] < recurrence(demand, 12.0)[3] < 1.0                    # more draws: more likely
-    # weighted, the burst counts its chance: 9 workers at 0.75 hold 6.75 of it, 8 hold 6.0
-    assert math.isclose(decode_cost(demand, 10, 2, 0.75, w), w[3] * 0.75 / sum(demand))
-    assert decode_cost(demand, 10, 2, 0.75) == decode_cost(demand, 10, 2, 0.75, (1.0,) * 4)
-
-
-# decode's KV demand (worker units, 5 s samples over the 180 s memory, the last the current interval)
-# recorded by benchmarks/autoscale_sim.py's autoscaled runs on main b4bbda4 (docs/simulator.md, trade32)
-X12_280S = (17.2, 16.3, 19.7, 11.6, 9.9, 12.5, 6.2, 11.5, 18.3, 19.9, 22.4, 25.0, 19.9, 15.9, 17.7, 8.6, 7.3, 9.1,
-            11.3, 11.3, 10.7, 8.8, 9.5, 9.6, 4.1, 4.3, 16.4, 14.0, 9.6, 11.9, 7.7, 8.0, 17.9, 19.8, 14.5, 12.2)
-X8_290S = (12.0, 7.8, 5.7, 8.4, 3.3, 7.3, 14.2, 14.3, 13.0, 16.3, 8.9, 7.7, 8.6, 4.3, 3.5, 4.8, 6.7, 6.9, 5.5, 5.3,
-           6.5, 4.8, 1.8, 2.8, 11.3, 8.9, 5.5, 7.5, 4.8, 5.3, 11.2, 12.2, 7.7, 7.1, 6.3, 7.1)
-
-
-def test_a_burst_seen_once_does_not_hold_decode_for_the_whole_memory():
-    # 100 x 12 at 280 s: prefill 70 workers miss 6.4% by waiting at rho 0.31; decode 30 workers, whose
-    # 160 s burst (25 worker units, over 29 x 0.75) is in its memory once. Counted at full weight it
-    # outweighs what a prefill worker saves (no trade until it leaves the memory at 340 s); weighted by
-    # the chance it comes within one start-up (6 intervals), decode gives 3
-    assert workers_to_trade(0.0641, 0.002, 0.31, 70, X12_280S, 30, 1, 0.75, 6) == 0
-    assert workers_to_trade(0.0641, 0.002, 0.31, 70, X12_280S, 30, 1, 0.75, 6, draws=6.0) == 3
-    # 100 x 8 at 290 s: prefill misses 1.2% at rho 0.17, its 1 more worker saves too little for either
-    assert workers_to_trade(0.0118, 0.002, 0.17, 78, X8_290S, 22, 1, 0.75, 4) == 0
-    assert workers_to_trade(0.0118, 0.002, 0.17, 78, X8_290S, 22, 1, 0.75, 4, draws=6.0) == 0
 
 
 def test_workers_to_trade_stops_where_the_saving_no_longer_pays():
@@ -117,14 +85,8 @@ def test_decode_gives_way_by_marginal_value_after_its_memory():
     assert (out[12].decode.target, out[12].decode.reason) == (5, Reason.TRADE)
     assert out[12].prefill.target == 11
     # a burst in the memory (0.75 of 8: 6 worker units) that 7 workers would hold over the
-    # target (5.25), coming every third interval: its cost outweighs what one more prefill worker
-    # saves; decode keeps its 8
-    often = [(0.05, 0.75) if i % 3 == 0 else x for i, x in enumerate(series)]
-    assert all(d.decode.target == 8 for d in _replay(often))
-    # the same burst seen once in the memory (13 samples; no start-up here, so one draw: it comes
-    # again in the next interval with 1/13): what it puts at risk weighs that chance, and decode
-    # gives way as on the quiet series (without the weight it kept its 8)
-    once = series[:6] + [(0.05, 0.75)] + series[7:]
-    assert (_replay(once)[12].decode.target, _replay(once)[12].decode.reason) == (5, Reason.TRADE)
+    # target (5.25): its cost outweighs what one more prefill worker saves; decode keeps its 8
+    burst = series[:6] + [(0.05, 0.75)] + series[7:]
+    assert all(d.decode.target == 8 for d in _replay(burst))
     # misses within the budget: no trade
     assert all(d.decode.target == 8 for d in _replay([(0.001, 0.2)] * 16))

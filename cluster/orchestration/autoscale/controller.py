@@ -82,9 +82,7 @@ the trade is decided by **marginal value** instead (`trade.py`): decode gives th
 while what one more prefill worker saves in TTFT misses over the budget (an M/M/1 queue per worker at
 the planner's tokens/s, calibrated on the measured fraction) exceeds what one fewer decode worker
 puts at risk (the part of decode's KV demand over the memory, the current interval at the predicted
-load, that the rest would hold above the KV target, each sample weighted by the chance a load that
-high comes again within one start-up, ``predict_ahead_s``: the KV-room rule takes the worker back
-when it does, one start-up late), never below decode's own ask at the target,
+load, that the rest would hold above the KV target), never below decode's own ask at the target,
 a step per cool-down, and only once the memory of peaks is full (its evidence is the memory).
 
 **The first hold**: nothing shrinks (nor gives way at the fleet cap) before the controller has
@@ -410,12 +408,9 @@ def _give_way(c: AutoscaleConfig, s: FleetSignals, wp: _Want, wd: _Want, d: Pool
     pw = s.prefill.workers
     rho = wp.predicted / (max(1, pw) * s.prefill.tokens_per_s_per_worker)
     demand = tuple(x for t, x in st.kv_demand if t < now) + (wd.kv_demand,)   # past: observed; now: predicted
-    # what is at risk is a load that comes before decode could take the worker back: one start-up
-    # (predict_ahead_s), in intervals of the (full) memory
     k = workers_to_trade(miss, c.ttft_miss_budget, rho, pw, demand, d.current,
                          max(c.decode.min_workers, wd.out), c.target_kv_usage,
-                         max(1, math.floor(d.current * c.max_step_down)),
-                         draws=max(1.0, c.predict_ahead_s * len(demand) / memory))
+                         max(1, math.floor(d.current * c.max_step_down)))
     if k == 0:
         return d, st
     return replace(d, target=d.current - k, reason=Reason.TRADE), replace(st, last_change_t=now, below_since=None,

@@ -25,16 +25,7 @@ part of the requests:
   included) x ready workers + waiting / sequences per worker. Every sequence
   above the target counts as a request at risk (the target is the margin that
   keeps decode off its cliff: a full worker makes hand-offs wait and every ITL
-  stretch). Weighted by demand, so a burst's samples weigh what they hold, and
-  by how likely a load that high is to come again before decode could take the
-  worker back (`recurrence`): the KV-room rule regrows decode when its demand
-  passes the target, and a worker takes ``draws`` intervals (one start-up) to
-  be ready, so what is at risk is a load that comes within that window. From
-  the memory's own samples: a load at least x came in a share q(x) of them, so
-  it comes at least once in ``draws`` intervals with probability
-  1 - (1 - q(x))^draws. A burst seen once in the memory weighs that chance
-  (one in 36 samples, 6 draws: 0.16), not the whole memory; a level the load
-  reaches often weighs ~1, as before.
+  stretch). Weighted by demand, so a burst's samples weigh what they hold.
 
 Both sides use only the model's figures (one prefill worker's tokens/s, the
 sequences one decode worker holds, the KV target, the miss budget) and what the
@@ -43,7 +34,6 @@ controller measured; the k-th worker moves only while its saving exceeds its cos
 """
 from __future__ import annotations
 
-import bisect
 import math
 
 
@@ -66,21 +56,8 @@ def prefill_saving(miss: float, budget: float, rho: float, workers: int, added: 
     return before - max(0.0, prefill_miss_after(miss, rho, workers, added) - budget)
 
 
-def recurrence(demand: tuple[float, ...], draws: float) -> tuple[float, ...]:
-    """Per sample: the chance that a load at least as high comes again within ``draws`` intervals,
-    from the samples themselves (a share q of them reached it: 1 - (1 - q)^draws; every sample
-    reaches its own level, so q > 0; ``draws`` infinite: 1 for every sample)."""
-    n = len(demand)
-    if math.isinf(draws):
-        return (1.0,) * n
-    ranked = sorted(demand)
-    return tuple(1.0 - (1.0 - (n - bisect.bisect_left(ranked, x)) / n) ** draws for x in demand)
-
-
-def decode_cost(demand: tuple[float, ...], workers: int, removed: int, target_kv: float,
-                weights: tuple[float, ...] | None = None) -> float:
-    """The part of decode's KV demand (sequences, weighted by what each sample holds and by
-    ``weights``, the chance its load comes again: `recurrence`; None: 1 each) that
+def decode_cost(demand: tuple[float, ...], workers: int, removed: int, target_kv: float) -> float:
+    """The part of decode's KV demand (sequences, weighted by what each sample holds) that
     ``workers - removed`` would hold above the KV target and ``workers - removed + 1`` not."""
     total = sum(demand)
     if total <= 0:
@@ -88,22 +65,20 @@ def decode_cost(demand: tuple[float, ...], workers: int, removed: int, target_kv
     room_after, room_before = (workers - removed) * target_kv, (workers - removed + 1) * target_kv
     if room_after <= 0:
         return math.inf
-    w = weights if weights is not None else (1.0,) * len(demand)
-    over = sum(p * (max(0.0, x - room_after) - max(0.0, x - room_before)) for x, p in zip(demand, w))
+    over = sum(max(0.0, x - room_after) - max(0.0, x - room_before) for x in demand)
     return over / total
 
 
 def workers_to_trade(miss: float, budget: float, rho: float, prefill_workers: int,
                      demand: tuple[float, ...], decode_workers: int, decode_floor: int, target_kv: float,
-                     step: int, draws: float = math.inf) -> int:
+                     step: int) -> int:
     """How many workers decode gives to prefill (at most ``step``, never below ``decode_floor``):
     the k-th only while one more prefill worker saves more requests than one fewer decode
-    worker puts at risk (each sample of ``demand`` weighted by the chance its load comes again
-    within ``draws`` intervals: `recurrence`)."""
-    k, weights = 0, recurrence(demand, draws)
+    worker puts at risk."""
+    k = 0
     while k < step and decode_workers - k - 1 >= decode_floor:
         saving = prefill_saving(miss, budget, rho, prefill_workers, k + 1)
-        if saving <= 0 or saving <= decode_cost(demand, decode_workers, k + 1, target_kv, weights):
+        if saving <= 0 or saving <= decode_cost(demand, decode_workers, k + 1, target_kv):
             break
         k += 1
     return k
