@@ -18,6 +18,7 @@ from cluster.observability.metrics import Metrics
 from cluster.orchestration.backend import GenerationBackend
 
 if TYPE_CHECKING:
+    from cluster.frontends.ports import PortClaims
     from cluster.frontends.grpc.server import GrpcServer
     from cluster.frontends.http import HttpServer
     from cluster.observability.metrics_server import MetricsServer
@@ -103,7 +104,8 @@ async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None
         claims.release()
 
 
-async def _start(cfg: ServeConfig, backend: GenerationBackend | None, claims, started: list) -> ServerStack:
+async def _start(cfg: ServeConfig, backend: GenerationBackend | None, claims: PortClaims,
+                 started: list) -> ServerStack:
     from cluster.frontends.auth import ApiKeys, TlsConfig
     from cluster.observability.metrics_server import start_metrics_server
     from cluster.preflight import preflight

@@ -17,14 +17,9 @@ class Cluster:
             self.stack: ServerStack = self.loop.run(start_stack(cfg), timeout=300)
         except BaseException:
             # start_stack stops what it started; a start still running (it timed out) is cancelled
-            # into doing so, and nothing on the loop calls Ray while it shuts down. This process's
-            # Ray goes too, so the next module's cluster starts its own instead of joining this one's.
-            import ray
-            try:
-                self.loop.run(_cancel_pending(), timeout=60)
-            finally:
-                ray.shutdown()
-                self.loop.close()
+            # into doing so. This process's Ray goes too, so the next module's cluster starts its
+            # own instead of joining this one's.
+            self._shutdown()
             raise
         self.backend = self.stack.backend
 
@@ -73,9 +68,16 @@ class Cluster:
     def close(self) -> None:
         try:
             self.loop.run(self.stack.drain_and_stop(1.0))
-            self.loop.run(_cancel_pending(), timeout=60)   # nothing on the loop calls Ray after shutdown
         finally:
-            import ray
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Cancel what is left on the loop (nothing on it calls Ray after the shutdown), then Ray
+        and the loop go."""
+        import ray
+        try:
+            self.loop.run(_cancel_pending(), timeout=60)
+        finally:
             ray.shutdown()
             self.loop.close()
 

@@ -36,11 +36,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 def held_port(host: str = "127.0.0.1"):
     """A TCP port for a server that binds it later, after slow work (another process starting
     up, a transfer agent loading), held meanwhile: bound here, not listening, with SO_REUSEADDR
-    and SO_REUSEPORT. The kernel hands no held port out (bind to port 0, or a connect) and no
-    other socket can bind it, while the server's own bind beside it succeeds (gRPC's bind and
-    the gRPC claim of cluster/frontends/ports.py share by SO_REUSEPORT, the HTTP endpoint and
-    the KV sockets by SO_REUSEADDR; same user). A port from `free_port` is free again the moment
-    it returns: a process started meanwhile (Ray's, a UCX listener) can take it first."""
+    (and SO_REUSEPORT). The kernel hands no bound port out (bind to port 0, or a connect), while
+    the server's own bind beside it succeeds: on Linux sockets that all set SO_REUSEADDR may
+    share a port while at most one of them listens (pdserve's port claims, its gRPC and HTTP
+    endpoints and the KV side channel all set it; same user). A port from `free_port` is free
+    again the moment it returns: a process started meanwhile (Ray's, a UCX listener) can be
+    handed it first."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

@@ -3,7 +3,8 @@
 `pdserve serve` starts Ray and loads weights before its endpoints listen: seconds to
 minutes, in which Ray's own processes open many sockets. A port named in the config
 (`--grpc-port`, `--http-port`) is claimed first, so a port already taken fails the
-start at once, before Ray, and no process started meanwhile can take it.
+start at once, before Ray, and the kernel hands it to none of the sockets opened
+meanwhile (binds to port 0, connects).
 
 - HTTP: the endpoint's own socket, bound here and handed to `serve_http`.
 - gRPC: the Python server binds its own socket and cannot adopt one. The claim is a

@@ -4,10 +4,10 @@ import socket
 
 import pytest
 
+from grpc_harness import held_port
 from kvtransfer import side_channel
 from kvtransfer.nixl_backend import NixlConfig
 from kvtransfer.registry import available_backends
-from grpc_harness import held_port
 from kvtransfer.settings import TransferSettings
 
 
