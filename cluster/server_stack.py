@@ -67,13 +67,18 @@ class ServerStack:
 
 
 def check_frontends(cfg: ServeConfig) -> None:
-    """At least one frontend: gRPC (grpc_port) or HTTP (http_port), on two ports; 0 turns one off."""
+    """At least one frontend: gRPC (grpc_port) or HTTP (http_port), on two ports; 0 turns one off.
+    Metrics on a port of their own (0: any free port)."""
     if cfg.grpc_port == 0 and cfg.http_port == 0:
         raise ValueError("grpc_port and http_port are both 0, which turns both frontends off; set one "
                          "(--grpc-port 50051 for gRPC, --http-port 8000 for the OpenAI-compatible HTTP API)")
     if cfg.grpc_port == cfg.http_port:
         raise ValueError(f"grpc_port and http_port are both {cfg.grpc_port}: the two endpoints need two ports "
                          "(e.g. --grpc-port 50051 --http-port 8000)")
+    for name in ("grpc_port", "http_port"):
+        if cfg.metrics_port and cfg.metrics_port == getattr(cfg, name):
+            raise ValueError(f"metrics_port and {name} are both {cfg.metrics_port}: metrics need a port of their "
+                             "own (e.g. --metrics-port 9400, or 0 for any free port)")
 
 
 def make_backend(cfg: ServeConfig, metrics: Metrics) -> GenerationBackend:
@@ -87,13 +92,13 @@ def make_backend(cfg: ServeConfig, metrics: Metrics) -> GenerationBackend:
 
 
 async def start_stack(cfg: ServeConfig, backend: GenerationBackend | None = None) -> ServerStack:
-    """Start everything `pdserve serve` runs. The frontends' ports are claimed first (a taken port
+    """Start everything `pdserve serve` runs. The endpoints' ports are claimed first (a taken port
     fails here, before Ray and the weights; cluster/frontends/ports.py); a step that fails stops
     what the steps before it started (the backend's workers included) before the error propagates."""
     from cluster.frontends.ports import claim_ports
 
     check_frontends(cfg)
-    claims = claim_ports(cfg.host, cfg.grpc_port, cfg.http_port)
+    claims = claim_ports(cfg.host, cfg.grpc_port, cfg.http_port, cfg.metrics_port)
     started: list = []     # what to stop, last first, if a later step fails
     try:
         return await _start(cfg, backend, claims, started)
@@ -131,6 +136,7 @@ async def _start(cfg: ServeConfig, backend: GenerationBackend | None, claims: Po
         http = await serve_http(runner, cfg, api_keys=keys, model_names=cfg.served_model_name, tls=tls,
                                 sock=claims.take_http())
         started.append(http)
+    claims.release_metrics()     # the server binds the port at once, in this thread
     msrv = start_metrics_server(metrics, cfg.host, cfg.metrics_port)
     return ServerStack(cfg, metrics, backend, runner, grpc_server, http, msrv)
 

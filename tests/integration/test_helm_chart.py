@@ -325,6 +325,31 @@ def test_ports_agree_between_config_service_probes_and_container(scenario):
     assert all(len(name) <= 15 for name in container_ports), "container port names are at most 15 chars"
 
 
+def _head_pod(kube_version: str, *args: str) -> dict:
+    out = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", kube_version,
+               *args).stdout
+    rc = one(tuple(d for d in yaml.safe_load_all(out) if d), "RayCluster")
+    return rc["spec"]["headGroupSpec"]["template"]
+
+
+@pytest.mark.parametrize("scenario", ["default", "copy"])
+def test_head_reserves_the_endpoint_ports_from_ephemeral_use(scenario, offline):
+    """The Ray head starts before `pdserve serve` binds its ports: from Kubernetes 1.29 (where the
+    sysctl is safe) the head pod reserves exactly the configured endpoint ports; on 1.27 the pod
+    would be refused, so it is left out, and a value turns it off."""
+    cfg = ServeConfig(**{k: v for k, v in rendered_config(render(scenario)).items() if k in ServeConfig.keys()})
+    pod = _head_pod(KUBE_VERSIONS[-1], *SCENARIOS[scenario])
+    sysctls = {s["name"]: s["value"] for s in pod["spec"]["securityContext"]["sysctls"]}
+    expected = [p for p in (cfg.grpc_port, cfg.http_port, cfg.metrics_port) if p]
+    assert sorted(int(p) for p in sysctls["net.ipv4.ip_local_reserved_ports"].split(",")) == sorted(expected)
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
+    kv.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x", **pod.get("metadata", {})},
+                 "spec": pod["spec"]}, KUBE_VERSIONS[-1], strict=True)
+    assert "securityContext" not in _head_pod(KUBE_VERSIONS[0], *SCENARIOS[scenario])["spec"]
+    off = _head_pod(KUBE_VERSIONS[-1], *SCENARIOS[scenario], "--set", "head.reserveEndpointPorts=false")
+    assert "securityContext" not in off["spec"]
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_head_runs_pdserve_with_known_flags_and_the_mounted_config(scenario):
     docs = render(scenario)

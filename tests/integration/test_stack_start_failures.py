@@ -1,4 +1,4 @@
-"""`start_stack` claims the frontends' ports before anything starts (cluster/frontends/ports.py),
+"""`start_stack` claims the endpoints' ports before anything starts (cluster/frontends/ports.py),
 and a start that fails part-way stops what it had started: the backend (on Ray, its worker
 actors), the frontends that listened, and the ports they held.
 
@@ -78,9 +78,10 @@ def test_a_taken_port_fails_the_start_before_the_model_is_read(loop):
         taken.close()
 
 
-def test_a_start_failing_after_the_backend_stops_it_and_frees_the_ports(tiny_llama_dir, loop):
-    """The metrics port is the last thing bound: taken, the start fails after the backend and both
-    frontends started, and every one of them is stopped again."""
+def test_a_taken_metrics_port_fails_the_start_before_the_backend(tiny_llama_dir, loop):
+    """The metrics port is claimed with the frontends' (it used to be bound last, after Ray and
+    the workers): taken, the start fails before the backend starts, and the frontends' claims
+    are released."""
     taken = _listening()
     grpc_port, http_port = free_port(), free_port()
     cfg = _cfg(tiny_llama_dir, grpc_port=grpc_port, http_port=http_port, metrics_port=taken.getsockname()[1])
@@ -88,11 +89,30 @@ def test_a_start_failing_after_the_backend_stops_it_and_frees_the_ports(tiny_lla
     backend = RecordingBackend(engine_config(cfg))
     try:
         with pytest.raises(RuntimeError, match="pick a free --metrics-port"):
-            loop.run(start_stack(cfg, backend), timeout=300)
+            loop.run(start_stack(cfg, backend), timeout=60)
     finally:
         taken.close()
-    assert backend.calls == ["start", "stop"]
+    assert backend.calls == []
     assert _bindable(grpc_port) and _bindable(http_port)
+
+
+def test_a_start_failing_after_the_backend_stops_it_and_frees_the_ports(tiny_llama_dir, loop, monkeypatch):
+    """The metrics server is the last thing started: when it fails (here made to), the start
+    fails after the backend and both frontends started, and every one of them is stopped again,
+    the metrics port's claim included."""
+    import cluster.observability.metrics_server as metrics_server
+
+    def fail(metrics, host, port):
+        raise RuntimeError(f"cannot serve metrics on {host}:{port} (injected); pick a free --metrics-port")
+    monkeypatch.setattr(metrics_server, "start_metrics_server", fail)
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    cfg = _cfg(tiny_llama_dir, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port)
+    from cluster.orchestration.launcher import engine_config
+    backend = RecordingBackend(engine_config(cfg))
+    with pytest.raises(RuntimeError, match="injected"):
+        loop.run(start_stack(cfg, backend), timeout=300)
+    assert backend.calls == ["start", "stop"]
+    assert _bindable(grpc_port) and _bindable(http_port) and _bindable(metrics_port)
 
 
 def test_a_claimed_grpc_port_is_held_until_grpc_binds_it(tiny_llama_dir, loop):
@@ -134,22 +154,30 @@ def test_a_claimed_grpc_port_is_held_until_grpc_binds_it(tiny_llama_dir, loop):
     assert _bindable(port)
 
 
-def test_one_port_for_both_endpoints_is_refused():
-    with pytest.raises(ValueError, match="two ports"):
+@pytest.mark.parametrize("ports, match", [((8000, 8000, 9400), "two ports"),
+                                           ((8000, 8001, 8000), "metrics need a port of their own"),
+                                           ((8000, 8001, 8001), "metrics need a port of their own")])
+def test_one_port_for_two_endpoints_is_refused(ports, match):
+    grpc_port, http_port, metrics_port = ports
+    cfg = ServeConfig(model="/nonexistent", grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port)
+    with pytest.raises(ValueError, match=match):
         loop = LoopThread()
         try:
-            loop.run(start_stack(ServeConfig(model="/nonexistent", grpc_port=8000, http_port=8000)), timeout=30)
+            loop.run(start_stack(cfg), timeout=30)
         finally:
             loop.close()
 
 
-def test_claims_are_both_or_neither():
-    """An HTTP port that is taken releases the gRPC claim made before it."""
-    taken, grpc_port = _listening(), free_port()
+def test_claims_are_all_or_none():
+    """A port that is taken releases the claims made before it."""
+    taken, grpc_port, http_port = _listening(), free_port(), free_port()
     try:
         with pytest.raises(RuntimeError, match="pick a free --http-port"):
             claim_ports("127.0.0.1", grpc_port, taken.getsockname()[1])
         assert _bindable(grpc_port)
+        with pytest.raises(RuntimeError, match=r"pick a free --metrics-port \(0 picks any free port\)"):
+            claim_ports("127.0.0.1", grpc_port, http_port, taken.getsockname()[1])
+        assert _bindable(grpc_port) and _bindable(http_port)
     finally:
         taken.close()
 

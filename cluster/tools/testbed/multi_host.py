@@ -87,7 +87,10 @@ class MultiHostServe:
                    prefill_resource="pdserve_prefill", decode_resource="pdserve_decode",
                    prefill_workers=prefill_workers, decode_workers=decode_workers, num_kv_blocks=128,
                    max_model_len=512, max_num_seqs=8, metrics_port=0,
-                   grpc_port=50051, http_port=8000,   # the head host's own network namespace: nothing else binds them
+                   # the head host's own network namespace; both below its ephemeral range (32768-60999)
+                   # and outside Ray's worker ports (10002-19999), so Ray's head, started first there,
+                   # cannot have been handed either (50051 could, one start in ~2000)
+                   grpc_port=9051, http_port=8000,
                    transfer_backend="tcp", local_prefill_threshold=0, local_prefill_hit_ratio=1.0,
                    log_level="INFO,pdserve.requests=DEBUG")
         cfg.update(serve)
