@@ -90,8 +90,8 @@ def reclaim_price(memory: DecodeMemory, workers: int, removed: int) -> ReclaimPr
     kept = (math.exp(-rate * s) - math.exp(-rate * h)) / rate
     chance = 1.0 - math.exp(-rate * h)
     mean = sum(x for _, x in samples) / len(samples)
-    window, full = 0.0, workers - removed        # variant: at risk above what D - k hold (KV use 1.0)
+    window = 0.0
     for i in starts:
         t0 = samples[i][0]
-        window += sum(max(0.0, x - full) - max(0.0, x - full - 1.0) for ts, x in samples[i:] if ts < t0 + max(s, spacing))
+        window += sum(max(0.0, x - room) - max(0.0, x - room - t) for ts, x in samples[i:] if ts < t0 + max(s, spacing))
     return ReclaimPrice(len(starts), max(0.0, kept), chance, chance * window * spacing / mean / len(starts))
