@@ -6,7 +6,6 @@ import math
 
 from cluster.orchestration.autoscale import (AutoscaleConfig, ControllerState, DecodeSignals, FleetSignals,
                                              PoolBounds, PrefillSignals, Reason, decide)
-from cluster.orchestration.autoscale.reclaim import DecodeMemory
 from cluster.orchestration.autoscale.trade import (decode_cost, prefill_miss_after, prefill_saving,
                                                    workers_to_trade)
 
@@ -44,19 +43,14 @@ def test_decode_cost_is_the_demand_one_fewer_worker_holds_over_the_target():
     assert decode_cost((), 10, 1, 0.75) == 0.0 and decode_cost((1.0,), 1, 1, 0.75) == math.inf
 
 
-def _memory(*xs: float) -> DecodeMemory:
-    """Decode's KV demand every 5 s over a 180 s memory, 30 s start-up."""
-    return DecodeMemory(tuple((5.0 * i, x) for i, x in enumerate(xs)), 0.75, 30.0, 180.0)
-
-
 def test_workers_to_trade_stops_where_the_saving_no_longer_pays():
-    quiet = _memory(*(3.0,) * 36)
+    quiet = (3.0,) * 10
     # decode never needed more than 4 workers at the target: it gives its step, down to its floor
-    assert workers_to_trade(0.05, 0.002, 0.3, 10, quiet, 10, 1, 3) == 3
-    assert workers_to_trade(0.05, 0.002, 0.3, 10, quiet, 10, 8, 3) == 2
+    assert workers_to_trade(0.05, 0.002, 0.3, 10, quiet, 10, 1, 0.75, 3) == 3
+    assert workers_to_trade(0.05, 0.002, 0.3, 10, quiet, 10, 8, 0.75, 3) == 2
     # within budget nothing moves; a burst that 9 workers hold over the target costs more than it saves
-    assert workers_to_trade(0.001, 0.002, 0.3, 10, quiet, 10, 1, 3) == 0
-    assert workers_to_trade(0.05, 0.002, 0.3, 10, _memory(*(3.0,) * 35, 7.4), 10, 1, 3) == 0
+    assert workers_to_trade(0.001, 0.002, 0.3, 10, quiet, 10, 1, 0.75, 3) == 0
+    assert workers_to_trade(0.05, 0.002, 0.3, 10, quiet + (7.4,), 10, 1, 0.75, 3) == 0
 
 
 def _config() -> AutoscaleConfig:

@@ -119,7 +119,6 @@ from dataclasses import dataclass, replace
 
 from cluster.orchestration.autoscale.signals import (AutoscaleConfig, DecodeSignals, FleetSignals, PoolBounds,
                                                      PrefillSignals)
-from cluster.orchestration.autoscale.reclaim import DecodeMemory
 from cluster.orchestration.autoscale.trade import workers_to_trade
 
 _NEVER = float("-inf")
@@ -408,11 +407,10 @@ def _give_way(c: AutoscaleConfig, s: FleetSignals, wp: _Want, wd: _Want, d: Pool
         return d, st
     pw = s.prefill.workers
     rho = wp.predicted / (max(1, pw) * s.prefill.tokens_per_s_per_worker)
-    # past: observed; now: predicted
-    demand = tuple(x for x in st.kv_demand if x[0] < now) + ((now, wd.kv_demand),)
-    k = workers_to_trade(miss, c.ttft_miss_budget, rho, pw,
-                         DecodeMemory(demand, c.target_kv_usage, c.predict_ahead_s, memory), d.current,
-                         max(c.decode.min_workers, wd.out), max(1, math.floor(d.current * c.max_step_down)))
+    demand = tuple(x for t, x in st.kv_demand if t < now) + (wd.kv_demand,)   # past: observed; now: predicted
+    k = workers_to_trade(miss, c.ttft_miss_budget, rho, pw, demand, d.current,
+                         max(c.decode.min_workers, wd.out), c.target_kv_usage,
+                         max(1, math.floor(d.current * c.max_step_down)))
     if k == 0:
         return d, st
     return replace(d, target=d.current - k, reason=Reason.TRADE), replace(st, last_change_t=now, below_since=None,

@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import math
 
-from cluster.orchestration.autoscale.reclaim import DecodeMemory, reclaim_price
-
 
 def prefill_miss_after(miss: float, rho: float, workers: int, added: int) -> float:
     """The wait-miss fraction with ``added`` more workers, from ``miss`` measured at
@@ -71,16 +69,16 @@ def decode_cost(demand: tuple[float, ...], workers: int, removed: int, target_kv
     return over / total
 
 
-def workers_to_trade(miss: float, budget: float, rho: float, prefill_workers: int, memory: DecodeMemory,
-                     decode_workers: int, decode_floor: int, step: int) -> int:
+def workers_to_trade(miss: float, budget: float, rho: float, prefill_workers: int,
+                     demand: tuple[float, ...], decode_workers: int, decode_floor: int, target_kv: float,
+                     step: int) -> int:
     """How many workers decode gives to prefill (at most ``step``, never below ``decode_floor``):
-    the k-th only while what one more prefill worker saves over the time it is likely to be kept
-    exceeds the expected cost of the KV-room rule taking it back (reclaim.py)."""
+    the k-th only while one more prefill worker saves more requests than one fewer decode
+    worker puts at risk."""
     k = 0
     while k < step and decode_workers - k - 1 >= decode_floor:
         saving = prefill_saving(miss, budget, rho, prefill_workers, k + 1)
-        price = reclaim_price(memory, decode_workers, k + 1)
-        if saving <= 0 or saving * price.kept_s <= price.risk:
+        if saving <= 0 or saving <= decode_cost(demand, decode_workers, k + 1, target_kv):
             break
         k += 1
     return k
