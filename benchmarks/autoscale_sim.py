@@ -71,7 +71,8 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
                     slo=Slo(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0), autoscale=scale,
                     reserve_decode_blocks=not args.no_reserve_decode_blocks)
     t0 = time.perf_counter()
-    s = ClusterSim(cfg, cost, reqs, PromptBuilder(512)).run()
+    sim = ClusterSim(cfg, cost, reqs, PromptBuilder(512))
+    s = sim.run()
     row = {"fleet": fleet["label"], "nodes": n, "split": f"{p}:{d}", "autoscale": autoscale, "requests": s["requests"],
            "start_split": f"{p}:{d}",
            "finished": s["finished"], "good": s["goodput"]["requests"],
@@ -82,7 +83,8 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
            "duration_s": round(s["duration_s"], 1), "ttft_p90_s": round(s["ttft_s"]["p90"], 3),
            "itl_p90_ms": round(s["itl_s"]["p90"] * 1000, 1), "wall_s": round(time.perf_counter() - t0, 1),
            "decode_reservations": s["sim"]["decode_reservations"],
-           "local_recompute_fallbacks": s["sim"]["local_recompute_fallbacks"]}
+           "local_recompute_fallbacks": s["sim"]["local_recompute_fallbacks"],
+           "misses_by_arrival": misses_by_arrival(sim.records, sim.start_s, cfg.slo)}
     if autoscale:
         a = s["autoscale"]
         row.update(peak_workers=a["peak_workers"], decisions=a["decisions"], changes=len(a["changes"]),
@@ -93,6 +95,22 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
     if autoscale:
         row["intervals"] = s["autoscale"]["intervals"]      # in --output only: one row per controller interval
     return row
+
+
+def misses_by_arrival(records: list, start_s: float, slo: Slo, bin_s: float = 50.0) -> dict[str, list[int]]:
+    """Per ``bin_s`` of arrival time (the bin's first second, from the run's start): the finished
+    requests that missed only TTFT, only the mean ITL, both, and all finished (goodput's SLOs):
+    where in the trace one run loses requests against another."""
+    out: dict[str, list[int]] = {}
+    for r in records:
+        if r.finish_s is None:
+            continue
+        ttft, itl = r.ttft > slo.ttft_s, r.mean_itl is not None and r.mean_itl > slo.itl_s
+        row = out.setdefault(str(int((r.arrival_s - start_s) // bin_s * bin_s)), [0, 0, 0, 0])
+        if ttft or itl:
+            row[2 if ttft and itl else 0 if ttft else 1] += 1
+        row[3] += 1
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def plan_jobs(fleets: list[dict], fractions: list[float], autoscaled_only: bool) -> list[tuple]:
