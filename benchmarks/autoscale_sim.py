@@ -18,6 +18,10 @@ JSON line.
 
     .venv/bin/python benchmarks/autoscale_sim.py --fleet 100:1000:12:1 --fleet 1000:300:120:1 --jobs 2
         (--fleet N:LIMIT:COPIES:TIME_SCALE, repeatable)
+
+``--autoscaled-only`` runs the autoscaled arm alone (no fixed sweep: the fixed runs do not use the
+controller, so a controller change leaves them as they were); its summary has no best split nor goal.
+``--jobs 1`` runs in this process, in order.
 """
 from __future__ import annotations
 
@@ -67,7 +71,8 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
                     slo=Slo(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0), autoscale=scale,
                     reserve_decode_blocks=not args.no_reserve_decode_blocks)
     t0 = time.perf_counter()
-    s = ClusterSim(cfg, cost, reqs, PromptBuilder(512)).run()
+    sim = ClusterSim(cfg, cost, reqs, PromptBuilder(512))
+    s = sim.run()
     row = {"fleet": fleet["label"], "nodes": n, "split": f"{p}:{d}", "autoscale": autoscale, "requests": s["requests"],
            "start_split": f"{p}:{d}",
            "finished": s["finished"], "good": s["goodput"]["requests"],
@@ -78,7 +83,8 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
            "duration_s": round(s["duration_s"], 1), "ttft_p90_s": round(s["ttft_s"]["p90"], 3),
            "itl_p90_ms": round(s["itl_s"]["p90"] * 1000, 1), "wall_s": round(time.perf_counter() - t0, 1),
            "decode_reservations": s["sim"]["decode_reservations"],
-           "local_recompute_fallbacks": s["sim"]["local_recompute_fallbacks"]}
+           "local_recompute_fallbacks": s["sim"]["local_recompute_fallbacks"],
+           "misses_by_arrival": misses_by_arrival(sim.records, sim.start_s, cfg.slo)}
     if autoscale:
         a = s["autoscale"]
         row.update(peak_workers=a["peak_workers"], decisions=a["decisions"], changes=len(a["changes"]),
@@ -91,7 +97,57 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
     return row
 
 
-def main() -> None:
+def misses_by_arrival(records: list, start_s: float, slo: Slo, bin_s: float = 50.0) -> dict[str, list[int]]:
+    """Per ``bin_s`` of arrival time (the bin's first second, from the run's start): the finished
+    requests that missed only TTFT, only the mean ITL, both, and all finished (goodput's SLOs):
+    where in the trace one run loses requests against another."""
+    out: dict[str, list[int]] = {}
+    for r in records:
+        if r.finish_s is None:
+            continue
+        ttft, itl = r.ttft > slo.ttft_s, r.mean_itl is not None and r.mean_itl > slo.itl_s
+        row = out.setdefault(str(int((r.arrival_s - start_s) // bin_s * bin_s)), [0, 0, 0, 0])
+        if ttft or itl:
+            row[2 if ttft and itl else 0 if ttft else 1] += 1
+        row[3] += 1
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def plan_jobs(fleets: list[dict], fractions: list[float], autoscaled_only: bool) -> list[tuple]:
+    """(fleet, prefill, decode, autoscale) per run: the fixed splits P + D = N at each prefill
+    fraction (none with ``autoscaled_only``), then the autoscaled run (N/2 : N/2 unless the planner
+    starts it)."""
+    jobs: list[tuple] = []
+    for f in fleets:
+        n = f["nodes"]
+        if not autoscaled_only:
+            splits = sorted({(max(1, round(n * x)), n - max(1, round(n * x))) for x in fractions})
+            jobs += [(f, p, d, False) for p, d in splits]
+        jobs.append((f, n // 2, n - n // 2, True))
+    return jobs
+
+
+def summarize(f: dict, mine: list[dict]) -> dict:
+    """One fleet's summary: the autoscaled run, and with a fixed sweep the best split (most good
+    requests, ties to fewer worker-hours), the sweep and whether the goal is met."""
+    auto = next(r for r in mine if r["autoscale"])
+    out = {"window": f, "requests": auto["requests"],
+           "autoscaled": {k: auto[k] for k in ("start_split", "good", "good_fraction", "worker_hours",
+                                               "prefill_worker_hours", "decode_worker_hours", "ttft_p90_s",
+                                               "itl_p90_ms", "duration_s", "peak_workers", "changes")}}
+    fixed = [r for r in mine if not r["autoscale"]]
+    if not fixed:
+        return out
+    best = max(fixed, key=lambda r: (r["good"], -r["worker_hours"]))
+    out.update(best_fixed={k: best[k] for k in ("split", "good", "good_fraction", "worker_hours", "ttft_p90_s",
+                                                "itl_p90_ms", "duration_s")},
+               sweep=[{k: r[k] for k in ("split", "good", "worker_hours", "ttft_p90_s", "itl_p90_ms",
+                                         "local_recompute_fallbacks")} for r in fixed],
+               goal_met=auto["good"] >= best["good"] and auto["worker_hours"] < best["worker_hours"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--profile", default="h100")
@@ -118,45 +174,32 @@ def main() -> None:
     ap.add_argument("--no-reserve-decode-blocks", action="store_true",
                     help="allocate a hand-off's decode blocks when its prefill ends (the live cluster reserves "
                          "them when it is routed, by default)")
-    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--autoscaled-only", action="store_true",
+                    help="run the autoscaled arm alone, no fixed sweep (for a controller change: the fixed "
+                         "runs do not use the controller)")
+    ap.add_argument("--jobs", type=int, default=2, help="processes (1: in this one, in order)")
     ap.add_argument("--output", help="also write every run here (JSON)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     fleets = []
     for spec in args.fleet or ["100:1000:12:1", "1000:300:120:1"]:
         n, limit, copies, ts = spec.split(":")
         fleets.append({"label": spec, "nodes": int(n), "limit": int(limit), "copies": int(copies),
                        "time_scale": float(ts)})
     fractions = [float(x) for x in args.prefill_fractions.split(",")]
-    jobs = []
-    for f in fleets:
-        n = f["nodes"]
-        splits = sorted({(max(1, round(n * x)), n - max(1, round(n * x))) for x in fractions})
-        jobs += [(f, p, d, False) for p, d in splits]
-        jobs.append((f, n // 2, n - n // 2, True))
+    jobs = [(args, *j) for j in plan_jobs(fleets, fractions, args.autoscaled_only)]
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        rows = list(pool.map(one, *zip(*[(args, *j) for j in jobs])))
+    if args.jobs == 1:
+        rows = [one(*j) for j in jobs]
+    else:
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows = list(pool.map(one, *zip(*jobs)))
     out = {"slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms}, "steer": args.steer,
            "profile": args.profile, "fleet_cap": args.fleet_cap, "decode_first": args.decode_first,
            "start": args.start, "ttft_miss_budget": args.ttft_miss_budget,
            "reserve_decode_blocks": not args.no_reserve_decode_blocks,
            "startup_delay_s": args.startup_delay, "interval_s": args.interval, "idle_hold_s": args.idle_hold,
-           "fleets": {}}
-    for f in fleets:
-        mine = [r for r in rows if r["fleet"] == f["label"]]
-        fixed = [r for r in mine if not r["autoscale"]]
-        best = max(fixed, key=lambda r: (r["good"], -r["worker_hours"]))
-        auto = next(r for r in mine if r["autoscale"])
-        out["fleets"][f["label"]] = {
-            "window": f, "requests": best["requests"],
-            "best_fixed": {k: best[k] for k in ("split", "good", "good_fraction", "worker_hours", "ttft_p90_s",
-                                                "itl_p90_ms", "duration_s")},
-            "autoscaled": {k: auto[k] for k in ("start_split", "good", "good_fraction", "worker_hours", "prefill_worker_hours",
-                                                "decode_worker_hours", "ttft_p90_s", "itl_p90_ms", "duration_s",
-                                                "peak_workers", "changes")},
-            "sweep": [{k: r[k] for k in ("split", "good", "worker_hours", "ttft_p90_s", "itl_p90_ms",
-                                         "local_recompute_fallbacks")} for r in fixed],
-            "goal_met": auto["good"] >= best["good"] and auto["worker_hours"] < best["worker_hours"]}
+           "autoscaled_only": args.autoscaled_only,
+           "fleets": {f["label"]: summarize(f, [r for r in rows if r["fleet"] == f["label"]]) for f in fleets}}
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.output:
         Path(args.output).write_text(json.dumps({"summary": out, "runs": rows}, indent=1) + "\n")
