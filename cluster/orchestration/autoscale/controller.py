@@ -119,7 +119,7 @@ from dataclasses import dataclass, replace
 
 from cluster.orchestration.autoscale.signals import (AutoscaleConfig, DecodeSignals, FleetSignals, PoolBounds,
                                                      PrefillSignals)
-from cluster.orchestration.autoscale.trade import workers_to_trade
+from cluster.orchestration.autoscale.trade import miss_elasticity, workers_to_trade
 
 _NEVER = float("-inf")
 
@@ -187,6 +187,9 @@ class PoolState:
     # current interval's at the predicted load, what the marginal trade at the fleet cap
     # (trade.py) weighs one fewer worker against
     kv_demand: tuple[tuple[float, float], ...] = ()
+    # prefill: (time, utilisation of the ready workers, wait-miss fraction) over the memory of peaks:
+    # how steeply the misses follow the load (trade.py `miss_elasticity`), for the same trade
+    miss_load: tuple[tuple[float, float, float], ...] = ()
 
     def observe(self, load: float, now: float, config: AutoscaleConfig) -> "PoolState":
         if self.ewma is None or self.last_t is None:
@@ -394,7 +397,7 @@ def _trade(c: AutoscaleConfig, s: FleetSignals, prefill: _Want) -> bool:
 
 
 def _give_way(c: AutoscaleConfig, s: FleetSignals, wp: _Want, wd: _Want, d: PoolDecision, st: PoolState,
-              now: float) -> tuple[PoolDecision, PoolState]:
+              now: float, elasticity: float | None = None) -> tuple[PoolDecision, PoolState]:
     """At the cap with prefill asking, and the wait-miss fraction measured: decode gives the workers
     whose move saves more requests on prefill than it puts at risk on decode (trade.py), a step per
     cool-down at most, never below its own ask, and not before one hold watched nor while its SLO
@@ -410,11 +413,22 @@ def _give_way(c: AutoscaleConfig, s: FleetSignals, wp: _Want, wd: _Want, d: Pool
     demand = tuple(x for t, x in st.kv_demand if t < now) + (wd.kv_demand,)   # past: observed; now: predicted
     k = workers_to_trade(miss, c.ttft_miss_budget, rho, pw, demand, d.current,
                          max(c.decode.min_workers, wd.out), c.target_kv_usage,
-                         max(1, math.floor(d.current * c.max_step_down)))
+                         max(1, math.floor(d.current * c.max_step_down)), elasticity)
     if k == 0:
         return d, st
     return replace(d, target=d.current - k, reason=Reason.TRADE), replace(st, last_change_t=now, below_since=None,
                                                                           needs=())
+
+
+def _miss_load(kept: tuple[tuple[float, float, float], ...], s: PrefillSignals, since: float,
+               now: float) -> tuple[tuple[float, float, float], ...]:
+    """Prefill's (time, utilisation, wait-miss fraction) samples after ``since``, with this interval's
+    when the fraction is measured and a worker is ready (the utilisation of those that served the window)."""
+    kept = tuple(x for x in kept if x[0] > since)
+    if s.ttft_wait_miss_fraction is None or s.ready_workers <= 0:
+        return kept
+    rho = s.prompt_tokens_per_s / (s.ready_workers * s.tokens_per_s_per_worker)
+    return kept + ((now, rho, s.ttft_wait_miss_fraction),)
 
 
 def _idle_since(s: PrefillSignals, since: float | None, now: float) -> float | None:
@@ -470,6 +484,7 @@ def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerStat
     ds = _learn(ds, wd, signals.decode.workers, dt_d, config)
     memory = config.scale_in_memory_factor * config.scale_in_hold_s
     ds = replace(ds, kv_demand=tuple(x for x in ds.kv_demand if x[0] > now - memory) + ((now, wd.kv_observed),))
+    ps = replace(ps, miss_load=_miss_load(ps.miss_load, signals.prefill, now - memory, now))
     # measured wait misses: decode gives way at the cap by marginal value (_give_way); else without its hold
     marginal = signals.prefill.ttft_wait_miss_fraction is not None
     trade = _trade(config, signals, wp)
@@ -478,7 +493,8 @@ def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerStat
     d, ds = _pool("decode", signals.decode.workers, wd, ds, config.decode, config, now,
                   0.0 if trade and not marginal else config.scale_in_hold_s)
     if trade and marginal:
-        d, ds = _give_way(config, signals, wp, wd, d, ds, now)
+        slope = miss_elasticity(tuple((r, m) for _, r, m in ps.miss_load))
+        d, ds = _give_way(config, signals, wp, wd, d, ds, now, slope)
     idle_since = _idle_since(signals.prefill, state.idle_since, now)
     if config.idle_hold_s is not None and idle_since is not None and now - idle_since >= config.idle_hold_s:
         p, ps = _to_min(p, ps, config.prefill, now)

@@ -18,6 +18,14 @@ part of the requests:
   -ln(m / rho) / (1 - rho), no constant fitted), W + k workers at rho' = rho x W /
   (W + k) miss rho' x exp(-mu t (1 - rho')). Where the queue model cannot hold the
   measurement (m >= rho, or rho >= 1), misses scale with rho.
+  **Measured convexity** (save33): the window's mean rho hides the bursts inside
+  it where the misses come from, so the M/M/1 tail at the mean is too flat where
+  misses concentrate at high load. Over the memory the controller also keeps each
+  interval's own (rho, m); the least-squares slope of ln m on ln rho there, b, is
+  how steeply this fleet's misses follow its load (`miss_elasticity`). W + k
+  workers then miss m x (W / (W + k))^b, and the estimate takes the larger of the
+  two drops (the fitted slope is noisy and biased low by the noise in rho, so it
+  only raises the queue model's figure: `prefill_miss_after`'s ``elasticity``).
 - **What one fewer decode worker costs**: the part of decode's KV demand that
   D - 1 workers would hold above the KV target, over decode's recent samples
   (the last ``scale_in_memory_factor`` holds, the current one at the predicted
@@ -37,23 +45,45 @@ from __future__ import annotations
 import math
 
 
-def prefill_miss_after(miss: float, rho: float, workers: int, added: int) -> float:
+def miss_elasticity(samples: tuple[tuple[float, float], ...]) -> float | None:
+    """How steeply the wait-miss fraction follows utilisation over recent intervals: the
+    least-squares slope of ln(miss) on ln(rho) over the (rho, miss) samples with both
+    positive (an interval without a miss says nothing about the slope of its logarithm).
+    None with fewer than two such samples or no spread in rho."""
+    pts = [(math.log(r), math.log(m)) for r, m in samples if r > 0 and m > 0]
+    if len(pts) < 2:
+        return None
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if sxx <= 1e-12:
+        return None
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx
+
+
+def prefill_miss_after(miss: float, rho: float, workers: int, added: int,
+                       elasticity: float | None = None) -> float:
     """The wait-miss fraction with ``added`` more workers, from ``miss`` measured at
-    utilisation ``rho`` on ``workers`` (M/M/1 per worker, calibrated on ``miss``)."""
+    utilisation ``rho`` on ``workers`` (M/M/1 per worker, calibrated on ``miss``); with the
+    measured ``elasticity`` b (`miss_elasticity`), the lower of that and miss x (W / (W + k))^b."""
     if miss <= 0 or rho <= 0 or workers <= 0:
         return max(0.0, miss)
     after = rho * workers / (workers + added)
     if rho >= 1 or miss >= rho:
-        return miss * after / rho
-    mu_t = -math.log(miss / rho) / (1 - rho)
-    return min(miss, after * math.exp(-mu_t * (1 - after)))
+        queue = miss * after / rho
+    else:
+        mu_t = -math.log(miss / rho) / (1 - rho)
+        queue = min(miss, after * math.exp(-mu_t * (1 - after)))
+    if elasticity is None or elasticity <= 0:
+        return queue
+    return min(queue, miss * (workers / (workers + added)) ** elasticity)
 
 
-def prefill_saving(miss: float, budget: float, rho: float, workers: int, added: int) -> float:
+def prefill_saving(miss: float, budget: float, rho: float, workers: int, added: int,
+                   elasticity: float | None = None) -> float:
     """The part of the requests the ``added``-th more prefill worker keeps within the TTFT
     target (misses over the budget only: the budget is what the operator allows)."""
-    before = max(0.0, prefill_miss_after(miss, rho, workers, added - 1) - budget)
-    return before - max(0.0, prefill_miss_after(miss, rho, workers, added) - budget)
+    before = max(0.0, prefill_miss_after(miss, rho, workers, added - 1, elasticity) - budget)
+    return before - max(0.0, prefill_miss_after(miss, rho, workers, added, elasticity) - budget)
 
 
 def decode_cost(demand: tuple[float, ...], workers: int, removed: int, target_kv: float) -> float:
@@ -71,13 +101,13 @@ def decode_cost(demand: tuple[float, ...], workers: int, removed: int, target_kv
 
 def workers_to_trade(miss: float, budget: float, rho: float, prefill_workers: int,
                      demand: tuple[float, ...], decode_workers: int, decode_floor: int, target_kv: float,
-                     step: int) -> int:
+                     step: int, elasticity: float | None = None) -> int:
     """How many workers decode gives to prefill (at most ``step``, never below ``decode_floor``):
     the k-th only while one more prefill worker saves more requests than one fewer decode
     worker puts at risk."""
     k = 0
     while k < step and decode_workers - k - 1 >= decode_floor:
-        saving = prefill_saving(miss, budget, rho, prefill_workers, k + 1)
+        saving = prefill_saving(miss, budget, rho, prefill_workers, k + 1, elasticity)
         if saving <= 0 or saving <= decode_cost(demand, decode_workers, k + 1, target_kv):
             break
         k += 1
