@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy
+
 from cluster.orchestration.autoscale import (AutoscaleConfig, ControllerState, DecodeSignals, FleetSignals,
                                              PoolBounds, PrefillSignals, Reason, decide)
-from cluster.orchestration.autoscale.trade import (decode_cost, prefill_miss_after, prefill_saving,
-                                                   workers_to_trade)
+from cluster.orchestration.autoscale.trade import (decode_cost, miss_elasticity, prefill_miss_after,
+                                                   prefill_saving, workers_to_trade)
 
 CAP_TPS = 10_000.0
 SEQS = 40.0
@@ -24,6 +26,47 @@ def test_prefill_misses_follow_the_calibrated_mm1_tail():
     # where the queue model cannot hold the measurement (m >= rho, or saturated), misses scale with rho
     assert math.isclose(prefill_miss_after(0.6, 0.5, 4, 1), 0.6 * 4 / 5)
     assert math.isclose(prefill_miss_after(0.3, 1.2, 4, 4), 0.15)
+
+
+# recorded (save33): the autoscaled 100 x 12 run on main (docs/sim/autoscale_sim.json,
+# reclaim33_not_landed.main_rerun), prefill's (utilisation of the ready workers, wait-miss
+# fraction) every 15 s from 120 to 285 s; at 285 s: 70 workers, rho 0.3201, miss 0.0609
+RECORDED_100X12 = ((0.2592, 0.0059), (0.2085, 0.0058), (0.3002, 0.0479), (0.3484, 0.0649), (0.2301, 0.0396),
+                   (0.2187, 0.0186), (0.1977, 0.0058), (0.1638, 0.001), (0.2489, 0.0151), (0.2754, 0.0317),
+                   (0.3057, 0.0299), (0.3201, 0.0609))
+
+
+def test_miss_elasticity_is_the_least_squares_slope_of_the_logs():
+    # the reference: numpy's least-squares fit of ln miss on ln rho
+    ref = numpy.polyfit(numpy.log([r for r, _ in RECORDED_100X12]), numpy.log([m for _, m in RECORDED_100X12]), 1)[0]
+    assert math.isclose(miss_elasticity(RECORDED_100X12), ref, rel_tol=1e-9)
+    assert 4.5 < ref < 5.2                 # misses rise ~ rho^4.8 here; M/M/1 at 285 s says 1 + mu t rho = 1.8
+    # an exact power law gives its exponent; intervals without a miss say nothing about the slope
+    law = tuple((r, 0.5 * r ** 3) for r in (0.1, 0.2, 0.4)) + ((0.3, 0.0),)
+    assert math.isclose(miss_elasticity(law), 3.0, rel_tol=1e-9)
+    assert miss_elasticity(((0.2, 0.01),)) is None and miss_elasticity(((0.2, 0.01), (0.2, 0.03))) is None
+    assert miss_elasticity(((0.2, 0.03), (0.4, 0.01))) < 0          # misses fell as load rose
+
+
+def test_measured_convexity_raises_the_saving_where_misses_follow_the_load_steeply():
+    # why the two estimates differ: the M/M/1 tail at the window's mean rho (0.32) has a local slope
+    # d ln m / d ln rho of 1 + mu t rho = 1.8, but over the memory the misses rose as rho^4.8 (they come
+    # from bursts inside the windows); one more of 70 workers then saves 2.7x as much
+    m, rho, b = 0.0609, 0.3201, miss_elasticity(RECORDED_100X12)
+    queue, measured = prefill_saving(m, 0.002, rho, 70, 1), prefill_saving(m, 0.002, rho, 70, 1, b)
+    assert math.isclose(prefill_miss_after(m, rho, 70, 1, b), m * (70 / 71) ** b)
+    assert 0.0014 < queue < 0.0016 and 0.0039 < measured < 0.0042
+    # a decode burst that 29 of 30 workers hold 0.4 worker units over the target costs 0.0024 of the
+    # requests: the M/M/1 saving does not pay for it, the measured one does (the second worker's
+    # cost, 0.75 units, does not)
+    demand = (11.61, 6.24, 19.86, 19.87, 8.63, 11.26, 8.8, 4.08, 14.01, 7.65, 19.77, 9.63, 22.15)
+    assert queue < decode_cost(demand, 30, 1, 0.75) < measured < decode_cost(demand, 30, 2, 0.75)
+    assert workers_to_trade(m, 0.002, rho, 70, demand, 30, 1, 0.75, 6) == 0
+    assert workers_to_trade(m, 0.002, rho, 70, demand, 30, 1, 0.75, 6, b) == 1
+    # a flat or falling slope (100 x 8: misses barely follow the load) never lowers the queue
+    # model's figure: the fitted slope only raises it
+    for flat in (None, -0.3, 0.5, 1.0):
+        assert prefill_saving(m, 0.002, rho, 70, 1, flat) == queue
 
 
 def test_prefill_saving_counts_misses_over_the_budget_only():
