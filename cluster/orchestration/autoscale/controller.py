@@ -80,7 +80,8 @@ the last ``scale_in_memory_factor`` holds (3 x 60 s), longer than the hold itsel
 quiet minute before a rise does not set its size. When the caller measures the wait-miss fraction,
 the trade is decided by **marginal value** instead (`trade.py`): decode gives the k-th worker only
 while what one more prefill worker saves in TTFT misses over the budget (an M/M/1 queue per worker at
-the planner's tokens/s, calibrated on the measured fraction) exceeds what one fewer decode worker
+the planner's tokens/s, calibrated on the measured fraction; or, where steeper, the slope of the misses
+against the utilisation over the memory's intervals, ``PoolState.miss_load``) exceeds what one fewer decode worker
 puts at risk (the part of decode's KV demand over the memory, the current interval at the predicted
 load, that the rest would hold above the KV target), never below decode's own ask at the target,
 a step per cool-down, and only once the memory of peaks is full (its evidence is the memory).
