@@ -26,7 +26,8 @@ prefill and decode terms can be added (colocated mode) and compared:
   node's. The Mooncake replay at its knee (block 64) left holders six
   prefixes busier and fell to 0.944 of the ideal hit rate; in the simulator
   2 to 12 raise its hit rate and lower its mean TTFT, gains flattening from
-  4, with shared-prefix unchanged ("moon33" in docs/benchmarks.md);
+  4, with shared-prefix unchanged; measured, 0.942-0.947 against main's
+  0.924-0.933 in the same hour ("moon33" in docs/benchmarks.md);
 - a decode node costs its running sequences and KV usage, each scaled to
   token-equivalents by a weight, plus the blocks it would have to pull.
 
