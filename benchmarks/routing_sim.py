@@ -14,6 +14,11 @@ shared-prefix shuffle and Poisson arrivals, or which Mooncake conversations).
 
     .venv/bin/python benchmarks/routing_sim.py [--weights 1,3,4,6,8 --loads 2,4,6 --seeds 0,1,2]
 
+--busy-pool-miss sweeps CostWeights.busy_pool_miss (the miss weight's factor when
+every prefill node has a queue) like --weights; --trace-block-len 64
+--max-model-len 4096 --kv-blocks 2048 --max-num-batched-tokens 2048 is the replay of the
+moon29-moon33 runs (each hash id 64 tokens, prompts capped at 4092).
+
 Prints one JSON line: every run (simulated), and per workload and weight the
 mean and minimum prefix-aware hit rate over the ideal and the median TTFT p90
 ratio round-robin / prefix-aware. Simulated figures, not measurements.
@@ -52,15 +57,17 @@ def shared_prefix(groups: int, per_group: int, system_len: int, question_len: in
     return out
 
 
-def mooncake(n_conversations: int, time_scale: float, max_len: int, seed: int) -> list[TraceRequest]:
-    """routing_workloads.mooncake_dataset's sample (the same conversations for a seed), as hash ids."""
+def mooncake(n_conversations: int, time_scale: float, max_len: int, seed: int,
+             block_len: int = BLOCK) -> list[TraceRequest]:
+    """routing_workloads.mooncake_dataset's sample (the same conversations for a seed), as hash ids
+    of ``block_len`` tokens each."""
     rows = read_rows(str(DEFAULT_TRACE))
     picked = sorted(i for c in random.Random(seed).sample(conversations(rows), n_conversations) for i in c)
     t0, out = float(rows[picked[0]]["timestamp"]), []
     for i in picked:
         row = rows[i]
-        length = min(max(1, round(int(row["input_length"]) * BLOCK / 512)), max_len)
-        need = -(-length // BLOCK)
+        length = min(max(1, round(int(row["input_length"]) * block_len / 512)), max_len)
+        need = -(-length // block_len)
         ids = tuple(int(h) for h in row["hash_ids"])
         ids += tuple(-(i * 1000 + k + 2) for k in range(need - len(ids)))     # row-unique padding
         out.append(TraceRequest(f"r{i}", (float(row["timestamp"]) - t0) / 1000.0 * time_scale, length, 4,
@@ -68,47 +75,60 @@ def mooncake(n_conversations: int, time_scale: float, max_len: int, seed: int) -
     return out
 
 
-def ideal_hit_rate(reqs: list[TraceRequest]) -> float:
-    """One infinite cache, requests in order (the last token of a prompt is always computed)."""
+def ideal_hit_rate(reqs: list[TraceRequest], block_len: int = BLOCK) -> float:
+    """One infinite cache of BLOCK-token blocks, requests in order (the last token of a prompt is
+    always computed); each hash id is ``block_len`` tokens."""
     seen: set[tuple[int, ...]] = set()
     cached = total = 0
+    per_id = block_len // BLOCK
     for r in reqs:
         total += r.input_length
         missed = False
         for k in range((r.input_length - 1) // BLOCK):
-            key = r.hash_ids[:k + 1]
+            key = r.hash_ids[:k // per_id + 1] + ((k,) if per_id > 1 else ())
             missed = missed or key not in seen
             cached += 0 if missed else BLOCK
             seen.add(key)
     return cached / total
 
 
-def simulate(reqs: list[TraceRequest], policy: str, weight: float, args) -> dict:
-    pc = PolicyConfig(0.0, 0, 1.0, weights=CostWeights(uncached_token=weight))
+def simulate(reqs: list[TraceRequest], policy: str, weight: float, args, busy: float | None = None) -> dict:
+    """busy: CostWeights.busy_pool_miss (None: its default)."""
+    w = CostWeights(uncached_token=weight)
+    pc = PolicyConfig(0.0, 0, 1.0, weights=w if busy is None else replace(w, busy_pool_miss=busy))
     cfg = SimConfig(args.prefill_workers, 1, policy=policy, policy_config=pc, block_size=BLOCK,
-                    num_blocks=args.kv_blocks, max_num_batched_tokens=512, max_num_seqs=64)
-    s = ClusterSim(cfg, load_cost_model("cpu"), reqs, PromptBuilder(BLOCK, BLOCK)).run()
+                    num_blocks=args.kv_blocks, max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 512),
+                    max_num_seqs=64)
+    builder = PromptBuilder(BLOCK, getattr(args, "trace_block_len", BLOCK))
+    s = ClusterSim(cfg, load_cost_model("cpu"), reqs, builder).run()
     return {"hit_rate": round(s["hit_rate_tokens"], 4),
             **{f"ttft_{q}_s": round(s["ttft_s"][q], 3) for q in ("p50", "p90", "mean")}}
 
 
-def sweep(name: str, make, args) -> tuple[list[dict], dict]:
-    runs, by_weight = [], {w: [] for w in args.weights}
+def sweep(name: str, make, args, block_len: int = BLOCK) -> tuple[list[dict], dict]:
+    """Summary per (uncached_token, busy_pool_miss), keyed "w" (one busy value) or "w/busy"."""
+    grid = [(w, b) for w in args.weights for b in getattr(args, "busy_pool_miss", [CostWeights().busy_pool_miss])]
+    runs: list[dict] = []
+    by_weight: dict[tuple[float, float], list[tuple[float, float, float]]] = {k: [] for k in grid}
     for load in args.loads:
         for seed in args.seeds:
             reqs = [replace(r, arrival_s=r.arrival_s / load) for r in make(seed)]
-            ideal, rr = ideal_hit_rate(reqs), simulate(reqs, "round_robin", 1.0, args)
+            ideal, rr = ideal_hit_rate(reqs, block_len), simulate(reqs, "round_robin", 1.0, args)
             runs.append({"workload": name, "load": load, "seed": seed, "ideal_hit_rate": round(ideal, 4),
                          "policy": "round_robin", **rr})
-            for w in args.weights:
-                pa = simulate(reqs, "prefix_aware", w, args)
+            for w, b in grid:
+                pa = simulate(reqs, "prefix_aware", w, args, b)
                 runs.append({"workload": name, "load": load, "seed": seed, "policy": "prefix_aware",
-                             "uncached_token": w, **pa})
-                by_weight[w].append((pa["hit_rate"] / ideal, rr["ttft_p90_s"] / pa["ttft_p90_s"]))
-    summary = {str(w): {"hit_over_ideal_mean": round(statistics.mean(h for h, _ in v), 3),
-                        "hit_over_ideal_min": round(min(h for h, _ in v), 3),
-                        "ttft_p90_ratio_median": round(statistics.median(r for _, r in v), 2)}
-               for w, v in by_weight.items()}
+                             "uncached_token": w, "busy_pool_miss": b, **pa})
+                by_weight[w, b].append((pa["hit_rate"] / ideal, rr["ttft_p90_s"] / pa["ttft_p90_s"],
+                                        pa["ttft_mean_s"]))
+    one_busy = len({b for _, b in grid}) == 1
+    summary = {(str(w) if one_busy else f"{w}/{b}"): {
+        "hit_over_ideal_mean": round(statistics.mean(h for h, _, _ in v), 3),
+        "hit_over_ideal_min": round(min(h for h, _, _ in v), 3),
+        "ttft_p90_ratio_median": round(statistics.median(r for _, r, _ in v), 2),
+        "ttft_mean_s_mean": round(statistics.mean(m for _, _, m in v), 2)}
+        for (w, b), v in by_weight.items()}
     return runs, summary
 
 
@@ -116,6 +136,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     floats = lambda s: [float(x) for x in s.split(",")]   # noqa: E731
     p.add_argument("--weights", type=floats, default=[1.0, 3.0, 4.0, 6.0, 8.0])
+    p.add_argument("--busy-pool-miss", type=floats, default=[CostWeights().busy_pool_miss],
+                   help="CostWeights.busy_pool_miss values (1: a miss weighs the same on a busy pool)")
     p.add_argument("--loads", type=floats, default=[2.0, 4.0, 6.0])
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     p.add_argument("--workloads", default="shared-prefix,mooncake")
@@ -126,19 +148,28 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=1.5)
     p.add_argument("--conversations", type=int, default=60)
     p.add_argument("--trace-time-scale", type=float, default=0.0333)
+    p.add_argument("--trace-block-len", type=int, default=BLOCK, help="Mooncake tokens per hash id (a multiple of 16)")
+    p.add_argument("--max-model-len", type=int, default=1024, help="Mooncake prompts capped at this - 4 tokens")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     args = p.parse_args()
     out: dict = {"benchmark": "routing_sim", "simulated": True, "profile": "cpu",
-                 "prefill_workers": args.prefill_workers, "weights": args.weights, "loads": args.loads,
+                 "prefill_workers": args.prefill_workers, "weights": args.weights,
+                 "busy_pool_miss": args.busy_pool_miss, "loads": args.loads,
                  "seeds": args.seeds, "runs": [], "summary": {}}
     kv = args.kv_blocks
-    for name, make, blocks in (
+    if args.trace_block_len % BLOCK:
+        p.error(f"--trace-block-len must be a multiple of {BLOCK}")
+    bl, cap = args.trace_block_len, args.max_model_len - 4
+    for name, make, blocks, per_id in (
             ("shared-prefix", lambda seed: shared_prefix(args.groups, args.per_group, 384, 32, args.rate, seed),
-             kv or 128),
-            ("mooncake", lambda seed: mooncake(args.conversations, args.trace_time_scale, 1020, seed), kv or 512)):
+             kv or 128, BLOCK),
+            ("mooncake", lambda seed: mooncake(args.conversations, args.trace_time_scale, cap, seed, bl),
+             kv or 512, bl)):
         if name not in args.workloads.split(","):
             continue
         args.kv_blocks = blocks
-        runs, summary = sweep(name, make, args)
+        args.trace_block_len = per_id
+        runs, summary = sweep(name, make, args, per_id)
         out["runs"] += runs
         out["summary"][name] = {"kv_blocks": blocks, "by_uncached_token": summary}
     print(json.dumps(out))

@@ -17,7 +17,17 @@ prefill and decode terms can be added (colocated mode) and compared:
   group until its queue is six prefixes longer than another node's; 3 to 8
   keep the shared-prefix workload at its ideal hit rate in the simulator,
   6 and 8 also the Mooncake replay (>= 0.95 of ideal in 11 of 12 runs;
-  sweep in docs/benchmarks.md);
+  sweep in docs/benchmarks.md). When every prefill node has queued tokens
+  (a pool busy everywhere) a miss weighs ``busy_pool_miss`` = 4 times that:
+  with no idle node, the recomputed tokens use no spare capacity; they add
+  to a backlog that every later request of the pool waits through, for as
+  long as the pool stays busy, not only the chosen node's queue. A holder
+  then keeps its turn until its queue is 24 prefixes longer than another
+  node's. The Mooncake replay at its knee (block 64) left holders six
+  prefixes busier and fell to 0.944 of the ideal hit rate; in the simulator
+  2 to 12 raise its hit rate and lower its mean TTFT, gains flattening from
+  4, with shared-prefix unchanged; measured, 0.942-0.947 against main's
+  0.924-0.933 in the same hour ("moon33" in docs/benchmarks.md);
 - a decode node costs its running sequences and KV usage, each scaled to
   token-equivalents by a weight, plus the blocks it would have to pull.
 
@@ -31,8 +41,8 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +55,16 @@ class CostWeights:
     host_hit: float = 0.8          # a host-tier hit is worth this share of a device hit
     disk_hit: float = 0.5          # a disk-tier hit is worth this share of a device hit
     in_flight_hit: float = 0.9     # a block sent to the node, not yet reported, is worth this share
+    busy_pool_miss: float = 4.0    # uncached_token x this when every prefill node has a queue
 
     def __post_init__(self) -> None:
         for name in ("uncached_token", "queued_token", "running", "kv_usage", "transfer_block"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CostWeights.{name} must be >= 0 (0 disables that term), "
                                  f"got {getattr(self, name)}")
+        if not self.busy_pool_miss >= 1.0:
+            raise ValueError(f"CostWeights.busy_pool_miss multiplies the miss weight on a pool busy "
+                             f"everywhere: give a value >= 1 (1 turns it off), got {self.busy_pool_miss}")
         for name in ("host_hit", "disk_hit", "in_flight_hit"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"CostWeights.{name} is a share of a device hit: give a value "
@@ -83,6 +97,16 @@ def prefill_cost(uncached_blocks: float, queued_prefill_tokens: int, block_size:
     queued = queued_prefill_tokens - in_flight_blocks * block_size if in_flight_blocks else queued_prefill_tokens
     return (weights.uncached_token * uncached_blocks * block_size
             + weights.queued_token * max(0, queued))
+
+
+def busy_pool(queued_prefill_tokens: Iterable[int]) -> bool:
+    """Every prefill node has tokens queued (the miss weight is then ``busy_pool_miss`` x)."""
+    return all(q > 0 for q in queued_prefill_tokens)
+
+
+def busy_weights(weights: CostWeights) -> CostWeights:
+    """``weights`` with the miss weight of a pool busy everywhere."""
+    return replace(weights, uncached_token=weights.uncached_token * weights.busy_pool_miss)
 
 
 def decode_cost(running: int, kv_usage: float, weights: CostWeights) -> float:

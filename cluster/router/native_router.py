@@ -51,7 +51,7 @@ class NativeDecisions:
         """One for this router where the C path can decide as the Python one does, else None."""
         w = config.weights
         weights = (w.uncached_token, w.queued_token, w.running, w.kv_usage, w.transfer_block, w.host_hit,
-                   w.disk_hit, w.in_flight_hit)
+                   w.disk_hit, w.in_flight_hit, w.busy_pool_miss)
         flight = in_flight.table if isinstance(in_flight, InFlightPrefixes) else None
         if (type(policy) is not PrefixAwarePolicy or config.temperature != 0 or index.native_table is None
                 or (flight is None and not isinstance(in_flight, NoInFlightPrefixes))

@@ -238,6 +238,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         super().__init__(config, rng)
         self._synced: ClusterView | None = None
         self._roles: dict[str, RoleCosts] = {}
+        self._busy_weights = C.busy_weights(config.weights)
 
     def _decode_base(self, load: WorkerLoad) -> float:
         """A decode node's cost apart from the blocks it must pull (C.decode_node_cost)."""
@@ -285,8 +286,8 @@ class PrefixAwarePolicy(RoutingPolicy):
         return workers[i], float(costs[i])
 
     def _prefill_costs(self, req: RoutingRequest, workers: Sequence[WorkerView],
-                       matches: Mapping[str, MatchInfo]) -> list[float]:
-        w, bs, get = self.config.weights, req.block_size, _getter(matches)
+                       matches: Mapping[str, MatchInfo], w: C.CostWeights) -> list[float]:
+        bs, get = req.block_size, _getter(matches)
         total = req.prompt_tokens / bs
         cold, wq = w.uncached_token * total * bs, w.queued_token   # = C.prefill_cost(total, q, bs, w)
         costs = []
@@ -295,11 +296,11 @@ class PrefixAwarePolicy(RoutingPolicy):
             if m is None:
                 costs.append(cold + wq * x.load.queued_prefill_tokens)
             else:
-                costs.append(self._matched_prefill_cost(req, m, x.load.queued_prefill_tokens))
+                costs.append(self._matched_prefill_cost(req, m, x.load.queued_prefill_tokens, w))
         return costs
 
-    def _matched_prefill_cost(self, req: RoutingRequest, m: MatchInfo, queued: int) -> float:
-        w, bs = self.config.weights, req.block_size
+    def _matched_prefill_cost(self, req: RoutingRequest, m: MatchInfo, queued: int, w: C.CostWeights) -> float:
+        bs = req.block_size
         total = req.prompt_tokens / bs
         if m.host_blocks or m.disk_blocks or m.in_flight_blocks:
             uncached = total - C.effective_cached_blocks(m.device_blocks, m.host_blocks, m.disk_blocks,
@@ -308,11 +309,12 @@ class PrefixAwarePolicy(RoutingPolicy):
             uncached = total - m.device_blocks
         return C.prefill_cost(uncached, queued, bs, w, m.in_flight_blocks)
 
-    def _prefill_cost_array(self, req: RoutingRequest, rc: RoleCosts, matches: Matches) -> np.ndarray:
+    def _prefill_cost_array(self, req: RoutingRequest, rc: RoleCosts, matches: Matches,
+                            w: C.CostWeights) -> np.ndarray:
         """``_prefill_costs`` for every member of ``rc``, the same float64 arithmetic:
         ``uncached_token * uncached * block_size + queued_token * queued``; a match
         with off-device or in-flight blocks is costed by ``_matched_prefill_cost``."""
-        w, bs = self.config.weights, req.block_size
+        bs = req.block_size
         total = req.prompt_tokens / bs
         new_work = np.full(len(rc), w.uncached_token * total * bs)
         slow: dict[int, MatchInfo] = {}
@@ -334,33 +336,33 @@ class PrefixAwarePolicy(RoutingPolicy):
                 apply([i], info)
         costs = new_work + rc.keys
         for i, info in slow.items():
-            costs[i] = self._matched_prefill_cost(req, info, rc.views[i].load.queued_prefill_tokens)
+            costs[i] = self._matched_prefill_cost(req, info, rc.views[i].load.queued_prefill_tokens, w)
         return costs
 
-    def _prefill_cost_list(self, req: RoutingRequest, rc: RoleCosts, matches: Matches) -> list[float]:
+    def _prefill_cost_list(self, req: RoutingRequest, rc: RoleCosts, matches: Matches,
+                           w: C.CostWeights) -> list[float]:
         """``_prefill_costs`` for a small role, the same arithmetic: ``new work +
         queued_token * queued``, the new work set per group of equal matches (a
         host / disk match costed once per group); an in-flight match is costed
         by ``_matched_prefill_cost`` for its worker."""
-        w, bs = self.config.weights, req.block_size
+        bs = req.block_size
         total = req.prompt_tokens / bs
         work = [w.uncached_token * total * bs] * len(rc)
         slow: dict[int, MatchInfo] = {}
         for mask, info in matches.groups:
-            self._set_work(work, slow, rc.member_positions(mask, matches.ids), info, total, bs)
+            self._set_work(work, slow, rc.member_positions(mask, matches.ids), info, total, bs, w)
         for wid, info in matches.extra.items():
             i = rc.position(wid)
             if i is not None:
-                self._set_work(work, slow, (i,), info, total, bs)
+                self._set_work(work, slow, (i,), info, total, bs, w)
         costs = list(map(add, work, rc.key_list))
         for i, info in slow.items():
-            costs[i] = self._matched_prefill_cost(req, info, rc.views[i].load.queued_prefill_tokens)
+            costs[i] = self._matched_prefill_cost(req, info, rc.views[i].load.queued_prefill_tokens, w)
         return costs
 
     def _set_work(self, work: list[float], slow: dict[int, MatchInfo], positions: Sequence[int],
-                  info: MatchInfo, total: float, bs: int) -> None:
+                  info: MatchInfo, total: float, bs: int, w: C.CostWeights) -> None:
         """A group's new prefill work (``_matched_prefill_cost`` less the queue term)."""
-        w = self.config.weights
         if info.in_flight_blocks:
             slow.update(dict.fromkeys(positions, info))
             return
@@ -381,14 +383,17 @@ class PrefixAwarePolicy(RoutingPolicy):
         after one chosen by the prompt's first block that not every node holds
         (``least_assigned``, ``_tie_start``). Ties to the lowest index piled every new
         conversation onto the first worker; ties by a block hash alone spread them
-        only as evenly as a hash does, and conversations' later turns follow them."""
+        only as evenly as a hash does, and conversations' later turns follow them.
+        When every node has a queue, a miss weighs ``busy_pool_miss`` x more (cost.py)."""
         rc, start = self._vector(workers, "prefill", matches), _tie_start(req, workers, matches)
+        busy = C.busy_pool(x.load.queued_prefill_tokens for x in workers)
+        w = self._busy_weights if busy else self.config.weights
         if rc is None:
-            costs: list[float] | np.ndarray = self._prefill_costs(req, workers, matches)
+            costs: list[float] | np.ndarray = self._prefill_costs(req, workers, matches, w)
         elif len(rc) <= LIST_MAX:
-            costs = self._prefill_cost_list(req, rc, matches)
+            costs = self._prefill_cost_list(req, rc, matches, w)
         else:
-            costs = self._prefill_cost_array(req, rc, matches)
+            costs = self._prefill_cost_array(req, rc, matches, w)
         if self.config.temperature:
             return self._select(workers, costs if isinstance(costs, list) else costs.tolist(), start)
         i = least_assigned(workers, costs, start)
@@ -419,7 +424,7 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     def pick_colocated(self, req, workers, matches) -> Pick:
         w = self.config.weights
-        costs = self._prefill_costs(req, workers, matches)
+        costs = self._prefill_costs(req, workers, matches, w)
         costs = [c + C.decode_cost(x.load.running, x.load.kv_usage, w) for c, x in zip(costs, workers)]
         return self._select(workers, costs)
 

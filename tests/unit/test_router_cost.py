@@ -3,8 +3,9 @@ import random
 
 import pytest
 
-from cluster.router.cost import (CostWeights, decode_cost, decode_node_cost, effective_cached_blocks,
-                                 prefill_cost, select, should_prefill_locally, transfer_cost)
+from cluster.router.cost import (CostWeights, busy_pool, busy_weights, decode_cost, decode_node_cost,
+                                 effective_cached_blocks, prefill_cost, select, should_prefill_locally,
+                                 transfer_cost)
 
 W = CostWeights()
 MISS = W.uncached_token          # queued tokens one uncached token weighs (6: cost.py's module doc)
@@ -26,6 +27,18 @@ def test_prefill_cost_is_uncached_work_plus_queue():
     assert prefill_cost(0, 0, BS, W) == 0.0
     w = CostWeights(uncached_token=2.0, queued_token=0.5)
     assert prefill_cost(3, 100, 16, w) == 2.0 * 48 + 50
+
+
+def test_a_pool_busy_everywhere_weighs_a_miss_busy_pool_miss_times_more():
+    assert busy_pool([64, 1, 4000]) and not busy_pool([64, 0, 4000])
+    bw = busy_weights(W)
+    assert W.busy_pool_miss == 4.0 and bw.uncached_token == MISS * 4.0
+    assert bw.queued_token == W.queued_token and bw.in_flight_hit == W.in_flight_hit
+    # a holder of 90 of 100 blocks, its queue 15000 tokens longer: left at the idle-pool weight, kept at the busy one
+    holder, other = (10, 15000 + 500), (100, 500)
+    assert prefill_cost(*holder, BS, W) > prefill_cost(*other, BS, W)
+    assert prefill_cost(*holder, BS, bw) < prefill_cost(*other, BS, bw)
+    assert busy_weights(CostWeights(busy_pool_miss=1.0)) == CostWeights(busy_pool_miss=1.0)
 
 
 def test_decode_cost_and_transfer_cost():
@@ -58,6 +71,8 @@ def test_host_and_disk_hits_weigh_less_than_device_hits():
     lambda: decode_node_cost(1, 0.1, -2, 0, W),
     lambda: CostWeights(running=-1.0),
     lambda: CostWeights(host_hit=1.5),
+    lambda: CostWeights(busy_pool_miss=0.5),
+    lambda: CostWeights(busy_pool_miss=float("nan")),
 ])
 def test_bad_inputs_raise_value_error(call):
     with pytest.raises(ValueError):

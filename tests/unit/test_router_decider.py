@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 
 import pytest
 
@@ -79,11 +80,16 @@ def _same_route(fast: Router, py: Router, req: RoutingRequest) -> RoutingDecisio
     return got
 
 
-def _churn(rng: random.Random, pair: tuple[Router, Router], feed: _Feed, clock: Clock) -> None:
-    """A load report, a death, a departure and return, or time passing."""
+ALL_QUEUES, BUSY_QUEUES = (0, 0, 64, 512, 4000), (64, 512, 4000)
+
+
+def _churn(rng: random.Random, pair: tuple[Router, Router], feed: _Feed, clock: Clock,
+           queues: tuple[int, ...] = ALL_QUEUES) -> None:
+    """A load report (queued prefill tokens drawn from ``queues``), a death, a departure and
+    return, or time passing."""
     workers = list(feed.model)
     w, roll = rng.choice(workers), rng.random()
-    load = WorkerLoad(queued_prefill_tokens=rng.choice([0, 0, 64, 512, 4000]), running=rng.choice([0, 1, 5]),
+    load = WorkerLoad(queued_prefill_tokens=rng.choice(queues), running=rng.choice([0, 1, 5]),
                       waiting=rng.randrange(3), kv_usage=rng.choice([0.0, 0.25, 0.9]))
     for r in pair:
         if roll < 0.5:
@@ -101,26 +107,28 @@ def _churn(rng: random.Random, pair: tuple[Router, Router], feed: _Feed, clock: 
 
 MODES = [dict(), dict(track_in_flight=False), dict(colocated=True),
          dict(local_prefill_threshold=0, local_prefill_hit_ratio=1.0,
-              weights=CostWeights(uncached_token=1.0, host_hit=0.3, in_flight_hit=0.5))]
+              weights=CostWeights(uncached_token=1.0, host_hit=0.3, in_flight_hit=0.5, busy_pool_miss=3.5))]
 
 
-@pytest.mark.parametrize("mode", range(len(MODES)))
-@pytest.mark.parametrize("n,seed", [(6, 0), (40, 1), (64, 2)])
-def test_the_c_decision_equals_the_python_policy(mode, n, seed):
+def _compare(mode: int, n: int, seed: int, queues: tuple[int, ...]) -> Counter:
+    """500 steps of events, churn and 3 decisions each, C against Python; how many decisions
+    saw a prefill pool busy everywhere (every node with queued tokens: the miss weighs
+    busy_pool_miss x more) and how many did not."""
     rng = random.Random(seed * 10 + mode)
     clock = Clock()
     workers = [f"w{i:02d}" for i in range(n)]
     fast, py = pair = _pair(workers, clock, **MODES[mode])
     feed = _Feed(rng, _Routers(list(pair)), workers)      # type: ignore[arg-type]
     chains = _chains(rng)
-    kinds = set()
+    kinds, busy = set(), Counter()
     for step in range(500):
         feed.step(chains)
-        _churn(rng, pair, feed, clock)
+        _churn(rng, pair, feed, clock, queues)
         for _ in range(3):
             chain = rng.choice(chains)
             blocks = rng.randint(0, len(chain))
             req = RoutingRequest(f"r{step}", max(1, blocks * BS + rng.randrange(BS)), tuple(chain[:blocks]), BS)
+            busy[bool(py.view.prefill) and all(v.load.queued_prefill_tokens > 0 for v in py.view.prefill)] += 1
             d = _same_route(fast, py, req)
             if d is not None:
                 kinds.add((d.kind, d.decode_inputs.match.in_flight_blocks > 0 or (
@@ -129,6 +137,24 @@ def test_the_c_decision_equals_the_python_policy(mode, n, seed):
             assert fast.view == py.view, step
     assert fast._fast is not None and fast.index.native_table is not None      # decided in C throughout
     assert len(kinds) >= (1 if MODES[mode].get("colocated") else 2), kinds
+    return busy
+
+
+@pytest.mark.parametrize("mode", range(len(MODES)))
+@pytest.mark.parametrize("n,seed", [(6, 0), (40, 1), (64, 2)])
+def test_the_c_decision_equals_the_python_policy(mode, n, seed):
+    busy = _compare(mode, n, seed, ALL_QUEUES)
+    assert busy[False] > 0 and (n > 6 or busy[True] > 0), busy
+
+
+@pytest.mark.parametrize("mode", [0, 3])
+@pytest.mark.parametrize("n,seed", [(6, 3), (40, 4), (64, 5)])
+def test_the_c_decision_equals_the_python_policy_on_a_pool_busy_everywhere(mode, n, seed):
+    """Every load report has queued prefill tokens: most decisions weigh a miss
+    busy_pool_miss x more (4, and 3.5 in mode 3), in the list and the array cost paths
+    (not all: a worker that dies or returns reports no queue until its next report)."""
+    busy = _compare(mode, n, seed, BUSY_QUEUES)
+    assert busy[True] >= 100, busy
 
 
 def test_a_hash_the_tables_cannot_hold_hands_over_to_python_with_the_pending_loads():

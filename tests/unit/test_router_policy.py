@@ -58,13 +58,34 @@ def test_prefill_node_with_the_prefix_wins():
 
 
 def test_prefix_holder_loses_when_its_queue_is_much_longer():
-    # p1 holds 1600 of 2000 tokens: it keeps the request until its queue is MISS x 1600 longer than p0's
-    view = ClusterView.of([w("p0", "prefill", queued_prefill_tokens=300),
-                           w("p1", "prefill", queued_prefill_tokens=300 + int(MISS * 1600) + 100), w("d0", "decode")])
+    # p1 holds 1600 of 2000 tokens: with p0 idle it keeps the request until its queue is MISS x 1600 long
+    view = ClusterView.of([w("p0", "prefill"),
+                           w("p1", "prefill", queued_prefill_tokens=int(MISS * 1600) + 100), w("d0", "decode")])
     assert policy().route(req(), view, index(p1=100)).prefill_worker_id == "p0"
-    view = ClusterView.of([w("p0", "prefill", queued_prefill_tokens=300),
-                           w("p1", "prefill", queued_prefill_tokens=300 + int(MISS * 1600) - 100), w("d0", "decode")])
+    view = ClusterView.of([w("p0", "prefill"),
+                           w("p1", "prefill", queued_prefill_tokens=int(MISS * 1600) - 100), w("d0", "decode")])
     assert policy().route(req(), view, index(p1=100)).prefill_worker_id == "p1"
+
+
+@pytest.mark.parametrize("p0_queue", [1, 300])
+def test_on_a_pool_busy_everywhere_a_miss_weighs_busy_pool_miss_times_more(p0_queue):
+    """Every prefill node has a queue: the holder keeps the request until its queue is
+    BUSY x MISS x 1600 longer than p0's (4 x the idle-pool margin), so the same views
+    that send it away from a holder next to an idle node keep it at a busy pool."""
+    busy = CostWeights().busy_pool_miss
+    assert busy == 4.0
+    for extra, holder_keeps in ((int(MISS * 1600) + 100, True), (int(busy * MISS * 1600) - 100, True),
+                                (int(busy * MISS * 1600) + 100, False)):
+        view = ClusterView.of([w("p0", "prefill", queued_prefill_tokens=p0_queue),
+                               w("p1", "prefill", queued_prefill_tokens=p0_queue + extra), w("d0", "decode")])
+        d = policy().route(req(), view, index(p1=100))
+        assert d.prefill_worker_id == ("p1" if holder_keeps else "p0"), extra
+        expected = busy * MISS * (400 if holder_keeps else 2000) + view.prefill[holder_keeps].load.queued_prefill_tokens
+        assert d.prefill_inputs.cost == pytest.approx(expected)
+    # busy_pool_miss = 1: the idle-pool margin whatever the queues (the weighting before)
+    view = ClusterView.of([w("p0", "prefill", queued_prefill_tokens=p0_queue),
+                           w("p1", "prefill", queued_prefill_tokens=p0_queue + int(MISS * 1600) + 100), w("d0", "decode")])
+    assert policy(weights=CostWeights(busy_pool_miss=1.0)).route(req(), view, index(p1=100)).prefill_worker_id == "p0"
 
 
 def test_a_holder_with_a_few_waiting_followers_keeps_its_group():

@@ -49,8 +49,9 @@ static void find_matches(Decider *d, const Keys *K, int32_t flight, Py_ssize_t d
     if (extra > 0) s->m.inf += extra;
 }
 
-/* policy._prefill_costs for one worker (cost.prefill_cost of its uncached blocks and queue). */
-static double prefill_cost(const Decider *d, const WSlot *s, double total, long long bs) {
+/* policy._prefill_costs for one worker (cost.prefill_cost of its uncached blocks and queue), a miss
+ * weighing wu (W_UNCACHED, or cost.busy_weights' on a pool busy everywhere). */
+static double prefill_cost(const Decider *d, const WSlot *s, double total, long long bs, double wu) {
     const double *w = d->w;
     const Match *m = match_of(d, s);
     long long q = eff_queued(s);
@@ -62,7 +63,7 @@ static double prefill_cost(const Decider *d, const WSlot *s, double total, long 
     } else {
         uncached = total - (double)m->dev;
     }
-    return w[W_UNCACHED] * uncached * (double)bs + w[W_QUEUED] * (double)(q > 0 ? q : 0);
+    return wu * uncached * (double)bs + w[W_QUEUED] * (double)(q > 0 ? q : 0);
 }
 
 /* cost.decode_node_cost: batch, KV usage, queue, and the blocks the node must pull. */
@@ -121,13 +122,22 @@ static Pick pick_decode(Decider *d, double *c, Py_ssize_t n_full) {
     return pick(d, DECODE, c, 0);
 }
 
-/* The prefill pool's node (ties: select_least_assigned from start); colocated (role DECODE):
- * prefill_cost + decode_cost, ties to the lowest index. */
+/* cost.busy_pool: every node of the prefill pool has tokens queued. */
+static int busy_pool(const Decider *d) {
+    for (Py_ssize_t i = 0; i < d->nrole[PREFILL]; i++)
+        if (eff_queued(&d->slots[d->role[PREFILL][i]]) <= 0) return 0;
+    return 1;
+}
+
+/* The prefill pool's node (ties: select_least_assigned from start; a miss weighs busy_pool_miss x
+ * more when every node has a queue); colocated (role DECODE): prefill_cost + decode_cost, ties to
+ * the lowest index. */
 static Pick pick_prefill(Decider *d, int role, double *c, double total, long long bs, Py_ssize_t start) {
     Py_ssize_t n = d->nrole[role];
+    double wu = role == PREFILL && busy_pool(d) ? d->w[W_UNCACHED] * d->w[W_BUSY_POOL] : d->w[W_UNCACHED];
     for (Py_ssize_t i = 0; i < n; i++) {
         const WSlot *s = &d->slots[d->role[role][i]];
-        c[i] = prefill_cost(d, s, total, bs);
+        c[i] = prefill_cost(d, s, total, bs, wu);
         if (d->colocated) c[i] += d->w[W_RUNNING] * (double)eff_running(s) + d->w[W_KV] * s->kv;
     }
     if (role != PREFILL) return pick(d, role, c, start);
