@@ -62,6 +62,7 @@ class DecodeWorker(WorkerBase):
         self._pulling: set[str] = set()     # blocks allocated and being written by a transfer
         self._reserved: dict[str, RemoteAllocation] = {}   # blocks reserved ahead of a submit
         self._reservation_expiries = 0      # reservations freed unclaimed (reported, cumulative)
+        self._expiring: dict[str, asyncio.Event] = {}   # expiries still freeing their blocks
 
     def _ready_info(self) -> ReadyInfo:
         info = super()._ready_info()
@@ -156,12 +157,17 @@ class DecodeWorker(WorkerBase):
             self.kv.read_ahead(request_id, alloc, peer, first_index, block_ids, preemptions, layers)
 
     async def _expire(self, request_id: str, alloc: RemoteAllocation) -> None:
-        if self._reserved.get(request_id) is alloc:   # never claimed: its frontend is gone
+        if self._reserved.get(request_id) is alloc:   # never claimed: its frontend is gone (or slow)
             del self._reserved[request_id]
             self._reservation_expiries += 1
             log.warning("reservation of %s was not claimed in time: freeing its blocks", request_id)
-            await self.kv.settle(request_id)
-            await self.aengine.call(lambda e: e.abort_request(request_id))
+            done = self._expiring[request_id] = asyncio.Event()
+            try:
+                await self.kv.settle(request_id)
+                await self.aengine.call(lambda e: e.abort_request(request_id))
+            finally:
+                del self._expiring[request_id]
+                done.set()
 
     async def drain(self) -> list[str]:
         """Scale-down: take no new requests; free reservations; abort and return the
@@ -181,6 +187,9 @@ class DecodeWorker(WorkerBase):
         t_arrived = deadline = time.monotonic()
         deadline += self.settings.timeout
         first = True
+        expiring = self._expiring.get(request_id)
+        if expiring is not None:   # a late submit: its expired reservation is still being freed, and the
+            await expiring.wait()  # engine holds the request id until then (it would refuse a new one)
         alloc = self._reserved.pop(request_id, None)
         # the first token reaches the engine with the allocation, or (reserved ahead) with the KV
         late_token = first_token if alloc is not None else None

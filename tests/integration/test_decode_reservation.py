@@ -260,3 +260,44 @@ def test_a_layer_wise_hand_off_reads_the_last_chunk_by_layer_group_and_matches_t
     assert stale_sub.transferred_bytes == 5 * pw.engine.kv_pool.bytes_per_block, stale_sub
     assert stale_tokens == hf_greedy(tiny_llama_hf, stale, GREEDY.max_tokens)
     assert used == 0
+
+
+def test_a_submit_that_comes_while_its_reservation_expires_waits_for_the_expiry(workers):
+    """A prompt that queued longer than its reservation lives: the expiry takes the reservation
+    and frees it (first settling read-aheads, here held open, then aborting the engine's request),
+    and the submit that comes meanwhile waits for it, then allocates anew, pulls and decodes the
+    same tokens. It used to allocate beside the expiring request, which the engine refused
+    ("request id ... already in use")."""
+    pw, dw = workers
+
+    async def go():
+        prompt = list(range(5, 75))
+        _, plain_tokens = await _hand_off(pw, dw, "plain", prompt, reserve=False)
+        assert await dw.reserve(item=_item("late", prompt))
+        alloc = dw._reserved["late"]
+        pre = await pw.prefill(item=_item("late", prompt))
+        gate, settle = asyncio.Event(), dw.kv.settle
+
+        async def held_settle(request_id: str):   # as read-aheads still landing
+            await gate.wait()
+            return await settle(request_id)
+        dw.kv.settle = held_settle
+        expiry = asyncio.ensure_future(dw._expire("late", alloc))
+        await asyncio.sleep(0.05)            # the expiry has taken the reservation; it waits in settle
+        assert "late" not in dw._reserved
+        out = asyncio.ensure_future(_decode(dw, "late"))
+        sub = asyncio.ensure_future(dw.submit(item=_item("late", prompt), handle=pre.handle,
+                                              first_token=pre.first_token))
+        await asyncio.sleep(0.3)
+        waited = not sub.done()
+        gate.set()
+        result = await sub
+        await expiry
+        return plain_tokens, result, list(pre.first.new_token_ids) + await out, waited, await _used(dw), \
+            (await dw.report()).reservation_expiries
+
+    plain_tokens, result, tokens, waited, used, expiries = asyncio.run(go())
+    assert waited, "the submit did not wait for the expiry freeing its reservation"
+    assert result.error == "" and not result.reserved, result
+    assert tokens == plain_tokens
+    assert used == 0 and expiries == 1

@@ -143,3 +143,21 @@ def test_a_load_step_with_reservations_keeps_the_goodput_of_the_flow_without():
 def test_the_lifetime_is_the_decode_workers():
     from decode_worker.worker import RESERVATION_TTL_FACTOR as live
     assert RESERVATION_TTL_FACTOR == live
+
+
+@pytest.mark.parametrize("transfer_timeout_s", [0.048, 0.076])
+def test_a_join_that_comes_while_its_reservation_expires_waits_for_the_expiry(transfer_timeout_s):
+    """30 prompts 20 ms apart over 4 prefill nodes, 64 tokens out each (the decode node runs
+    long): one reservation expires after its prefill ended but before its join ran (the join
+    deferred to the end of the decode step in flight), so its abort still waits on the decode
+    node, where the request id is in use. The join waits for the abort, then allocates anew.
+    It used to allocate at once and the decode node refused the id ("already in use"): the
+    crash routing_sim met at the Mooncake replay's extreme queues. Every request finishes once."""
+    sim = _sim(_requests(30, 0.02, output_length=64), num_blocks=128, p=4, transfer_timeout_s=transfer_timeout_s)
+    s = sim.run()
+    assert sim.reservations.joins_held >= 1, "the scenario no longer has a join meet its reservation's expiry"
+    assert s["finished"] == 30 and len({r.request_id for r in sim.records}) == 30
+    assert all(r.tokens_out == r.output_tokens for r in sim.records)
+    counts = s["sim"]["decode_reservations"]
+    assert counts["made"] == counts["claimed"] + counts["expired"] + counts["freed"] and counts["expired"] >= 1
+    _no_leak(sim)

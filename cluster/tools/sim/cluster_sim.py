@@ -97,7 +97,7 @@ class SimConfig:
 
 class _Live:
     __slots__ = ("rec", "trace", "tokens", "hashes", "packed", "blocks", "deadline", "no_room", "joining",
-                 "reservation", "reserving")
+                 "reservation", "reserving", "expiring")
 
     def __init__(self, rec: RequestRecord, trace: TraceRequest, prompt: Prompt) -> None:
         self.rec, self.trace = rec, trace
@@ -107,6 +107,7 @@ class _Live:
         self.joining = False                  # its hand-off waits to join the decode node
         self.reservation: RemoteAllocation | None = None     # decode blocks reserved while it prefills
         self.reserving = False                # the reserve call waits on the decode node
+        self.expiring = False                 # its reservation expired; the abort waits on the decode node
 
     @property
     def request_id(self) -> str:
@@ -453,6 +454,8 @@ class ClusterSim:
     # ---- prefill -> decode hand-off -----------------------------------------
     def _join(self, dn: SimNode, pn: SimNode, live: _Live) -> bool:
         """The hand-off joins ``dn`` (False: it waits for room there; run again)."""
+        if self.reservations.expiring(live):   # as DecodeWorker: wait for the expiry to finish
+            return False
         alloc = self.reservations.claim(dn, live)
         if alloc is None:
             alloc = self._allocate(dn, pn, live)

@@ -12,7 +12,8 @@ cluster/orchestration/reservation.py and `DecodeWorker.reserve`):
   inbox runs before the join);
 - a reservation no join claims is freed: when the first token ends the request,
   and after `RESERVATION_TTL_FACTOR` transfer timeouts (the decode worker's
-  expiry; the join then allocates anew).
+  expiry; the join then allocates anew, once the expiry's abort has run: a
+  join that came meanwhile waits for it, as the decode worker's submit does).
 
 The decode node's load report then counts the reserved blocks as used (its KV
 manager holds them), as the live worker's report does.
@@ -36,6 +37,7 @@ class Reservable(Protocol):
     """What a reservation needs of a live request (cluster_sim._Live)."""
     reservation: RemoteAllocation | None     # blocks held on its decode node, not yet claimed
     reserving: bool                          # the reserve call waits in the decode node's inbox
+    expiring: bool                           # expired unclaimed: its abort waits in the decode node's inbox
 
     @property
     def request_id(self) -> str: ...
@@ -50,6 +52,14 @@ class Reservations:
                              f"{RESERVATION_TTL_FACTOR}), got {ttl_s}")
         self.loop, self.ttl_s, self.make_request = loop, ttl_s, make_request
         self.counts = {"made": 0, "refused": 0, "claimed": 0, "freed": 0, "expired": 0}
+        self.joins_held = 0       # joins that came while their reservation's expiry was freeing it
+
+    def expiring(self, live: Reservable) -> bool:
+        """The join must wait: ``live``'s reservation expired and the decode node has not run the
+        abort yet (the request id is still in use there; the abort's post runs the join again)."""
+        if live.expiring:
+            self.joins_held += 1
+        return live.expiring
 
     def start(self, dn: SimNode, live: Reservable) -> None:
         """The router chose ``dn`` for ``live``'s hand-off: reserve there, between its steps."""
@@ -89,10 +99,13 @@ class Reservations:
         if live.reservation is alloc:         # never claimed
             live.reservation = None
             self.counts["expired"] += 1
-            self._abort(dn, live.request_id)
+            live.expiring = True              # a join meanwhile waits for the abort (its id is still in use)
+            self._abort(dn, live.request_id, live)
 
     @staticmethod
-    def _abort(dn: SimNode, request_id: str) -> None:
+    def _abort(dn: SimNode, request_id: str, expiring: Reservable | None = None) -> None:
         def abort(node: SimNode) -> None:
             node.scheduler.abort_request(request_id)
-        dn.post(abort, retry=True)            # then the joins waiting there for room retry
+            if expiring is not None:
+                expiring.expiring = False
+        dn.post(abort, retry=True)            # then the joins waiting there (for room, or for this) retry
