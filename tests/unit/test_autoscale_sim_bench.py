@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.bench_scripts import load_bench_script
+from bench_scripts import load_bench_script
 
 
 def _trace(path):
