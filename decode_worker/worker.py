@@ -122,6 +122,7 @@ class DecodeWorker(WorkerBase):
         full, no room now, colocated); the submit then allocates as before."""
         await self._start()
         request_id = item.request_id
+        await self._expired(request_id)   # a retry reserving the id again while its old reservation expires
         if self._draining or self.transfer is None or request_id in self._reserved:
             return False
         self._submitting.add(request_id)
@@ -166,8 +167,16 @@ class DecodeWorker(WorkerBase):
                 await self.kv.settle(request_id)
                 await self.aengine.call(lambda e: e.abort_request(request_id))
             finally:
-                del self._expiring[request_id]
+                if self._expiring.get(request_id) is done:
+                    del self._expiring[request_id]
                 done.set()
+
+    async def _expired(self, request_id: str) -> None:
+        """Wait until an expiry freeing `request_id`'s earlier reservation is done: the engine
+        holds the request id until then and would refuse a new one (a late submit, or a retry
+        that reserves the same id again)."""
+        while (expiring := self._expiring.get(request_id)) is not None:
+            await expiring.wait()
 
     async def drain(self) -> list[str]:
         """Scale-down: take no new requests; free reservations; abort and return the
@@ -187,9 +196,7 @@ class DecodeWorker(WorkerBase):
         t_arrived = deadline = time.monotonic()
         deadline += self.settings.timeout
         first = True
-        expiring = self._expiring.get(request_id)
-        if expiring is not None:   # a late submit: its expired reservation is still being freed, and the
-            await expiring.wait()  # engine holds the request id until then (it would refuse a new one)
+        await self._expired(request_id)   # a late submit: its expired reservation may still be freeing
         alloc = self._reserved.pop(request_id, None)
         # the first token reaches the engine with the allocation, or (reserved ahead) with the KV
         late_token = first_token if alloc is not None else None

@@ -301,3 +301,43 @@ def test_a_submit_that_comes_while_its_reservation_expires_waits_for_the_expiry(
     assert result.error == "" and not result.reserved, result
     assert tokens == plain_tokens
     assert used == 0 and expiries == 1
+
+
+def test_a_reserve_that_comes_while_the_same_ids_reservation_expires_waits_then_reserves_anew(workers):
+    """A retry reserves the same request id again while its first reservation's expiry is still
+    freeing it (read-aheads settling, here held open): the reserve waits for the expiry, then
+    reserves anew, and the hand-off into the new reservation decodes the same tokens. Without
+    the wait the engine refused the id still in use."""
+    pw, dw = workers
+
+    async def go():
+        prompt = list(range(9, 80))
+        _, plain_tokens = await _hand_off(pw, dw, "plain2", prompt, reserve=False)
+        assert await dw.reserve(item=_item("again", prompt))
+        alloc = dw._reserved["again"]
+        gate, settle = asyncio.Event(), dw.kv.settle
+
+        async def held_settle(request_id: str):
+            await gate.wait()
+            return await settle(request_id)
+        dw.kv.settle = held_settle
+        expiry = asyncio.ensure_future(dw._expire("again", alloc))
+        await asyncio.sleep(0.05)
+        again = asyncio.ensure_future(dw.reserve(item=_item("again", prompt)))
+        await asyncio.sleep(0.3)
+        waited = not again.done()
+        gate.set()
+        reserved = await again
+        await expiry
+        dw.kv.settle = settle
+        pre = await pw.prefill(item=_item("again", prompt))
+        out = asyncio.ensure_future(_decode(dw, "again"))
+        result = await dw.submit(item=_item("again", prompt), handle=pre.handle, first_token=pre.first_token)
+        return plain_tokens, reserved, result, list(pre.first.new_token_ids) + await out, waited, await _used(dw)
+
+    plain_tokens, reserved, result, tokens, waited, used = asyncio.run(go())
+    assert waited, "the reserve did not wait for the expiry freeing the same id"
+    assert reserved
+    assert result.error == "" and result.reserved, result
+    assert tokens == plain_tokens
+    assert used == 0
