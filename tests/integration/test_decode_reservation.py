@@ -262,6 +262,18 @@ def test_a_layer_wise_hand_off_reads_the_last_chunk_by_layer_group_and_matches_t
     assert used == 0
 
 
+def _hold_settle(dw):
+    """Hold the decode worker's read-ahead settle open until the returned gate is set; also
+    returns the real settle, to put back."""
+    gate, settle = asyncio.Event(), dw.kv.settle
+
+    async def held_settle(request_id: str):
+        await gate.wait()
+        return await settle(request_id)
+    dw.kv.settle = held_settle
+    return gate, settle
+
+
 def test_a_submit_that_comes_while_its_reservation_expires_waits_for_the_expiry(workers):
     """A prompt that queued longer than its reservation lives: the expiry takes the reservation
     and frees it (first settling read-aheads, here held open, then aborting the engine's request),
@@ -276,12 +288,7 @@ def test_a_submit_that_comes_while_its_reservation_expires_waits_for_the_expiry(
         assert await dw.reserve(item=_item("late", prompt))
         alloc = dw._reserved["late"]
         pre = await pw.prefill(item=_item("late", prompt))
-        gate, settle = asyncio.Event(), dw.kv.settle
-
-        async def held_settle(request_id: str):   # as read-aheads still landing
-            await gate.wait()
-            return await settle(request_id)
-        dw.kv.settle = held_settle
+        gate, _ = _hold_settle(dw)   # as read-aheads still landing
         expiry = asyncio.ensure_future(dw._expire("late", alloc))
         await asyncio.sleep(0.05)            # the expiry has taken the reservation; it waits in settle
         assert "late" not in dw._reserved
@@ -315,12 +322,7 @@ def test_a_reserve_that_comes_while_the_same_ids_reservation_expires_waits_then_
         _, plain_tokens = await _hand_off(pw, dw, "plain2", prompt, reserve=False)
         assert await dw.reserve(item=_item("again", prompt))
         alloc = dw._reserved["again"]
-        gate, settle = asyncio.Event(), dw.kv.settle
-
-        async def held_settle(request_id: str):
-            await gate.wait()
-            return await settle(request_id)
-        dw.kv.settle = held_settle
+        gate, settle = _hold_settle(dw)
         expiry = asyncio.ensure_future(dw._expire("again", alloc))
         await asyncio.sleep(0.05)
         again = asyncio.ensure_future(dw.reserve(item=_item("again", prompt)))
