@@ -71,7 +71,7 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool, sample: int = 0) -> 
             predict_ahead_s=args.startup_delay, cooldown_out_s=max(args.startup_delay, args.interval),
             # a lull of --idle-hold seconds without a prompt (the simulator gives the controller the
             # time since the router last took one) sends both pools to their minimum
-            idle_hold_s=args.idle_hold)
+            idle_hold_s=args.idle_hold, target_kv_usage=args.target_kv_usage)
         scale = SimAutoscale(config, interval_s=args.interval, window_s=args.window, startup_s=args.startup_delay,
                              ttft_wait_misses=args.ttft_miss_budget > 0)
     sched = cost.meta.get("scheduler", {})
@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--idle-hold", type=float, default=10.0,
                     help="seconds without a prompt before both autoscaled pools drain to their minimum "
                          "(the trace's longest gap between arrivals is 2.7 s at 1750 requests)")
+    ap.add_argument("--target-kv-usage", type=float, default=0.75,
+                    help="decode's KV target (the controller's KV-room rule, its trade at the cap and the "
+                         "planner's start split)")
     ap.add_argument("--fleet-cap", action="store_true", help="cap both autoscaled pools together at N")
     ap.add_argument("--decode-first", action="store_true",
                     help="at the fleet cap, decode's growth first (it may displace prefill workers)")
@@ -228,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
            "profile": args.profile, "fleet_cap": args.fleet_cap, "decode_first": args.decode_first,
            "start": args.start, "ttft_miss_budget": args.ttft_miss_budget,
            "reserve_decode_blocks": not args.no_reserve_decode_blocks,
-           "startup_delay_s": args.startup_delay, "interval_s": args.interval, "idle_hold_s": args.idle_hold,
+           "target_kv_usage": args.target_kv_usage, "startup_delay_s": args.startup_delay,
+           "interval_s": args.interval, "idle_hold_s": args.idle_hold,
            "autoscaled_only": args.autoscaled_only, "samples": samples, "sample_by": args.sample_by,
            "fleets": {f["label"]: summarize(f, [r for r in rows if r["fleet"] == f["label"]]) for f in fleets}}
     out["wall_s"] = round(time.perf_counter() - t0, 1)
