@@ -20,7 +20,8 @@ def _trace(path, second_half_longer: int = 0):
 def _run(bench, tmp_path, *extra: str, fleet: str = "4:24:2:1", fractions: str = "0.5",
          out_name: str = "out.json", longer: int = 0) -> dict:
     out = tmp_path / out_name
-    bench.main(["--trace", str(_trace(tmp_path / "t.jsonl", longer)), "--fleet", fleet, "--prefill-fractions", fractions,
+    bench.main(["--trace", str(_trace(tmp_path / "t.jsonl", longer)), "--fleet", fleet,
+                "--prefill-fractions", fractions,
                 "--steer", "1.0", "--fleet-cap", "--decode-first", "--jobs", "1", "--output", str(out), *extra])
     return json.loads(out.read_text())
 
