@@ -22,6 +22,15 @@ JSON line.
 ``--autoscaled-only`` runs the autoscaled arm alone (no fixed sweep: the fixed runs do not use the
 controller, so a controller change leaves them as they were); its summary has no best split nor goal.
 ``--jobs 1`` runs in this process, in order.
+
+``--samples 0,1,2,...`` runs every arm (each fixed split and the autoscaled run) on every sample:
+sample k is the trace's k-th window of LIMIT requests (lines k x LIMIT on; ``--sample-by seed``:
+the first window with SimConfig.seed k instead, which moves nothing with the cost profiles here:
+no step jitter, a router at temperature 0). With more than one sample the summary per fleet gives
+per arm the mean and sd of good requests and worker-hours, the best fixed split by mean, the paired
+per-sample difference autoscaled - best fixed and a held-out check (cluster/tools/sim/samples.py).
+``--merge A.json B.json ...`` summarizes the runs of several ``--output`` files (chunks of samples
+run apart) as one run would, and writes them without per-interval records.
 """
 from __future__ import annotations
 
@@ -40,14 +49,17 @@ from cluster.tools.sim.autoscale import SimAutoscale, planned_split
 from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
 from cluster.tools.sim.cost_model import load_cost_model
 from cluster.tools.sim.metrics import Slo
+from cluster.tools.sim.samples import summarize_samples
 from cluster.tools.sim.workload import PromptBuilder, compress_time, load_mooncake, overlay
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 
 
-def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
+def one(args, fleet: dict, p: int, d: int, autoscale: bool, sample: int = 0) -> dict:
     cost = load_cost_model(args.profile)
-    reqs = overlay(compress_time(load_mooncake(args.trace, fleet["limit"]), fleet["time_scale"]), fleet["copies"])
+    window = sample if args.sample_by == "window" else 0
+    reqs = overlay(compress_time(load_mooncake(args.trace, fleet["limit"], offset=window * fleet["limit"]),
+                                 fleet["time_scale"]), fleet["copies"])
     n = fleet["nodes"]
     scale = None
     if autoscale:
@@ -59,7 +71,7 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
             predict_ahead_s=args.startup_delay, cooldown_out_s=max(args.startup_delay, args.interval),
             # a lull of --idle-hold seconds without a prompt (the simulator gives the controller the
             # time since the router last took one) sends both pools to their minimum
-            idle_hold_s=args.idle_hold)
+            idle_hold_s=args.idle_hold, target_kv_usage=args.target_kv_usage)
         scale = SimAutoscale(config, interval_s=args.interval, window_s=args.window, startup_s=args.startup_delay,
                              ttft_wait_misses=args.ttft_miss_budget > 0)
     sched = cost.meta.get("scheduler", {})
@@ -67,13 +79,15 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool) -> dict:
     if scale is not None and args.start == "planner":
         p, d = planned_split(n, reqs, cost, chunk, cost.kv_capacity_tokens // 512 * 512, seqs,
                              target_kv_usage=scale.config.target_kv_usage)
-    cfg = SimConfig(p, d, block_size=512, max_num_batched_tokens=chunk, max_num_seqs=seqs, seed=0,
+    cfg = SimConfig(p, d, block_size=512, max_num_batched_tokens=chunk, max_num_seqs=seqs,
+                    seed=sample if args.sample_by == "seed" else 0,
                     slo=Slo(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0), autoscale=scale,
                     reserve_decode_blocks=not args.no_reserve_decode_blocks)
     t0 = time.perf_counter()
     sim = ClusterSim(cfg, cost, reqs, PromptBuilder(512))
     s = sim.run()
-    row = {"fleet": fleet["label"], "nodes": n, "split": f"{p}:{d}", "autoscale": autoscale, "requests": s["requests"],
+    row = {"fleet": fleet["label"], "nodes": n, "split": f"{p}:{d}", "autoscale": autoscale, "sample": sample,
+           "requests": s["requests"],
            "start_split": f"{p}:{d}",
            "finished": s["finished"], "good": s["goodput"]["requests"],
            "good_fraction": round(s["goodput"]["fraction"], 4),
@@ -113,23 +127,29 @@ def misses_by_arrival(records: list, start_s: float, slo: Slo, bin_s: float = 50
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
-def plan_jobs(fleets: list[dict], fractions: list[float], autoscaled_only: bool) -> list[tuple]:
-    """(fleet, prefill, decode, autoscale) per run: the fixed splits P + D = N at each prefill
-    fraction (none with ``autoscaled_only``), then the autoscaled run (N/2 : N/2 unless the planner
-    starts it)."""
+def plan_jobs(fleets: list[dict], fractions: list[float], autoscaled_only: bool,
+              samples: list[int] | None = None) -> list[tuple]:
+    """(fleet, prefill, decode, autoscale, sample) per run: per sample, the fixed splits P + D = N at
+    each prefill fraction (none with ``autoscaled_only``), then the autoscaled run (N/2 : N/2 unless
+    the planner starts it)."""
     jobs: list[tuple] = []
     for f in fleets:
         n = f["nodes"]
-        if not autoscaled_only:
-            splits = sorted({(max(1, round(n * x)), n - max(1, round(n * x))) for x in fractions})
-            jobs += [(f, p, d, False) for p, d in splits]
-        jobs.append((f, n // 2, n - n // 2, True))
+        splits = sorted({(max(1, round(n * x)), n - max(1, round(n * x))) for x in fractions})
+        for k in samples or [0]:
+            if not autoscaled_only:
+                jobs += [(f, p, d, False, k) for p, d in splits]
+            jobs.append((f, n // 2, n - n // 2, True, k))
     return jobs
 
 
 def summarize(f: dict, mine: list[dict]) -> dict:
     """One fleet's summary: the autoscaled run, and with a fixed sweep the best split (most good
-    requests, ties to fewer worker-hours), the sweep and whether the goal is met."""
+    requests, ties to fewer worker-hours), the sweep and whether the goal is met; over several
+    samples, cluster/tools/sim/samples.py's figures."""
+    if len({r["sample"] for r in mine}) > 1:
+        return {"window": f, "requests": {str(r["sample"]): r["requests"] for r in mine if r["autoscale"]},
+                **summarize_samples(mine)}
     auto = next(r for r in mine if r["autoscale"])
     out = {"window": f, "requests": auto["requests"],
            "autoscaled": {k: auto[k] for k in ("start_split", "good", "good_fraction", "worker_hours",
@@ -163,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--idle-hold", type=float, default=10.0,
                     help="seconds without a prompt before both autoscaled pools drain to their minimum "
                          "(the trace's longest gap between arrivals is 2.7 s at 1750 requests)")
+    ap.add_argument("--target-kv-usage", type=float, default=0.75,
+                    help="decode's KV target (the controller's KV-room rule, its trade at the cap and the "
+                         "planner's start split)")
     ap.add_argument("--fleet-cap", action="store_true", help="cap both autoscaled pools together at N")
     ap.add_argument("--decode-first", action="store_true",
                     help="at the fleet cap, decode's growth first (it may displace prefill workers)")
@@ -178,6 +201,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="run the autoscaled arm alone, no fixed sweep (for a controller change: the fixed "
                          "runs do not use the controller)")
     ap.add_argument("--jobs", type=int, default=2, help="processes (1: in this one, in order)")
+    ap.add_argument("--samples", default="0", metavar="K,K,...",
+                    help="run every arm on each sample: the trace's K-th window of LIMIT requests")
+    ap.add_argument("--sample-by", choices=("window", "seed"), default="window",
+                    help="what a sample changes: the trace window, or SimConfig.seed on the first window")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="summarize the runs of these --output files together (no simulation)")
     ap.add_argument("--output", help="also write every run here (JSON)")
     args = ap.parse_args(argv)
     fleets = []
@@ -185,8 +214,13 @@ def main(argv: list[str] | None = None) -> None:
         n, limit, copies, ts = spec.split(":")
         fleets.append({"label": spec, "nodes": int(n), "limit": int(limit), "copies": int(copies),
                        "time_scale": float(ts)})
+    if args.merge:
+        return merge(args.merge, args.output)
     fractions = [float(x) for x in args.prefill_fractions.split(",")]
-    jobs = [(args, *j) for j in plan_jobs(fleets, fractions, args.autoscaled_only)]
+    samples = [int(x) for x in args.samples.split(",")]
+    if len(set(samples)) != len(samples) or min(samples) < 0:
+        raise ValueError(f"--samples: give distinct sample numbers >= 0, e.g. 0,1,2 (got {args.samples})")
+    jobs = [(args, *j) for j in plan_jobs(fleets, fractions, args.autoscaled_only, samples)]
     t0 = time.perf_counter()
     if args.jobs == 1:
         rows = [one(*j) for j in jobs]
@@ -197,12 +231,31 @@ def main(argv: list[str] | None = None) -> None:
            "profile": args.profile, "fleet_cap": args.fleet_cap, "decode_first": args.decode_first,
            "start": args.start, "ttft_miss_budget": args.ttft_miss_budget,
            "reserve_decode_blocks": not args.no_reserve_decode_blocks,
-           "startup_delay_s": args.startup_delay, "interval_s": args.interval, "idle_hold_s": args.idle_hold,
-           "autoscaled_only": args.autoscaled_only,
+           "target_kv_usage": args.target_kv_usage, "startup_delay_s": args.startup_delay,
+           "interval_s": args.interval, "idle_hold_s": args.idle_hold,
+           "autoscaled_only": args.autoscaled_only, "samples": samples, "sample_by": args.sample_by,
            "fleets": {f["label"]: summarize(f, [r for r in rows if r["fleet"] == f["label"]]) for f in fleets}}
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.output:
         Path(args.output).write_text(json.dumps({"summary": out, "runs": rows}, indent=1) + "\n")
+    print(json.dumps(out))
+
+
+def merge(paths: list[str], output: str | None) -> None:
+    """One summary over the runs of several ``--output`` files of the same settings (chunks of
+    samples, or of fleets, run apart); the runs written without per-interval records."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    settings = [{k: v for k, v in p["summary"].items() if k not in ("fleets", "wall_s", "samples")} for p in parts]
+    if any(s != settings[0] for s in settings):
+        raise ValueError(f"--merge: {paths} were run with different settings; merge outputs of one command "
+                         "line that differ only in --samples or --fleet")
+    fleets = {label: f["window"] for p in parts for label, f in p["summary"]["fleets"].items()}
+    rows = [{k: v for k, v in r.items() if k not in ("intervals", "first_changes")} for p in parts for r in p["runs"]]
+    out = {**settings[0], "samples": sorted({r["sample"] for r in rows}), "merged": paths,
+           "wall_s": round(sum(p["summary"]["wall_s"] for p in parts), 1),
+           "fleets": {label: summarize(f, [r for r in rows if r["fleet"] == label]) for label, f in fleets.items()}}
+    if output:
+        Path(output).write_text(json.dumps({"summary": out, "runs": rows}, indent=1) + "\n")
     print(json.dumps(out))
 
 

@@ -56,6 +56,18 @@ def test_load_mooncake_scales_lengths(tmp_path):
         load_mooncake(tmp_path / "missing.jsonl")
 
 
+def test_load_mooncake_window_from_an_offset(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps({"timestamp": 1000 * i, "input_length": 512, "output_length": 8 + i,
+                                        "hash_ids": [i]}) for i in range(10)))
+    window = load_mooncake(p, limit=4, offset=4)
+    assert [(r.request_id, r.arrival_s, r.output_length) for r in window] == [
+        (f"r{i}", float(i), 8 + i) for i in range(4, 8)]
+    assert len(load_mooncake(p, limit=4, offset=8)) == 2
+    with pytest.raises(ValueError, match="offset below its line count"):
+        load_mooncake(p, limit=4, offset=10)
+
+
 def test_compress_and_overlay():
     reqs = synthetic_shared_prefix(10, rate=2.0, num_prefixes=2, prefix_ids=2, suffix_ids=1, output_length=4)
     fast = compress_time(reqs, 4.0)

@@ -40,8 +40,10 @@ class TraceRequest:
 
 
 def load_mooncake(path: str | Path, limit: int | None = None, tokens_per_id: int = MOONCAKE_TOKENS_PER_ID,
-                  output_scale: float | None = None) -> list[TraceRequest]:
-    """Read a Mooncake JSONL trace (timestamp ms, input/output lengths, hash ids).
+                  output_scale: float | None = None, offset: int = 0) -> list[TraceRequest]:
+    """Read a Mooncake JSONL trace (timestamp ms, input/output lengths, hash ids):
+    ``limit`` requests from line ``offset`` (a later window of the trace; request
+    ids keep their line numbers, arrival times the trace's own).
     ``tokens_per_id`` < 512 shrinks prompts for small models: input lengths
     scale by ``tokens_per_id / 512``, output lengths by ``output_scale``
     (default: the same factor)."""
@@ -49,12 +51,16 @@ def load_mooncake(path: str | Path, limit: int | None = None, tokens_per_id: int
     if not path.exists():
         raise ValueError(f"trace {path} not found: give a Mooncake JSONL file, e.g. "
                          "../shared/traces/mooncake/conversation_trace.jsonl")
+    if offset < 0:
+        raise ValueError(f"trace offset is a line number: give a value >= 0, got {offset}")
     scale = tokens_per_id / MOONCAKE_TOKENS_PER_ID
     out_scale = scale if output_scale is None else output_scale
     out = []
     with path.open() as f:
         for i, line in enumerate(f):
-            if limit is not None and i >= limit:
+            if i < offset:
+                continue
+            if limit is not None and i >= offset + limit:
                 break
             row = json.loads(line)
             ids = tuple(int(h) for h in row["hash_ids"])
@@ -62,7 +68,7 @@ def load_mooncake(path: str | Path, limit: int | None = None, tokens_per_id: int
             n_out = max(1, round(int(row["output_length"]) * out_scale))
             out.append(TraceRequest(f"r{i}", float(row["timestamp"]) / 1000.0, n_in, n_out, ids))
     if not out:
-        raise ValueError(f"trace {path} has no requests")
+        raise ValueError(f"trace {path} has no requests from line {offset}: give an offset below its line count")
     return out
 
 
