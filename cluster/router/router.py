@@ -161,6 +161,11 @@ class Router:
         back unstarted). False: no open send of that id (ended already, lapsed, or not tracked)."""
         return self._sends is not None and self._sends.ended(request_id, computed)
 
+    @property
+    def open_sends(self) -> int:
+        """Routed requests whose prefill end has not reached the router (their prefixes kept in flight)."""
+        return 0 if self._sends is None else len(self._sends)
+
     def route(self, request: RoutingRequest) -> RoutingDecision:
         now = self._clock()
         sends = self._sends
