@@ -24,7 +24,9 @@ something fails on the way:
 While the decode node has not joined, this frontend renews the prefill node's
 lease (the one party that knows both nodes); one that vanishes stops renewing
 and the lease frees the blocks. Every path that ends the request releases what
-it holds: `finish()`.
+it holds: `finish()`. The router counts a routed prompt's prefix as in flight
+on its node until this side reports the prefill's end (`_prefill_ended`:
+computed there, or failed, given back, aborted, or run elsewhere).
 """
 from __future__ import annotations
 
