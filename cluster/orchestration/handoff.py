@@ -24,7 +24,9 @@ something fails on the way:
 While the decode node has not joined, this frontend renews the prefill node's
 lease (the one party that knows both nodes); one that vanishes stops renewing
 and the lease frees the blocks. Every path that ends the request releases what
-it holds: `finish()`.
+it holds: `finish()`. The router counts a routed prompt's prefix as in flight
+on its node until this side reports the prefill's end (`_prefill_ended`:
+computed there, or failed, given back, aborted, or run elsewhere).
 """
 from __future__ import annotations
 
@@ -124,6 +126,7 @@ class Handoff:
         self.clock: HandoffClock | None = None        # while the first decode token after a hand-off is awaited
         self.reservation: Reservation | None = None
         self.hold: FirstTokenHold | None = None       # while the first token waits for the decode node's admission
+        self.sent: tuple[str, str] | None = None      # (id, node) of the routed prefill not ended yet
         shared.by_wid[self.wid] = self
 
     def _to(self, stage: Stage) -> None:
@@ -186,6 +189,7 @@ class Handoff:
                 case Counted(delta=delta):   # re-prefilled elsewhere: already in `emitted`
                     pass
                 case Tokens(delta=delta):
+                    self._prefill_ended(True, self.decode_id)   # a local prefill's first token
                     self.emitted.extend(delta.new_token_ids)
                     self._second_token()
             if self.continued:
@@ -228,7 +232,17 @@ class Handoff:
             self.clock = None
 
     def _route(self, job: GenerateJob):
-        return self.s.pool.route(job.request_id, len(job.prompt_token_ids), job.block_hashes)
+        self._prefill_ended(False)
+        decision = self.s.pool.route(job.request_id, len(job.prompt_token_ids), job.block_hashes)
+        self.sent = (job.request_id, decision.prefill_worker_id or decision.decode_worker_id)
+        return decision
+
+    def _prefill_ended(self, computed: bool, on: str | None = None) -> None:
+        """The routed prefill is over: computed on node ``on``, or not (failed, given back, or run
+        elsewhere); the router's in-flight record of it ends (Router.on_prefill_end)."""
+        sent, self.sent = self.sent, None
+        if sent is not None:
+            self.s.pool.prefill_ended(sent[0], computed and on == sent[1])
 
     # -------------------------------------------------------------- prefill
     async def _prefill(self, job: GenerateJob, prefill_id: str | None):
@@ -243,6 +257,7 @@ class Handoff:
                     item=work_item(job), read_ahead=self._read_ahead_actor()))
             except BackendError as e:
                 self.prefill_id = None
+                self._prefill_ended(False)
                 if e.code != "UNAVAILABLE":
                     raise
                 self.s.journal.note(job.request_id, Recovery.PREFILL_LOST)
@@ -250,6 +265,7 @@ class Handoff:
                 prefill_id = self.s.pool.other_prefill(tried) if self.config.prefill_failure_policy == "reprefill" \
                     else None
                 continue
+            self._prefill_ended(not result.moved, prefill_id)
             if result.moved:
                 self.prefill_id = None
                 self.s.journal.note(job.request_id, Recovery.BUSY if result.busy else Recovery.MOVED)
@@ -326,6 +342,7 @@ class Handoff:
                 continue
             self.s.journal.note(job.request_id, Recovery.MOVED)   # draining: the lease is still good
             moved_from, decode_id = decode_id, self._route(job).decode_worker_id
+            self._prefill_ended(False)            # routed for a decode node only: nothing prefills
             if decode_id == moved_from:
                 raise BackendError("UNAVAILABLE", f"decode worker {decode_id} is draining and no other "
                                    "one is live; retry the request", retry_after_s=1.0)
@@ -504,6 +521,7 @@ class Handoff:
                 await joining
         self.s.by_wid.pop(self.wid, None)
         self.stage = Stage.FINISHED
+        self._prefill_ended(False)                   # still open: never computed (aborted, or failed)
         if not done:
             await self.abort()
         else:

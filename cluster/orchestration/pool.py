@@ -146,6 +146,10 @@ class WorkerPool:
         except NoWorkerAvailable as e:
             raise BackendError("UNAVAILABLE", f"no worker available: {e}", retry_after_s=1.0) from e
 
+    def prefill_ended(self, request_id: str, computed: bool) -> None:
+        """A routed request's prefill ended: the router's in-flight record of it ends (Router.on_prefill_end)."""
+        self.router.on_prefill_end(request_id, computed)
+
     def live(self, worker_id: str | None) -> WorkerRef | None:
         ref = self.workers.get(worker_id or "")
         return ref if ref is not None and ref.alive else None

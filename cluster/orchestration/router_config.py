@@ -17,5 +17,8 @@ def policy_config(cfg: ServeConfig, weights: CostWeights | None = None) -> Polic
 
 
 def router_config(cfg: ServeConfig) -> RouterConfig:
+    # a prefix stays in flight until its prefill ends (handoff.py reports it); the bound for one whose
+    # end is lost: no request, so no prefill, outlives request_timeout (0: no deadline, the default)
+    ttl = {"in_flight_max_s": cfg.request_timeout} if cfg.request_timeout > 0 else {}
     return RouterConfig(policy=cfg.router_policy, policy_config=policy_config(cfg),
-                        track_in_flight=cfg.router_track_in_flight)
+                        track_in_flight=cfg.router_track_in_flight, **ttl)

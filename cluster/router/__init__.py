@@ -2,6 +2,7 @@
 
 - index.py   `PrefixIndex`: block hash -> workers holding it, fed by KV events
 - inflight.py `InFlightPrefixes`: prefixes sent to a node, not yet reported by it
+- sends.py   `OpenSends`: routed requests whose prefill has not ended, kept in flight until it does
 - cost.py    pure cost functions and softmax-with-temperature selection
 - policy.py  `RoutingPolicy` + `prefix_aware` / `round_robin` / `least_loaded`
 - cost_vector.py `RoleCosts`: one role's load-only costs as an array (prefix_aware costs all workers at once)

@@ -5,7 +5,10 @@ them; requests sharing a prefix that arrive meanwhile would see no match and
 be spread by load, recomputing the prefix elsewhere. So ``route()`` records
 the block hashes of every request it sends to node N (the prefill node, or
 the decode node when it prefills locally) as *expected soon* on N, for
-``ttl_s`` seconds.
+``ttl_s`` seconds after it was sent, and for as long as its prefill is
+pending: the Router refreshes the chains of the requests whose prefill has
+not ended (``refresh``, sends.py), so a prompt queued 20 s at the knee still
+draws its conversation's next turn.
 
 One flat map ``hash -> (worker, epoch, expiry)``, written in bulk (C speed,
 no per-block Python work on the routing path): the last node a block was
@@ -18,7 +21,8 @@ Indexed blocks (real STORED events) take precedence over these entries (the
 policy counts in-flight blocks only beyond a node's indexed prefix); a
 REMOVED from the owner drops an entry; CLEARED or a dead worker drops all of
 that worker's entries (an epoch bump: stale entries are ignored, then aged
-out). Expiry is lazy: two generations of ``ttl_s`` each, the older dropped
+out); a prefill that failed or was aborted drops its send's entries
+(``on_removed``). Expiry is lazy: two generations of ``ttl_s`` each, the older dropped
 whole, and each entry's own expiry checked on read.
 
 The two maps live in a flat C table (native.InFlightTable) where it builds:
@@ -84,6 +88,29 @@ class InFlightPrefixes:
             except (OverflowError, TypeError):
                 self._to_dicts()
         self._cur.update(dict.fromkeys(block_hashes, (worker_id, epoch, now + self.ttl_s)))
+
+    def refresh(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
+        """A send of ``block_hashes`` to ``worker_id`` is still pending: its chain lives ``ttl_s``
+        from now. A live entry keeps its owner (a later send to another node took it), a missing,
+        lapsed or stale one is written as this send's, so the chain stays whole from its first block."""
+        if not block_hashes:
+            return
+        self._age(now)
+        epoch, expiry = self._epochs.get(worker_id, 0), now + self.ttl_s
+        if self._table is not None:
+            try:
+                self._table.refresh(block_hashes, self.number(worker_id), epoch, expiry, now, self._epoch_of)
+                return
+            except (OverflowError, TypeError):
+                self._to_dicts()
+        for h in block_hashes:
+            v = self._cur.get(h)
+            if v is None:
+                v = self._prev.get(h)
+            if v is None or v[2] <= now or self._epochs.get(v[0], 0) != v[1]:
+                self._cur[h] = (worker_id, epoch, expiry)
+            else:
+                self._cur[h] = (v[0], v[1], max(v[2], expiry))
 
     def match(self, block_hashes: Sequence[int], now: float) -> InFlightMatch | None:
         """The node the deepest in-flight block of this prompt was sent to, and
@@ -190,6 +217,9 @@ class NoInFlightPrefixes:
         return None
 
     def on_removed(self, worker_id: str, block_hashes: Iterable[int]) -> None:
+        return None
+
+    def refresh(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
         return None
 
     def drop_worker(self, worker_id: str) -> None:

@@ -4,7 +4,10 @@ The frontend computes a prompt's chained block hashes once and calls
 ``route()``; workers' KV events go to ``on_events()`` (on a gap, fetch a
 ``KVSnapshot`` from that worker and call ``on_snapshot()``); load reports go
 to ``update_load()`` / ``observe_stats()``; a dead worker to
-``on_worker_dead()``. Single-threaded: call it from one event loop.
+``on_worker_dead()``; the end of a routed request's prefill (computed, or
+failed / aborted / given back) to ``on_prefill_end()``: until then its
+prefix counts as in flight on the node (sends.py). Single-threaded: call it
+from one event loop.
 
 Optimistic accounting: between two load reports, each routed request adds its
 uncached tokens to the queued prefill tokens of the node that prefills it,
@@ -30,6 +33,7 @@ from cluster.router.load import LoadReport, LoadSlot, load_from_stats
 from cluster.router.native_router import NativeDecisions
 from cluster.router.policy import (NO_DECODE_WORKER, POOLS, ClusterView, NoWorkerAvailable, PolicyConfig,
                                    RoutingDecision, RoutingRequest, WorkerLoad, WorkerView, make_policy)
+from cluster.router.sends import OpenSends
 from engine.kv_events import KVEvent, KVEventKind, KVSnapshot
 
 
@@ -38,13 +42,17 @@ class RouterConfig:
     policy: str = "prefix_aware"
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     pending_ttl_s: float = 5.0             # optimistic additions lapse without a load report
-    in_flight_ttl_s: float = 10.0          # a prefix sent to a node counts there until reported, or this long
+    in_flight_ttl_s: float = 10.0          # a prefix sent to a node counts there this long after it was
+                                           # sent, or last refreshed while its prefill is pending (sends.py)
+    # a send whose end (on_prefill_end) never comes is kept in flight this long at most; the cluster
+    # passes request_timeout: no request, and so no prefill, is pending longer
+    in_flight_max_s: float = 600.0
     track_in_flight: bool = True           # count sent-but-unreported prefixes (False: NoInFlightPrefixes)
 
     def __post_init__(self) -> None:
-        if self.pending_ttl_s <= 0 or self.in_flight_ttl_s <= 0:
-            raise ValueError(f"pending_ttl_s ({self.pending_ttl_s}) and in_flight_ttl_s "
-                             f"({self.in_flight_ttl_s}) must be positive seconds")
+        if self.pending_ttl_s <= 0 or self.in_flight_ttl_s <= 0 or self.in_flight_max_s <= 0:
+            raise ValueError(f"pending_ttl_s ({self.pending_ttl_s}), in_flight_ttl_s ({self.in_flight_ttl_s}) "
+                             f"and in_flight_max_s ({self.in_flight_max_s}) must be positive seconds")
 
 
 
@@ -58,6 +66,8 @@ class Router:
         self.policy = make_policy(config.policy, config.policy_config, rng)
         self.in_flight = (InFlightPrefixes(config.in_flight_ttl_s) if config.track_in_flight
                           else NoInFlightPrefixes())
+        self._sends = (OpenSends(self.in_flight, config.in_flight_max_s)
+                       if isinstance(self.in_flight, InFlightPrefixes) else None)
         self._clock = clock
         self._slots: dict[str, LoadSlot] = {}
         self._order: list[str] = []            # worker ids, sorted
@@ -109,6 +119,8 @@ class Router:
         """Drop the worker's index entries and stop routing to it until it reports again."""
         self.index.remove_worker(worker_id)
         self.in_flight.drop_worker(worker_id)
+        if self._sends is not None:
+            self._sends.worker_gone(worker_id)
         slot = self._slots.get(worker_id)
         if slot is not None:
             self.update_load(worker_id, replace(slot.reported, alive=False))
@@ -135,14 +147,37 @@ class Router:
                 self.in_flight.on_removed(worker_id, ev.block_hashes)
             elif ev.kind is KVEventKind.CLEARED:
                 self.in_flight.drop_worker(worker_id)
+                if self._sends is not None:
+                    self._sends.worker_gone(worker_id)
         return result
 
     def on_snapshot(self, worker_id: str, snapshot: KVSnapshot) -> None:
         self.index.resync(worker_id, snapshot)
 
     # ---- routing --------------------------------------------------------
+    def on_prefill_end(self, request_id: str, computed: bool = True) -> bool:
+        """The routed request's prefill ended: its in-flight record is no longer kept alive and
+        lapses (``computed``: the node reports the blocks), or goes now (failed, aborted, given
+        back unstarted). False: no open send of that id (ended already, lapsed, or not tracked)."""
+        return self._sends is not None and self._sends.ended(request_id, computed)
+
+    @property
+    def open_sends(self) -> int:
+        """Routed requests whose prefill end has not reached the router (their prefixes kept in flight)."""
+        return 0 if self._sends is None else len(self._sends)
+
     def route(self, request: RoutingRequest) -> RoutingDecision:
         now = self._clock()
+        sends = self._sends
+        if sends is not None:
+            sends.keep_alive(now)
+        decision = self._decide(request, now)
+        if sends is not None:
+            sends.opened(request.request_id, decision.prefill_worker_id or decision.decode_worker_id,
+                         request.block_hashes, now)
+        return decision
+
+    def _decide(self, request: RoutingRequest, now: float) -> RoutingDecision:
         fast = self._fast
         if fast is not None:
             if fast.current():

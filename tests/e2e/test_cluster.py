@@ -58,6 +58,7 @@ def test_greedy_over_grpc_matches_transformers_for_8_concurrent(cluster, hf):
         assert out.finish_reason == "length"
     assert cluster.sample("pdserve_routing_decisions_total", kind="remote_prefill") >= 8
     cluster.wait_idle()
+    assert cluster.backend.router.open_sends == 0, "every prefill's end reached the router (handoff.py)"
 
 
 def test_a_long_chunked_prompt_moves_its_last_chunk_layer_by_layer_and_matches_transformers(cluster, hf):
@@ -108,6 +109,7 @@ def test_cancel_mid_stream_frees_blocks_on_both_sides(cluster):
     assert asyncio.run(cancel_after_two()) == 2
     states = cluster.wait_idle()
     assert states["prefill-0"].held == 0
+    assert cluster.backend.router.open_sends == 0
 
 
 def test_bad_input_is_invalid_argument_and_cluster_stays_up(cluster, hf):

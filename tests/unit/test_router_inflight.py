@@ -143,6 +143,7 @@ def test_in_flight_entries_lapse_and_die_with_the_worker():
     r = router(clock=clock, ttl=2.0)
     assert r.route(group_req(0)).prefill_worker_id == HOME
     r.update_load(HOME, WorkerLoad(queued_prefill_tokens=416))
+    assert r.on_prefill_end("q0")                                   # computed: no longer kept alive
     clock.t += 2.5                                                  # nothing reported: the entry lapsed
     assert r.route(group_req(1)).prefill_worker_id == AWAY
     r.update_load(AWAY, WorkerLoad(queued_prefill_tokens=416))

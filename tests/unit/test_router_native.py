@@ -93,10 +93,14 @@ def test_the_c_in_flight_table_answers_as_the_dicts(seed):
     for step in range(600):
         now += rng.choice((0.0, 0.01, 0.05, 0.3, 1.2))
         chain, w, roll = rng.choice(chains), rng.choice(workers), rng.random()
-        if roll < 0.5:
+        if roll < 0.45:
             n = rng.randint(1, len(chain))
             for f in (c, py):
                 f.record(w, chain[:n], now)
+        elif roll < 0.55:                       # a pending send kept alive (sends.py)
+            n = rng.randint(1, len(chain))
+            for f in (c, py):
+                f.refresh(w, chain[:n], now)
         elif roll < 0.7:
             gone = rng.sample(chain, rng.randint(1, len(chain)))
             for f in (c, py):
@@ -158,3 +162,27 @@ def test_the_in_flight_table_grown_into_prepared_arrays_answers_as_the_dicts():
             for prompt in rng.sample(sent, 300):
                 _same(c, py, prompt, now)
     assert c.native and len(c) > 150_000
+
+
+@pytest.mark.parametrize("native_table", [True, False])
+def test_a_refresh_keeps_owners_and_lives_a_ttl_from_now_in_c_and_in_the_dicts(native_table):
+    """InFlightPrefixes.refresh (sends.py keeps a pending send alive): live entries keep their
+    owner and live a ttl from the refresh, in cur or copied from prev; lapsed ones become the
+    refreshing send's. The C table and the dicts the same, step by step."""
+    f = InFlightPrefixes(1.0, use_native=native_table)
+    assert f.native == native_table
+    f.record("p9", (99,), 0.0)                   # the generation starts at 0
+    f.record("p0", (1, 2, 3, 4), 0.5)            # expires at 1.5
+    f.record("p1", (1, 2), 0.6)                  # a later send to another node owns 1, 2
+    f.refresh("p0", (1, 2, 3, 4), 0.9)           # in cur: extended to 1.9, owners kept
+    assert f.match((1, 2, 3, 4), 1.8) == InFlightMatch("p0", 4)     # (a new generation from 1.8)
+    assert f.match((1, 2), 1.8) == InFlightMatch("p1", 2)
+    f.refresh("p0", (1, 2, 3, 4), 1.85)          # prev's live entries copied into cur, to 2.85
+    assert f.match((1, 2, 3, 4), 2.8) == InFlightMatch("p0", 4)
+    assert f.match((1, 2), 2.8) == InFlightMatch("p1", 2)
+    assert f.match((1, 2, 3, 4), 2.9) is None
+    f.refresh("p0", (1, 2, 3, 4), 3.0)           # all lapsed: written back as p0's
+    assert f.match((1, 2), 3.5) == InFlightMatch("p0", 2)
+    f.drop_worker("p0")
+    f.refresh("p1", (1, 2), 3.6)                 # stale entries (p0's old epoch): p1's now
+    assert f.match((1, 2, 3, 4), 3.7) == InFlightMatch("p1", 2)

@@ -31,6 +31,7 @@ def _run(policy="prefix_aware", p=2, d=2, collapse=True, num_blocks=128, reqs=No
 def test_every_request_finishes_and_no_block_leaks(p):
     sim, s = _run(p=p)
     assert s["finished"] == s["requests"] == 120
+    assert sim.router.open_sends == 0          # every prefill's end reached the router, as handoff.py's
     assert all(r.tokens_out == r.output_tokens for r in sim.records)
     assert all(r.first_token_s >= r.arrival_s and r.finish_s >= r.first_token_s for r in sim.records)
     for node in sim.nodes.values():

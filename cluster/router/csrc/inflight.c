@@ -127,15 +127,62 @@ static PyObject *ft_gen_start(InFlightTable *t, PyObject *unused) {
     return t->has_gen ? PyFloat_FromDouble(t->gen_start) : Py_NewRef(Py_None);
 }
 
+/* Whether an entry counts: not expired, and of its worker's current epoch (epochs: list of ints
+ * by worker index). */
+static int slot_live(const FSlot *s, double now, PyObject *epochs) {
+    if (s->expiry <= now) return 0;
+    if (s->worker >= PyList_GET_SIZE(epochs)) return s->epoch == 0;
+    unsigned long e = PyLong_AsUnsignedLongMask(PyList_GET_ITEM(epochs, s->worker));
+    return (uint32_t)e == s->epoch;
+}
+
 /* The live entry for key k (InFlightPrefixes._live): cur's if any, else prev's; NULL when absent,
- * expired or of an older epoch (epochs: list of ints by worker index). */
+ * expired or of an older epoch. */
 static const FSlot *ft_live(const InFlightTable *t, uint64_t k, double now, PyObject *epochs) {
     const FSlot *s = fg_find(&t->cur, k);
     if (!s) s = fg_find(&t->prev, k);
-    if (!s || s->expiry <= now) return NULL;
-    if (s->worker >= PyList_GET_SIZE(epochs)) return s->epoch == 0 ? s : NULL;
-    unsigned long e = PyLong_AsUnsignedLongMask(PyList_GET_ITEM(epochs, s->worker));
-    return (uint32_t)e == s->epoch ? s : NULL;
+    return s && slot_live(s, now, epochs) ? s : NULL;
+}
+
+/* InFlightPrefixes.refresh: a pending send's chain kept live to ``expiry`` in cur, owners kept: a
+ * live entry (cur's, or prev's copied into cur) lives at least to expiry; a missing, expired or
+ * stale one (cur's shadows prev's) becomes this send's. */
+static int ft_refresh_keys(InFlightTable *t, const Keys *K, int32_t worker, uint32_t epoch, double expiry,
+                           double now, PyObject *epochs) {
+    FGen *g = &t->cur;
+    while ((uint64_t)(g->count + K->n) * 4 > (g->mask + 1) * 3)
+        if (ft_grow(t) < 0) return -1;
+    for (Py_ssize_t i = 0; i < K->n; i++) {
+        FSlot mine = {K->keys[i], expiry, worker, epoch}, *s = fg_find(g, K->keys[i]);
+        if (s) {
+            if (!slot_live(s, now, epochs)) *s = mine;
+            else if (s->expiry < expiry) s->expiry = expiry;
+            continue;
+        }
+        const FSlot *p = fg_find(&t->prev, K->keys[i]);
+        if (p && slot_live(p, now, epochs)) { mine = *p; if (mine.expiry < expiry) mine.expiry = expiry; }
+        fg_place(g, &mine);
+    }
+    ft_prepare(t);
+    return 0;
+}
+
+/* refresh(hashes, worker, epoch, expiry, now, epochs) */
+static PyObject *ft_refresh(InFlightTable *t, PyObject *args) {
+    PyObject *hashes, *epochs; int worker; unsigned int epoch; double expiry, now;
+    if (!PyArg_ParseTuple(args, "OiIddO!", &hashes, &worker, &epoch, &expiry, &now, &PyList_Type, &epochs))
+        return NULL;
+    if (worker < 0) { PyErr_SetString(PyExc_ValueError, "worker index must be >= 0"); return NULL; }
+    PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence"), *ret = NULL;
+    if (!seq) return NULL;
+    Keys K;
+    if (keys_load(&K, PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq)) == 0) {
+        if (K.bad) PyErr_SetString(PyExc_OverflowError, "block hashes must be 64-bit unsigned ints");
+        else if (ft_refresh_keys(t, &K, worker, epoch, expiry, now, epochs) == 0) ret = Py_NewRef(Py_None);
+        keys_free(&K);
+    }
+    Py_DECREF(seq);
+    return ret;
 }
 
 int32_t ft_match_keys(const InFlightTable *t, const Keys *K, double now, PyObject *epochs, Py_ssize_t *depth) {
@@ -223,6 +270,7 @@ static PyObject *ft_dump(InFlightTable *t, PyObject *unused) {
 static PyMethodDef ft_methods[] = {
     {"dump", (PyCFunction)ft_dump, METH_NOARGS, "dump() -> (cur, prev) lists of (hash, worker, epoch, expiry)"},
     {"record", (PyCFunction)ft_record, METH_VARARGS, "record(hashes, worker, epoch, expiry)"},
+    {"refresh", (PyCFunction)ft_refresh, METH_VARARGS, "refresh(hashes, worker, epoch, expiry, now, epochs)"},
     {"age", (PyCFunction)ft_age_py, METH_VARARGS, "age(now, ttl): start a generation every ttl (InFlightPrefixes._age)"},
     {"gen_start", (PyCFunction)ft_gen_start, METH_NOARGS, "the current generation's start, or None"},
     {"match", (PyCFunction)ft_match, METH_VARARGS, "match(hashes, now, epochs) -> (worker, blocks) | None"},

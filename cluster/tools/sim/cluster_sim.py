@@ -409,6 +409,7 @@ class ClusterSim:
             if rec.first_token_s is None:
                 rec.first_token_s = first
                 rec.cached_tokens = r.num_cached_tokens or 0
+                self.router.on_prefill_end(r.request_id)     # as handoff.py: its in-flight record ends
                 if self.autoscaler is not None:
                     self.autoscaler.on_first_token(rec)
             else:
