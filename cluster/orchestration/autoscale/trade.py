@@ -115,10 +115,8 @@ def decode_cost(demand: tuple[float, ...], workers: int, removed: int, target_kv
     if after <= 0:
         return math.inf
     forms = shapes if shapes is not None else tuple(() for _ in demand)
-    # per node the unevenness the mean target is headroom for is measured: at risk is what a node
-    # cannot hold (its whole KV); without a shape, the mean over the target as before
-    over = sum(node_excess(x, sh, after, 1.0 if sh else target_kv)
-               - node_excess(x, sh, after + 1, 1.0 if sh else target_kv) for x, sh in zip(demand, forms))
+    over = sum(node_excess(x, sh, after, target_kv) - node_excess(x, sh, after + 1, target_kv)
+               for x, sh in zip(demand, forms))
     return over / total
 
 
