@@ -187,7 +187,7 @@ class PoolState:
     # decode: (time, KV demand in worker units, observed) over the memory of peaks; with the
     # current interval's at the predicted load, what the marginal trade at the fleet cap
     # (trade.py) weighs one fewer worker against
-    kv_demand: tuple[tuple[float, float, tuple[float, ...]], ...] = ()
+    kv_demand: tuple[tuple[float, float], ...] = ()
     # prefill: (time, utilisation of the ready workers, wait-miss fraction) over the memory of peaks:
     # how steeply the misses follow the load (trade.py `miss_elasticity`), for the same trade
     miss_load: tuple[tuple[float, float, float], ...] = ()
@@ -411,12 +411,10 @@ def _give_way(c: AutoscaleConfig, s: FleetSignals, wp: _Want, wd: _Want, d: Pool
         return d, st
     pw = s.prefill.workers
     rho = wp.predicted / (max(1, pw) * s.prefill.tokens_per_s_per_worker)
-    past = tuple(x for x in st.kv_demand if x[0] < now)
-    demand = tuple(x for _, x, _ in past) + (wd.kv_demand,)   # past: observed; now: predicted
-    shapes = tuple(sh for _, _, sh in past) + (s.decode.kv_usage_by_worker,)
+    demand = tuple(x for t, x in st.kv_demand if t < now) + (wd.kv_demand,)   # past: observed; now: predicted
     k = workers_to_trade(miss, c.ttft_miss_budget, rho, pw, demand, d.current,
                          max(c.decode.min_workers, wd.out), c.target_kv_usage,
-                         max(1, math.floor(d.current * c.max_step_down)), elasticity, shapes)
+                         max(1, math.floor(d.current * c.max_step_down)), elasticity)
     if k == 0:
         return d, st
     return replace(d, target=d.current - k, reason=Reason.TRADE), replace(st, last_change_t=now, below_since=None,
@@ -486,7 +484,7 @@ def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerStat
     ps = _learn(ps, wp, signals.prefill.workers, dt_p, config)
     ds = _learn(ds, wd, signals.decode.workers, dt_d, config)
     memory = config.scale_in_memory_factor * config.scale_in_hold_s
-    ds = replace(ds, kv_demand=tuple(x for x in ds.kv_demand if x[0] > now - memory) + ((now, wd.kv_observed, signals.decode.kv_usage_by_worker),))
+    ds = replace(ds, kv_demand=tuple(x for x in ds.kv_demand if x[0] > now - memory) + ((now, wd.kv_observed),))
     ps = replace(ps, miss_load=_miss_load(ps.miss_load, signals.prefill, now - memory, now))
     # measured wait misses: decode gives way at the cap by marginal value (_give_way); else without its hold
     marginal = signals.prefill.ttft_wait_miss_fraction is not None

@@ -86,51 +86,29 @@ def prefill_saving(miss: float, budget: float, rho: float, workers: int, added: 
     return before - max(0.0, prefill_miss_after(miss, rho, workers, added, elasticity) - budget)
 
 
-def node_excess(units: float, shape: tuple[float, ...], workers: int, target_kv: float) -> float:
-    """Worker units of KV that ``workers`` would hold over the target, per node: the demand ``units``
-    spread as the sample's per-node KV use ``shape`` was (the drained are the least loaded, so the
-    fullest ``workers`` keep their shares; more workers than the shape take the mean share). Even
-    (or no) shape: ``units - workers x target``, the pool-mean figure."""
-    if workers <= 0:
-        return math.inf
-    kept = sorted(shape, reverse=True)[:workers]
-    if kept and len(kept) < workers:
-        kept += [sum(kept) / len(kept)] * (workers - len(kept))
-    total = sum(kept)
-    if total <= 0:
-        return max(0.0, units - workers * target_kv)
-    return sum(max(0.0, u * units / total - target_kv) for u in kept)
-
-
-def decode_cost(demand: tuple[float, ...], workers: int, removed: int, target_kv: float,
-                shapes: tuple[tuple[float, ...], ...] | None = None) -> float:
+def decode_cost(demand: tuple[float, ...], workers: int, removed: int, target_kv: float) -> float:
     """The part of decode's KV demand (sequences, weighted by what each sample holds) that
-    ``workers - removed`` would hold above the KV target and ``workers - removed + 1`` not; with
-    each sample's per-node KV use (``shapes``), over the target per node (`node_excess`): the
-    sequences sit on the nodes, and a full node makes its hand-offs wait whatever the mean says."""
+    ``workers - removed`` would hold above the KV target and ``workers - removed + 1`` not."""
     total = sum(demand)
     if total <= 0:
         return 0.0
-    after = workers - removed
-    if after <= 0:
+    room_after, room_before = (workers - removed) * target_kv, (workers - removed + 1) * target_kv
+    if room_after <= 0:
         return math.inf
-    forms = shapes if shapes is not None else tuple(() for _ in demand)
-    over = sum(node_excess(x, sh, after, target_kv) - node_excess(x, sh, after + 1, target_kv)
-               for x, sh in zip(demand, forms))
+    over = sum(max(0.0, x - room_after) - max(0.0, x - room_before) for x in demand)
     return over / total
 
 
 def workers_to_trade(miss: float, budget: float, rho: float, prefill_workers: int,
                      demand: tuple[float, ...], decode_workers: int, decode_floor: int, target_kv: float,
-                     step: int, elasticity: float | None = None,
-                     shapes: tuple[tuple[float, ...], ...] | None = None) -> int:
+                     step: int, elasticity: float | None = None) -> int:
     """How many workers decode gives to prefill (at most ``step``, never below ``decode_floor``):
     the k-th only while one more prefill worker saves more requests than one fewer decode
     worker puts at risk."""
     k = 0
     while k < step and decode_workers - k - 1 >= decode_floor:
         saving = prefill_saving(miss, budget, rho, prefill_workers, k + 1, elasticity)
-        if saving <= 0 or saving <= decode_cost(demand, decode_workers, k + 1, target_kv, shapes):
+        if saving <= 0 or saving <= decode_cost(demand, decode_workers, k + 1, target_kv):
             break
         k += 1
     return k
