@@ -104,13 +104,8 @@ class InFlightPrefixes:
             except (OverflowError, TypeError):
                 self._to_dicts()
         for h in block_hashes:
-            v = self._cur.get(h)
-            if v is None:
-                v = self._prev.get(h)
-            if v is None or v[2] <= now or self._epochs.get(v[0], 0) != v[1]:
-                self._cur[h] = (worker_id, epoch, expiry)
-            else:
-                self._cur[h] = (v[0], v[1], max(v[2], expiry))
+            v = self._live(h, now)
+            self._cur[h] = (worker_id, epoch, expiry) if v is None else (v[0], v[1], max(v[2], expiry))
 
     def match(self, block_hashes: Sequence[int], now: float) -> InFlightMatch | None:
         """The node the deepest in-flight block of this prompt was sent to, and
