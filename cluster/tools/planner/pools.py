@@ -142,7 +142,7 @@ def split_at_cap(nodes: int, plan: PoolPlan, peak_request_rate: float, target_kv
     if not 0 < target_kv_usage <= 1:
         raise ValueError(f"target_kv_usage is a share of KV, in (0, 1], got {target_kv_usage}")
     at_mean = plan.decode_demand_tps / plan.decode_tps
-    decode = math.ceil(max(at_mean / target_kv_usage, at_mean * peak_request_rate / plan.request_rate) - 1e-9)
+    decode = math.ceil(at_mean * peak_request_rate / plan.request_rate / target_kv_usage - 1e-9)
     decode = min(max(1, decode), nodes - 1)
     return nodes - decode, decode
 
