@@ -70,16 +70,6 @@ def prefill_tokens_per_s(cost, chunk: int, mean_prompt: float) -> float:
     return chunk / max(seconds(chunk, max(0.0, mean_prompt / 2 - chunk / 2)), 1e-9)
 
 
-def workload_prefill_tokens_per_s(cost, chunk: int, prompts: list[int]) -> float:
-    """Prompt tokens/s one node sustains over these prompts: their tokens over the seconds
-    their prefills take alone (`prefill_alone_s`, no cache), each prompt weighted by its work."""
-    seconds = getattr(cost, "pure_prefill", None)
-    if seconds is None or not prompts:
-        return prefill_tokens_per_s(cost, chunk, float(np.mean(prompts)) if prompts else 1.0)
-    alone = {n: prefill_alone_s(seconds, chunk, n, 0) for n in set(prompts)}
-    return sum(prompts) / max(sum(alone[n] for n in prompts), 1e-9)
-
-
 def prefill_alone_s(pure_prefill, chunk: int, prompt: int, cached: int) -> float:
     """Seconds a prompt's prefill takes on an idle node: its uncached tokens in
     chunks of ``chunk``, each attending to what came before."""
@@ -157,8 +147,8 @@ class SimAutoscaler:
         work = sim.workload
         mean_prompt = float(np.mean([r.input_length for r in work])) if work else 1.0
         mean_out = float(np.mean([r.output_length for r in work])) if work else 1.0
-        self.prefill_tps = spec.prefill_tokens_per_s or workload_prefill_tokens_per_s(
-            sim.cost, c.max_num_batched_tokens, [r.input_length for r in work])
+        self.prefill_tps = spec.prefill_tokens_per_s or prefill_tokens_per_s(
+            sim.cost, c.max_num_batched_tokens, mean_prompt)
         self.seqs_per_worker = spec.decode_seqs_per_worker or decode_seqs_per_worker(
             sim.num_blocks * c.block_size, sim.cost.kv_bytes_per_token, mean_prompt + mean_out, c.max_num_seqs)
         self.state = ControllerState()
