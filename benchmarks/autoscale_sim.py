@@ -9,7 +9,8 @@ head runs), starting from the split of N the capacity planner recommends for
 the window's rate and mean lengths, split by the planner's `split_at_cap` (decode
 holds the in-flight sequences of the busiest decode lifetime at the KV target,
 prefill the rest: `--start planner`, cluster/tools/sim/autoscale.py
-`planned_split`; `--start half`: N/2 : N/2), optionally capped at
+`planned_split`; `--start half`: N/2 : N/2; `--start P:D`: that split, a
+diagnostic), optionally capped at
 N workers in all (`--fleet-cap`). The simulator gives the controller the
 wait-miss fraction (requests that miss TTFT by waiting although their prefill
 alone fits it). Goodput = requests meeting both SLOs (TTFT and mean
@@ -79,6 +80,8 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool, sample: int = 0) -> 
     if scale is not None and args.start == "planner":
         p, d = planned_split(n, reqs, cost, chunk, cost.kv_capacity_tokens // 512 * 512, seqs,
                              target_kv_usage=scale.config.target_kv_usage)
+    elif scale is not None and args.start != "half":
+        p, d = start_split(args.start, n)
     cfg = SimConfig(p, d, block_size=512, max_num_batched_tokens=chunk, max_num_seqs=seqs,
                     seed=sample if args.sample_by == "seed" else 0,
                     slo=Slo(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0), autoscale=scale,
@@ -109,6 +112,20 @@ def one(args, fleet: dict, p: int, d: int, autoscale: bool, sample: int = 0) -> 
     if autoscale:
         row["intervals"] = s["autoscale"]["intervals"]      # in --output only: one row per controller interval
     return row
+
+
+def start_split(spec: str, nodes: int) -> tuple[int, int]:
+    """``--start P:D``: the autoscaled run's given starting split of a fleet of ``nodes`` (a
+    diagnostic: where the planner's split would start it, started elsewhere)."""
+    try:
+        p, d = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--start: give planner, half or P:D (prefill:decode workers, e.g. 76:24), "
+                         f"got {spec!r}") from None
+    if p < 1 or d < 1 or p + d != nodes:
+        raise ValueError(f"--start {spec}: give at least one worker per pool and P + D = the fleet's "
+                         f"{nodes} nodes (run fleets of other sizes apart)")
+    return p, d
 
 
 def misses_by_arrival(records: list, start_s: float, slo: Slo, bin_s: float = 50.0) -> dict[str, list[int]]:
@@ -189,8 +206,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fleet-cap", action="store_true", help="cap both autoscaled pools together at N")
     ap.add_argument("--decode-first", action="store_true",
                     help="at the fleet cap, decode's growth first (it may displace prefill workers)")
-    ap.add_argument("--start", choices=("planner", "half"), default="planner",
-                    help="the autoscaled run's starting split: the planner's ratio of N, or N/2 : N/2")
+    ap.add_argument("--start", default="planner", metavar="planner|half|P:D",
+                    help="the autoscaled run's starting split: the planner's ratio of N, N/2 : N/2, or "
+                         "P prefill and D decode workers (P + D = N: a diagnostic)")
     ap.add_argument("--ttft-miss-budget", type=float, default=0.002,
                     help="part of the requests that may miss TTFT by waiting before prefill grows "
                          "(0: the simulator gives no wait-miss fraction; the TTFT p90 decides)")
@@ -216,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
                        "time_scale": float(ts)})
     if args.merge:
         return merge(args.merge, args.output)
+    if args.start not in ("planner", "half"):
+        for f in fleets:
+            start_split(args.start, f["nodes"])          # a bad --start fails before any run
     fractions = [float(x) for x in args.prefill_fractions.split(",")]
     samples = [int(x) for x in args.samples.split(",")]
     if len(set(samples)) != len(samples) or min(samples) < 0:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench_scripts import load_bench_script
 
 
@@ -94,3 +96,17 @@ def test_merge_of_chunks_is_the_summary_of_one_run(tmp_path, capsys):
     merged = json.loads((tmp_path / "merged.json").read_text())
     assert merged["summary"]["fleets"] == whole["fleets"]
     assert all("intervals" not in r for r in merged["runs"])
+
+
+def test_start_gives_the_autoscaled_run_its_first_split(tmp_path, capsys):
+    bench = load_bench_script("autoscale_sim")
+    runs = {start: _run(bench, tmp_path, *TIGHT, "--autoscaled-only", "--start", start, out_name=f"{start}.json",
+                        **WINDOWS)["runs"][0] for start in ("1:3", "3:1")}
+    for start, r in runs.items():
+        assert r["start_split"] == start
+        first = r["intervals"][0]
+        assert (first["prefill"]["ready"], first["decode"]["ready"]) == tuple(int(x) for x in start.split(":"))
+    assert runs["1:3"]["good"] != runs["3:1"]["good"]          # the start matters here: the check can fail
+    for bad in ("2:3", "0:4", "x:y"):
+        with pytest.raises(ValueError, match="--start"):
+            _run(bench, tmp_path, "--autoscaled-only", "--start", bad, **WINDOWS)
