@@ -179,7 +179,10 @@ def main() -> None:
             reusable = {r.request_id: c for r, c in zip(reqs, ideal_tokens)}
             for policy in ("round_robin", "prefix_aware"):
                 summ, rows = run_one(reqs, policy, args, cost, reusable)
-                p90 = sorted(r["ttft"] for r in rows)[int(0.9 * len(rows))]
+                ttfts = sorted(r["ttft"] for r in rows)
+                p90 = ttfts[int(0.9 * len(rows))]
+                summ.update(ttft_p99_s=round(ttfts[int(0.99 * len(rows))], 3), ttft_max_s=round(ttfts[-1], 3),
+                            wait_max_s=round(max(r["wait"] for r in rows), 3))
                 tail = [r for r in rows if r["ttft"] >= p90]
                 out["runs"].append({"load": load, "seed": seed, "policy": policy,
                                     "hit_over_ideal": round(summ["hit_rate"] / ideal, 3), **summ,
