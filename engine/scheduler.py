@@ -1,10 +1,11 @@
-"""Token-budget continuous batching, FCFS, with automatic prefix caching.
+"""Token-budget continuous batching, FCFS by default, with automatic prefix caching.
 
 Each step spends a budget of ``max_num_batched_tokens`` tokens: first on
 running requests (decodes and continuing chunked prefills, oldest arrival
-first), then on waiting requests in FCFS order, skipping one whose next
-prompt blocks a running request is computing right now (it waits for them
-as prefix hits: engine/prefix_wait.py). A request computes the
+first), then on waiting requests in FCFS order (or ``queue_order``'s:
+engine/queue_order.py), skipping one whose next prompt blocks a running
+request is computing right now (it waits for them as prefix hits:
+engine/prefix_wait.py). A request computes the
 tokens between ``num_computed_tokens`` and ``num_tokens``; prefill, decode and
 "KV arrived from a remote node" are the same case. When the pool runs out,
 the most recently arrived running request is preempted: by swap to the host
