@@ -180,7 +180,8 @@ async def main_async(args) -> dict:
                 cpus_per_worker=1.0, prefill_workers=args.prefill_workers, decode_workers=1,
                 num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len,
                 local_prefill_threshold=0, local_prefill_hit_ratio=1.0, log_level="WARNING",
-                router_track_in_flight=args.track_in_flight,
+                router_track_in_flight=args.track_in_flight, queue_order=args.queue_order,
+                queue_max_pass_s=args.queue_max_pass_s,
                 ray_temp_dir=tempfile.mkdtemp(prefix="pdserve-bench-ray-"))
     out: dict = {}
     try:
@@ -210,6 +211,7 @@ async def main_async(args) -> dict:
 def workload_info(args, n: int) -> dict:
     shape = {"requests": n, "prefill_workers": args.prefill_workers, "decode_workers": 1,
              "router_track_in_flight": args.track_in_flight, "cost_weights": asdict(CostWeights()),
+             "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
              "kv_blocks_per_worker": args.kv_blocks, "output_len": args.output_len}
     if args.workload == "mooncake":
         return {"name": "mooncake", "trace": Path(args.trace_path).name, "conversations": args.conversations,
@@ -240,6 +242,9 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--track-in-flight", action=argparse.BooleanOptionalAction, default=True,
                    help="the router counts prefixes it sent before their KV events arrive (the default)")
+    p.add_argument("--queue-order", default="fcfs", help="every worker's waiting-queue order (ServeConfig."
+                   "queue_order): fcfs or fewest_uncached, the same for both policies")
+    p.add_argument("--queue-max-pass-s", type=float, default=20.0, help="ServeConfig.queue_max_pass_s")
     args = p.parse_args()
     if args.prefill_workers < 1:
         p.error("--prefill-workers must be >= 1")

@@ -17,7 +17,9 @@ shared-prefix shuffle and Poisson arrivals, or which Mooncake conversations).
 --busy-pool-miss sweeps CostWeights.busy_pool_miss (the miss weight's factor when
 every prefill node has a queue) like --weights; --trace-block-len 64
 --max-model-len 4096 --kv-blocks 2048 --max-num-batched-tokens 2048 is the replay of the
-moon29-moon33 runs (each hash id 64 tokens, prompts capped at 4092).
+moon29-moon33 runs (each hash id 64 tokens, prompts capped at 4092). --queue-order
+fewest_uncached (with --queue-max-pass-s) sets every node's waiting-queue order
+(engine/queue_order.py) for both policies alike.
 
 Prints one JSON line: every run (simulated), and per workload and weight the
 mean and minimum prefix-aware hit rate over the ideal and the median TTFT p90
@@ -75,21 +77,26 @@ def mooncake(n_conversations: int, time_scale: float, max_len: int, seed: int,
     return out
 
 
-def ideal_hit_rate(reqs: list[TraceRequest], block_len: int = BLOCK) -> float:
-    """One infinite cache of BLOCK-token blocks, requests in order (the last token of a prompt is
-    always computed); each hash id is ``block_len`` tokens."""
+def ideal_cached_tokens(reqs: list[TraceRequest], block_len: int = BLOCK) -> list[int]:
+    """Each request's prompt tokens one infinite cache of BLOCK-token blocks would hold, requests in
+    order (the last token of a prompt is always computed); each hash id is ``block_len`` tokens."""
     seen: set[tuple[int, ...]] = set()
-    cached = total = 0
+    out = []
     per_id = block_len // BLOCK
     for r in reqs:
-        total += r.input_length
-        missed = False
+        cached, missed = 0, False
         for k in range((r.input_length - 1) // BLOCK):
             key = r.hash_ids[:k // per_id + 1] + ((k,) if per_id > 1 else ())
             missed = missed or key not in seen
             cached += 0 if missed else BLOCK
             seen.add(key)
-    return cached / total
+        out.append(cached)
+    return out
+
+
+def ideal_hit_rate(reqs: list[TraceRequest], block_len: int = BLOCK) -> float:
+    """The hit rate in tokens of ideal_cached_tokens."""
+    return sum(ideal_cached_tokens(reqs, block_len)) / sum(r.input_length for r in reqs)
 
 
 def simulate(reqs: list[TraceRequest], policy: str, weight: float, args, busy: float | None = None) -> dict:
@@ -98,7 +105,8 @@ def simulate(reqs: list[TraceRequest], policy: str, weight: float, args, busy: f
     pc = PolicyConfig(0.0, 0, 1.0, weights=w if busy is None else replace(w, busy_pool_miss=busy))
     cfg = SimConfig(args.prefill_workers, 1, policy=policy, policy_config=pc, block_size=BLOCK,
                     num_blocks=args.kv_blocks, max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 512),
-                    max_num_seqs=64)
+                    max_num_seqs=64, queue_order=getattr(args, "queue_order", "fcfs"),
+                    queue_max_pass_s=getattr(args, "queue_max_pass_s", 20.0))
     builder = PromptBuilder(BLOCK, getattr(args, "trace_block_len", BLOCK))
     s = ClusterSim(cfg, load_cost_model("cpu"), reqs, builder).run()
     return {"hit_rate": round(s["hit_rate_tokens"], 4),
@@ -151,11 +159,14 @@ def main() -> None:
     p.add_argument("--trace-block-len", type=int, default=BLOCK, help="Mooncake tokens per hash id (a multiple of 16)")
     p.add_argument("--max-model-len", type=int, default=1024, help="Mooncake prompts capped at this - 4 tokens")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--queue-order", default="fcfs", help="every node's SchedulerConfig.queue_order (both policies)")
+    p.add_argument("--queue-max-pass-s", type=float, default=20.0, help="SchedulerConfig.queue_max_pass_s")
     args = p.parse_args()
     out: dict = {"benchmark": "routing_sim", "simulated": True, "profile": "cpu",
                  "prefill_workers": args.prefill_workers, "weights": args.weights,
                  "busy_pool_miss": args.busy_pool_miss, "loads": args.loads,
-                 "seeds": args.seeds, "runs": [], "summary": {}}
+                 "seeds": args.seeds, "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
+                 "runs": [], "summary": {}}
     kv = args.kv_blocks
     if args.trace_block_len % BLOCK:
         p.error(f"--trace-block-len must be a multiple of {BLOCK}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from cluster.observability.log_levels import parse_log_levels
+from engine.queue_order import make_queue_order
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
@@ -61,6 +62,8 @@ class ServeConfig:
     max_model_len: int = 0                # 0 = the model's own context (max_position_embeddings)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    queue_order: str = "fcfs"             # waiting requests' admission order on every worker (engine/queue_order.py)
+    queue_max_pass_s: float = 20.0        # fewest_uncached: after this long in a queue a request goes in FCFS order
     # endpoints
     host: str = "127.0.0.1"
     grpc_port: int = 50051                # 0 = off (then http_port must be on)
@@ -192,6 +195,7 @@ class ServeConfig:
     def _check_limits(self) -> None:
         if self.step_trace_size < 0:
             raise ValueError(f"step_trace_size must be >= 0 records (0 = off), got {self.step_trace_size}")
+        make_queue_order(self.queue_order, self.queue_max_pass_s)
         if self.max_worker_queue < 0:
             raise ValueError(f"max_worker_queue must be >= 0 (0 = no bound), got {self.max_worker_queue}")
         if self.stream_write_timeout < 0:

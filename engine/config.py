@@ -71,6 +71,8 @@ class SchedulerConfig:
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     max_waiting: int = 0                 # queued, not yet running: add_request refuses more (QueueFull); 0 = no bound
+    queue_order: str = "fcfs"            # waiting requests' admission order: fcfs | fewest_uncached (engine/queue_order.py)
+    queue_max_pass_s: float = 20.0       # fewest_uncached: after this long in the queue a request goes in FCFS order
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -79,6 +81,9 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 (0 = no bound), got {self.max_waiting}")
+        from engine.queue_order import make_queue_order
+
+        make_queue_order(self.queue_order, self.queue_max_pass_s)
 
 
 @dataclass(frozen=True)

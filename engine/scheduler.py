@@ -1,10 +1,11 @@
-"""Token-budget continuous batching, FCFS, with automatic prefix caching.
+"""Token-budget continuous batching, FCFS by default, with automatic prefix caching.
 
 Each step spends a budget of ``max_num_batched_tokens`` tokens: first on
 running requests (decodes and continuing chunked prefills, oldest arrival
-first), then on waiting requests in FCFS order, skipping one whose next
-prompt blocks a running request is computing right now (it waits for them
-as prefix hits: engine/prefix_wait.py). A request computes the
+first), then on waiting requests in FCFS order (or ``queue_order``'s:
+engine/queue_order.py), skipping one whose next prompt blocks a running
+request is computing right now (it waits for them as prefix hits:
+engine/prefix_wait.py). A request computes the
 tokens between ``num_computed_tokens`` and ``num_tokens``; prefill, decode and
 "KV arrived from a remote node" are the same case. When the pool runs out,
 the most recently arrived running request is preempted: by swap to the host
@@ -28,6 +29,7 @@ from engine.block_manager import ComputedBlocks, KVCacheManager, cdiv
 from engine.block_pool import IntegrityError
 from engine.config import CacheConfig, SchedulerConfig
 from engine.prefix_wait import PrefixWaits
+from engine.queue_order import make_queue_order
 from engine.request import Request, RequestStatus
 from engine.request_queues import RequestQueues
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -69,7 +71,8 @@ class Scheduler(RemoteKVMixin):
         self.num_recompute_preemptions = 0
         self._clock = clock
         self.queues = RequestQueues()
-        self.waiting = self.queues.waiting          # FCFS
+        self.waiting = self.queues.waiting          # FCFS unless config.queue_order says otherwise
+        self._order = make_queue_order(scheduler_config.queue_order, scheduler_config.queue_max_pass_s)
         self.running = self.queues.running          # sorted by arrival, oldest first
 
     # ---- admission -----------------------------------------------------------
@@ -78,6 +81,7 @@ class Scheduler(RemoteKVMixin):
         self._register(request)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self._order.added(request.request_id, self._clock)
 
     def _register(self, request: Request) -> None:
         rid = request.request_id
@@ -150,9 +154,14 @@ class Scheduler(RemoteKVMixin):
         out.preempted_ids.append(request.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
-        """Admit waiting requests in FCFS order; one whose next prompt blocks a
-        running request is computing now is skipped (engine/prefix_wait.py)."""
+        """Admit waiting requests in queue order (FCFS, or config.queue_order's); one
+        whose next prompt blocks a running request is computing now is skipped
+        (engine/prefix_wait.py)."""
         pending: dict[int, str] | None = None       # built on first need
+        if self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
+            self._order.arrange(self.waiting,
+                                lambda r: r.num_tokens - self.kv.get_computed_blocks(r).num_computed_tokens,
+                                self._clock)
         i = 0
         while i < len(self.waiting) and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]

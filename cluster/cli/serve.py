@@ -34,6 +34,10 @@ HELP = {
     "max_model_len": "longest prompt + output in tokens (0 = the model's own context length)",
     "max_num_seqs": "sequences a worker runs at once",
     "max_num_batched_tokens": "token budget of one engine step (chunked prefill above it)",
+    "queue_order": "order each worker admits its waiting requests in: fcfs, or fewest_uncached (fewest prompt "
+                   "tokens not in its prefix cache first; docs/benchmarks.md, sched35)",
+    "queue_max_pass_s": "fewest_uncached: seconds a request may be passed over by shorter ones; after that it "
+                        "goes in arrival order",
     "host": "address the endpoints (and KV side channels) bind to",
     "grpc_port": "gRPC port (0 = off: HTTP only; --http-port must then be set)",
     "metrics_port": "Prometheus metrics port (0 = any free port)",

@@ -80,6 +80,9 @@ class SimConfig:
     # blocks are reserved when it is routed, while its prompt is prefilled (cluster/tools/sim/reservation.py);
     # False: allocated only when the prefill ends
     reserve_decode_blocks: bool = True
+    # every node's SchedulerConfig.queue_order and queue_max_pass_s (engine/queue_order.py)
+    queue_order: str = "fcfs"
+    queue_max_pass_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.decode_nodes < 1 or self.prefill_nodes < 0:
@@ -197,7 +200,8 @@ class ClusterSim:
 
     def _add_node(self, role: str, nid: str, joined: float) -> SimNode:
         c = self.config
-        sched = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs),
+        sched = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, queue_order=c.queue_order,
+                                          queue_max_pass_s=c.queue_max_pass_s),
                           CacheConfig(block_size=c.block_size, num_blocks=self.num_blocks), self.num_blocks,
                           c.max_model_len, clock=self.loop.clock)
         shared = c.interference is not None
