@@ -19,7 +19,8 @@ every prefill node has a queue) like --weights; --trace-block-len 64
 --max-model-len 4096 --kv-blocks 2048 --max-num-batched-tokens 2048 is the replay of the
 moon29-moon33 runs (each hash id 64 tokens, prompts capped at 4092). --queue-order
 fewest_uncached (with --queue-max-pass-s) sets every node's waiting-queue order
-(engine/queue_order.py) for both policies alike.
+(engine/queue_order.py) for both policies alike; --final-chunk-alone sets every node's
+SchedulerConfig.final_chunk_alone (a step finishing a prefill takes no other prefill).
 
 Prints one JSON line: every run (simulated), and per workload and weight the
 mean and minimum prefix-aware hit rate over the ideal and the median TTFT p90
@@ -106,7 +107,8 @@ def simulate(reqs: list[TraceRequest], policy: str, weight: float, args, busy: f
     cfg = SimConfig(args.prefill_workers, 1, policy=policy, policy_config=pc, block_size=BLOCK,
                     num_blocks=args.kv_blocks, max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 512),
                     max_num_seqs=64, queue_order=getattr(args, "queue_order", "fcfs"),
-                    queue_max_pass_s=getattr(args, "queue_max_pass_s", 20.0))
+                    queue_max_pass_s=getattr(args, "queue_max_pass_s", 20.0),
+                    final_chunk_alone=getattr(args, "final_chunk_alone", False))
     builder = PromptBuilder(BLOCK, getattr(args, "trace_block_len", BLOCK))
     s = ClusterSim(cfg, load_cost_model("cpu"), reqs, builder).run()
     return {"hit_rate": round(s["hit_rate_tokens"], 4),
@@ -161,11 +163,14 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--queue-order", default="fcfs", help="every node's SchedulerConfig.queue_order (both policies)")
     p.add_argument("--queue-max-pass-s", type=float, default=20.0, help="SchedulerConfig.queue_max_pass_s")
+    p.add_argument("--final-chunk-alone", action=argparse.BooleanOptionalAction, default=False,
+                   help="every node's SchedulerConfig.final_chunk_alone (both policies)")
     args = p.parse_args()
     out: dict = {"benchmark": "routing_sim", "simulated": True, "profile": "cpu",
                  "prefill_workers": args.prefill_workers, "weights": args.weights,
                  "busy_pool_miss": args.busy_pool_miss, "loads": args.loads,
                  "seeds": args.seeds, "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
+                 "final_chunk_alone": args.final_chunk_alone,
                  "runs": [], "summary": {}}
     kv = args.kv_blocks
     if args.trace_block_len % BLOCK:

@@ -5,7 +5,9 @@ running requests (decodes and continuing chunked prefills, oldest arrival
 first), then on waiting requests in FCFS order (or ``queue_order``'s:
 engine/queue_order.py), skipping one whose next prompt blocks a running
 request is computing right now (it waits for them as prefix hits:
-engine/prefix_wait.py). A request computes the
+engine/prefix_wait.py). With ``final_chunk_alone`` a step that carries a
+prompt's last prefill chunk takes no other prefill chunk (decodes still join),
+so that prompt's first token waits for no one else's compute. A request computes the
 tokens between ``num_computed_tokens`` and ``num_tokens``; prefill, decode and
 "KV arrived from a remote node" are the same case. When the pool runs out,
 the most recently arrived running request is preempted: by swap to the host
@@ -44,6 +46,8 @@ __all__ = ["RemoteAllocation", "Scheduler"]
 class _StepBudget:
     tokens: int
     seqs: int
+    prefill_closed: bool = False    # final_chunk_alone: a prefill finishes in this step; no other prefill joins
+
 
     @property
     def exhausted(self) -> bool:
@@ -52,6 +56,11 @@ class _StepBudget:
     def take(self, num_tokens: int) -> None:
         self.tokens -= num_tokens
         self.seqs -= 1
+
+
+def _is_decode(request: Request) -> bool:
+    """One token left to compute and a token already sampled: a decode, not a prompt's chunk."""
+    return request.num_tokens - request.num_computed_tokens == 1 and request.num_output_tokens > 0
 
 
 class Scheduler(RemoteKVMixin):
@@ -122,13 +131,20 @@ class Scheduler(RemoteKVMixin):
         while i < len(self.running) and not budget.exhausted:
             request = self.running[i]
             n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-            if n > 0:
+            if n > 0 and not (budget.prefill_closed and not _is_decode(request)):
                 block_ids = self._allocate_or_preempt(request, n, out)
                 if block_ids is None:      # it preempted itself: it was the last one
                     return
-                out.seqs.append(self._seq(request, n, block_ids))
-                budget.take(n)
+                self._add(out, budget, self._seq(request, n, block_ids))
             i += 1
+
+    def _add(self, out: SchedulerOutput, budget: _StepBudget, seq: ScheduledSeq) -> None:
+        """Put ``seq`` in the step; with ``final_chunk_alone`` a prefill's last chunk closes the
+        step to every other prefill chunk (decodes still join)."""
+        out.seqs.append(seq)
+        budget.take(seq.num_new_tokens)
+        if seq.sample and self.config.final_chunk_alone and not _is_decode(seq.request):
+            budget.prefill_closed = True
 
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> list[int] | None:
         while (block_ids := self.kv.allocate_slots(request, n)) is None:
@@ -158,12 +174,15 @@ class Scheduler(RemoteKVMixin):
         whose next prompt blocks a running request is computing now is skipped
         (engine/prefix_wait.py)."""
         pending: dict[int, str] | None = None       # built on first need
+        if budget.prefill_closed:
+            return
         if self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
             self._order.arrange(self.waiting,
                                 lambda r: r.num_tokens - self.kv.get_computed_blocks(r).num_computed_tokens,
                                 self._clock)
         i = 0
-        while i < len(self.waiting) and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
+        while (i < len(self.waiting) and not budget.exhausted and not budget.prefill_closed
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[i]
             computed = self.kv.get_computed_blocks(request)
             if pending is None:
@@ -179,8 +198,7 @@ class Scheduler(RemoteKVMixin):
                 return
             del self.waiting[i]
             self._admit(request, computed, pending)
-            out.seqs.append(self._seq(request, n, block_ids))
-            budget.take(n)
+            self._add(out, budget, self._seq(request, n, block_ids))
 
     def _admit(self, request: Request, computed: ComputedBlocks, pending: dict[int, str]) -> None:
         request.num_computed_tokens = computed.num_computed_tokens
