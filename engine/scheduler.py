@@ -5,9 +5,11 @@ running requests (decodes and continuing chunked prefills, oldest arrival
 first), then on waiting requests in FCFS order (or ``queue_order``'s:
 engine/queue_order.py), skipping one whose next prompt blocks a running
 request is computing right now (it waits for them as prefix hits:
-engine/prefix_wait.py). With ``final_chunk_alone`` a step that carries a
-prompt's last prefill chunk takes no other prefill chunk (decodes still join),
-so that prompt's first token waits for no one else's compute. A request computes the
+engine/prefix_wait.py). With ``final_chunk_unpadded`` a step that carries a
+prompt's last prefill chunk is not filled up with chunks that would not finish
+their prompt in it (newcomers' first chunks): those run in the next step at the
+same cost where a step's time is linear in its tokens, and the finishing
+prompt's first token does not wait for them. A request computes the
 tokens between ``num_computed_tokens`` and ``num_tokens``; prefill, decode and
 "KV arrived from a remote node" are the same case. When the pool runs out,
 the most recently arrived running request is preempted: by swap to the host
@@ -46,7 +48,7 @@ __all__ = ["RemoteAllocation", "Scheduler"]
 class _StepBudget:
     tokens: int
     seqs: int
-    prefill_closed: bool = False    # final_chunk_alone: a prefill finishes in this step; no other prefill joins
+    prefill_closed: bool = False    # final_chunk_unpadded: a prefill finishes in this step; no partial chunk joins
 
 
     @property
@@ -131,7 +133,7 @@ class Scheduler(RemoteKVMixin):
         while i < len(self.running) and not budget.exhausted:
             request = self.running[i]
             n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-            if n > 0 and not (budget.prefill_closed and not _is_decode(request)):
+            if n > 0 and not (budget.prefill_closed and n < request.num_tokens - request.num_computed_tokens):
                 block_ids = self._allocate_or_preempt(request, n, out)
                 if block_ids is None:      # it preempted itself: it was the last one
                     return
@@ -139,11 +141,11 @@ class Scheduler(RemoteKVMixin):
             i += 1
 
     def _add(self, out: SchedulerOutput, budget: _StepBudget, seq: ScheduledSeq) -> None:
-        """Put ``seq`` in the step; with ``final_chunk_alone`` a prefill's last chunk closes the
-        step to every other prefill chunk (decodes still join)."""
+        """Put ``seq`` in the step; with ``final_chunk_unpadded`` a prefill's last chunk closes the
+        step to chunks that would not finish their prompt in it (whole prompts and decodes still join)."""
         out.seqs.append(seq)
         budget.take(seq.num_new_tokens)
-        if seq.sample and self.config.final_chunk_alone and not _is_decode(seq.request):
+        if seq.sample and self.config.final_chunk_unpadded and not _is_decode(seq.request):
             budget.prefill_closed = True
 
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> list[int] | None:
@@ -174,15 +176,12 @@ class Scheduler(RemoteKVMixin):
         whose next prompt blocks a running request is computing now is skipped
         (engine/prefix_wait.py)."""
         pending: dict[int, str] | None = None       # built on first need
-        if budget.prefill_closed:
-            return
         if self.waiting and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
             self._order.arrange(self.waiting,
                                 lambda r: r.num_tokens - self.kv.get_computed_blocks(r).num_computed_tokens,
                                 self._clock)
         i = 0
-        while (i < len(self.waiting) and not budget.exhausted and not budget.prefill_closed
-               and len(self.running) < self.config.max_num_seqs):
+        while i < len(self.waiting) and not budget.exhausted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]
             computed = self.kv.get_computed_blocks(request)
             if pending is None:
@@ -191,7 +190,7 @@ class Scheduler(RemoteKVMixin):
                 i += 1
                 continue
             n = self._chunk(request.num_tokens - computed.num_computed_tokens, budget)
-            if n == 0:
+            if n == 0 or (budget.prefill_closed and n < request.num_tokens - computed.num_computed_tokens):
                 return
             block_ids = self.kv.allocate_slots(request, n, computed)
             if block_ids is None:

@@ -52,7 +52,7 @@ def engine_config(cfg: ServeConfig, pool: str = "decode") -> EngineConfig:
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                                   max_waiting=cfg.max_worker_queue, queue_order=cfg.queue_order,
                                   queue_max_pass_s=cfg.queue_max_pass_s,
-                                  final_chunk_alone=cfg.final_chunk_alone),
+                                  final_chunk_unpadded=cfg.final_chunk_unpadded),
         step_trace_size=cfg.step_trace_size, prompt_layer_groups=_layer_groups(cfg, pool))
 
 
