@@ -3,15 +3,20 @@ chunk that would not finish its prompt in it (a newcomer's first chunk); whole p
 still join; off (the default) the rest of the budget is filled as before. Outputs do not change."""
 from __future__ import annotations
 
+import argparse
 import random
 
 import pytest
 
+from cluster.cli import serve as serve_cli
+from cluster.orchestration.launcher import engine_config
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+
+from _scheduler_helpers import step
 
 BS = 4
 
@@ -23,15 +28,6 @@ def make(on: bool, budget: int = 16) -> Scheduler:
 
 def req(rid: str, n: int, max_tokens: int = 1, first: int = 3) -> Request:
     return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens))
-
-
-def step(s: Scheduler) -> list[tuple[str, int]]:
-    out = s.schedule()
-    for r in s.update_from_output(out, {q.request.request_id: [7] for q in out.seqs if q.sample}):
-        if r.num_output_tokens >= r.sampling_params.max_tokens:
-            s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
-    s.check_integrity()
-    return [(q.request.request_id, q.num_new_tokens) for q in out.seqs]
 
 
 @pytest.mark.parametrize("on, steps", [
@@ -68,6 +64,18 @@ def test_a_finishing_chunk_keeps_the_decodes_and_holds_back_a_partial_chunk(on, 
     assert step(s) == [("d", 1), ("a", 15)]          # a's first chunk fills the budget either way
     assert step(s) == third
     assert step(s) == fourth
+
+
+@pytest.mark.parametrize("on, steps", [
+    (False, [[("p", 12), ("c", 4)], [("c", 8)]]),
+    (True, [[("p", 12)], [("c", 12)]]),
+])
+def test_another_running_prompts_partial_chunk_waits_for_the_next_step(on, steps):
+    s = make(on)
+    s.add_request(req("p", 28))
+    assert step(s) == [("p", 16)]
+    s.fork_request("p", req("c", 28))                # running, 16 tokens shared: 12 left to compute
+    assert [step(s) for _ in steps] == steps
 
 
 def test_random_traffic_drains_and_no_partial_chunk_follows_a_final_one():
@@ -126,3 +134,12 @@ def test_engine_output_is_unchanged_and_a_newcomer_waits_for_the_next_step(tiny_
         assert outputs[False][rid] == expected and outputs[True][rid] == expected
     assert shapes[False][1] == [("p0", 12), ("p1", 36)]
     assert shapes[True][1] == [("p0", 12)] and shapes[True][2] == [("p0", 1), ("p1", 40)]
+
+
+def test_serve_flag_reaches_every_pools_scheduler():
+    parser = argparse.ArgumentParser()
+    serve_cli.register(parser.add_subparsers())
+    for argv, want in (([], False), (["--final-chunk-unpadded"], True)):
+        cfg = serve_cli.config_from_args(parser.parse_args(["serve", *argv]))
+        assert [engine_config(cfg, pool).scheduler.final_chunk_unpadded
+                for pool in ("prefill", "decode", "colocated")] == [want] * 3
