@@ -50,7 +50,6 @@ class _StepBudget:
     seqs: int
     prefill_closed: bool = False    # final_chunk_unpadded: a prefill finishes in this step; no partial chunk joins
 
-
     @property
     def exhausted(self) -> bool:
         return self.tokens <= 0 or self.seqs <= 0
