@@ -181,7 +181,7 @@ async def main_async(args) -> dict:
                 num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len,
                 local_prefill_threshold=0, local_prefill_hit_ratio=1.0, log_level="WARNING",
                 router_track_in_flight=args.track_in_flight, queue_order=args.queue_order,
-                queue_max_pass_s=args.queue_max_pass_s,
+                queue_max_pass_s=args.queue_max_pass_s, final_chunk_unpadded=args.final_chunk_unpadded,
                 ray_temp_dir=tempfile.mkdtemp(prefix="pdserve-bench-ray-"))
     out: dict = {}
     try:
@@ -212,6 +212,7 @@ def workload_info(args, n: int) -> dict:
     shape = {"requests": n, "prefill_workers": args.prefill_workers, "decode_workers": 1,
              "router_track_in_flight": args.track_in_flight, "cost_weights": asdict(CostWeights()),
              "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
+             "final_chunk_unpadded": args.final_chunk_unpadded,
              "kv_blocks_per_worker": args.kv_blocks, "output_len": args.output_len}
     if args.workload == "mooncake":
         return {"name": "mooncake", "trace": Path(args.trace_path).name, "conversations": args.conversations,
@@ -245,6 +246,8 @@ def main() -> None:
     p.add_argument("--queue-order", default="fcfs", help="every worker's waiting-queue order (ServeConfig."
                    "queue_order): fcfs or fewest_uncached, the same for both policies")
     p.add_argument("--queue-max-pass-s", type=float, default=20.0, help="ServeConfig.queue_max_pass_s")
+    p.add_argument("--final-chunk-unpadded", action=argparse.BooleanOptionalAction, default=False,
+                   help="ServeConfig.final_chunk_unpadded on every worker, the same for both policies")
     args = p.parse_args()
     if args.prefill_workers < 1:
         p.error("--prefill-workers must be >= 1")

@@ -19,7 +19,9 @@ every prefill node has a queue) like --weights; --trace-block-len 64
 --max-model-len 4096 --kv-blocks 2048 --max-num-batched-tokens 2048 is the replay of the
 moon29-moon33 runs (each hash id 64 tokens, prompts capped at 4092). --queue-order
 fewest_uncached (with --queue-max-pass-s) sets every node's waiting-queue order
-(engine/queue_order.py) for both policies alike.
+(engine/queue_order.py) for both policies alike; --final-chunk-unpadded sets every node's
+SchedulerConfig.final_chunk_unpadded (a step finishing a prefill takes no partial chunk);
+--step-add-s adds a fixed cost to every simulated step (sensitivity to a per-step overhead).
 
 Prints one JSON line: every run (simulated), and per workload and weight the
 mean and minimum prefix-aware hit rate over the ideal and the median TTFT p90
@@ -35,7 +37,7 @@ from dataclasses import replace
 
 from cluster.router import CostWeights, PolicyConfig
 from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
-from cluster.tools.sim.cost_model import load_cost_model
+from cluster.tools.sim.cost_model import ScaledCost, load_cost_model
 from cluster.tools.sim.workload import PromptBuilder, TraceRequest
 from routing_workloads import DEFAULT_TRACE, conversations, read_rows
 
@@ -106,9 +108,12 @@ def simulate(reqs: list[TraceRequest], policy: str, weight: float, args, busy: f
     cfg = SimConfig(args.prefill_workers, 1, policy=policy, policy_config=pc, block_size=BLOCK,
                     num_blocks=args.kv_blocks, max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 512),
                     max_num_seqs=64, queue_order=getattr(args, "queue_order", "fcfs"),
-                    queue_max_pass_s=getattr(args, "queue_max_pass_s", 20.0))
+                    queue_max_pass_s=getattr(args, "queue_max_pass_s", 20.0),
+                    final_chunk_unpadded=getattr(args, "final_chunk_unpadded", False))
     builder = PromptBuilder(BLOCK, getattr(args, "trace_block_len", BLOCK))
-    s = ClusterSim(cfg, load_cost_model("cpu"), reqs, builder).run()
+    cost = load_cost_model("cpu")
+    add_s = getattr(args, "step_add_s", 0.0)
+    s = ClusterSim(cfg, ScaledCost(cost, 1.0, add_s) if add_s else cost, reqs, builder).run()
     return {"hit_rate": round(s["hit_rate_tokens"], 4),
             **{f"ttft_{q}_s": round(s["ttft_s"][q], 3) for q in ("p50", "p90", "mean")}}
 
@@ -161,11 +166,16 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--queue-order", default="fcfs", help="every node's SchedulerConfig.queue_order (both policies)")
     p.add_argument("--queue-max-pass-s", type=float, default=20.0, help="SchedulerConfig.queue_max_pass_s")
+    p.add_argument("--final-chunk-unpadded", action=argparse.BooleanOptionalAction, default=False,
+                   help="every node's SchedulerConfig.final_chunk_unpadded (both policies)")
+    p.add_argument("--step-add-s", type=float, default=0.0,
+                   help="seconds added to every simulated step (a fixed per-step cost the CPU profile lacks)")
     args = p.parse_args()
     out: dict = {"benchmark": "routing_sim", "simulated": True, "profile": "cpu",
                  "prefill_workers": args.prefill_workers, "weights": args.weights,
                  "busy_pool_miss": args.busy_pool_miss, "loads": args.loads,
                  "seeds": args.seeds, "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
+                 "final_chunk_unpadded": args.final_chunk_unpadded, "step_add_s": args.step_add_s,
                  "runs": [], "summary": {}}
     kv = args.kv_blocks
     if args.trace_block_len % BLOCK:

@@ -109,7 +109,8 @@ def run_one(reqs, policy: str, args, cost, reusable: dict[str, int]) -> tuple[di
     pc = PolicyConfig(0.0, 0, 1.0, weights=CostWeights(uncached_token=args.weight))
     cfg = SimConfig(args.prefill_workers, 1, policy=policy, policy_config=pc, block_size=BLOCK,
                     num_blocks=args.kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=64,
-                    queue_order=args.queue_order, queue_max_pass_s=args.queue_max_pass_s)
+                    queue_order=args.queue_order, queue_max_pass_s=args.queue_max_pass_s,
+                    final_chunk_unpadded=args.final_chunk_unpadded)
     sim = ClusterSim(cfg, cost, reqs, PromptBuilder(BLOCK, args.trace_block_len))
     rec = Recorder(sim)
     s = sim.run()
@@ -153,6 +154,8 @@ def main() -> None:
     p.add_argument("--weight", type=float, default=6.0, help="CostWeights.uncached_token")
     p.add_argument("--queue-order", default="fcfs", help="SchedulerConfig.queue_order of every node")
     p.add_argument("--queue-max-pass-s", type=float, default=20.0, help="SchedulerConfig.queue_max_pass_s")
+    p.add_argument("--final-chunk-unpadded", action=argparse.BooleanOptionalAction, default=False,
+                   help="SchedulerConfig.final_chunk_unpadded of every node")
     p.add_argument("--prefill-workers", type=int, default=4)
     p.add_argument("--kv-blocks", type=int, default=2048)
     p.add_argument("--conversations", type=int, default=120)

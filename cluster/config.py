@@ -64,6 +64,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     queue_order: str = "fcfs"             # waiting requests' admission order on every worker (engine/queue_order.py)
     queue_max_pass_s: float = 20.0        # fewest_uncached: after this long in a queue a request goes in FCFS order
+    final_chunk_unpadded: bool = False       # a step finishing a prefill takes no partial chunk (SchedulerConfig)
     # endpoints
     host: str = "127.0.0.1"
     grpc_port: int = 50051                # 0 = off (then http_port must be on)

@@ -73,6 +73,10 @@ class SchedulerConfig:
     max_waiting: int = 0                 # queued, not yet running: add_request refuses more (QueueFull); 0 = no bound
     queue_order: str = "fcfs"            # waiting requests' admission order: fcfs | fewest_uncached (engine/queue_order.py)
     queue_max_pass_s: float = 20.0       # fewest_uncached: after this long in the queue a request goes in FCFS order
+    # a step that carries a prompt's last prefill chunk takes no chunk that would not finish its prompt
+    # (whole prompts and decodes still join): its first token does not wait for a newcomer's first chunk;
+    # for devices whose step time is linear in tokens (CPU; docs/benchmarks.md, fin35)
+    final_chunk_unpadded: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -5,7 +5,11 @@ running requests (decodes and continuing chunked prefills, oldest arrival
 first), then on waiting requests in FCFS order (or ``queue_order``'s:
 engine/queue_order.py), skipping one whose next prompt blocks a running
 request is computing right now (it waits for them as prefix hits:
-engine/prefix_wait.py). A request computes the
+engine/prefix_wait.py). With ``final_chunk_unpadded`` a step that carries a
+prompt's last prefill chunk is not filled up with chunks that would not finish
+their prompt in it (newcomers' first chunks): those run in the next step at the
+same cost where a step's time is linear in its tokens, and the finishing
+prompt's first token does not wait for them. A request computes the
 tokens between ``num_computed_tokens`` and ``num_tokens``; prefill, decode and
 "KV arrived from a remote node" are the same case. When the pool runs out,
 the most recently arrived running request is preempted: by swap to the host
@@ -44,6 +48,7 @@ __all__ = ["RemoteAllocation", "Scheduler"]
 class _StepBudget:
     tokens: int
     seqs: int
+    prefill_closed: bool = False    # final_chunk_unpadded: a prefill finishes in this step; no partial chunk joins
 
     @property
     def exhausted(self) -> bool:
@@ -52,6 +57,11 @@ class _StepBudget:
     def take(self, num_tokens: int) -> None:
         self.tokens -= num_tokens
         self.seqs -= 1
+
+
+def _is_decode(request: Request) -> bool:
+    """One token left to compute and a token already sampled: a decode, not a prompt's chunk."""
+    return request.num_tokens - request.num_computed_tokens == 1 and request.num_output_tokens > 0
 
 
 class Scheduler(RemoteKVMixin):
@@ -122,13 +132,20 @@ class Scheduler(RemoteKVMixin):
         while i < len(self.running) and not budget.exhausted:
             request = self.running[i]
             n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-            if n > 0:
+            if n > 0 and not (budget.prefill_closed and n < request.num_tokens - request.num_computed_tokens):
                 block_ids = self._allocate_or_preempt(request, n, out)
                 if block_ids is None:      # it preempted itself: it was the last one
                     return
-                out.seqs.append(self._seq(request, n, block_ids))
-                budget.take(n)
+                self._add(out, budget, self._seq(request, n, block_ids))
             i += 1
+
+    def _add(self, out: SchedulerOutput, budget: _StepBudget, seq: ScheduledSeq) -> None:
+        """Put ``seq`` in the step; with ``final_chunk_unpadded`` a prefill's last chunk closes the
+        step to chunks that would not finish their prompt in it (whole prompts and decodes still join)."""
+        out.seqs.append(seq)
+        budget.take(seq.num_new_tokens)
+        if seq.sample and self.config.final_chunk_unpadded and not _is_decode(seq.request):
+            budget.prefill_closed = True
 
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> list[int] | None:
         while (block_ids := self.kv.allocate_slots(request, n)) is None:
@@ -172,15 +189,14 @@ class Scheduler(RemoteKVMixin):
                 i += 1
                 continue
             n = self._chunk(request.num_tokens - computed.num_computed_tokens, budget)
-            if n == 0:
+            if n == 0 or (budget.prefill_closed and n < request.num_tokens - computed.num_computed_tokens):
                 return
             block_ids = self.kv.allocate_slots(request, n, computed)
             if block_ids is None:
                 return
             del self.waiting[i]
             self._admit(request, computed, pending)
-            out.seqs.append(self._seq(request, n, block_ids))
-            budget.take(n)
+            self._add(out, budget, self._seq(request, n, block_ids))
 
     def _admit(self, request: Request, computed: ComputedBlocks, pending: dict[int, str]) -> None:
         request.num_computed_tokens = computed.num_computed_tokens

@@ -38,6 +38,9 @@ HELP = {
                    "tokens not in its prefix cache first; docs/benchmarks.md, sched35)",
     "queue_max_pass_s": "fewest_uncached: seconds a request may be passed over by shorter ones; after that it "
                         "goes in arrival order",
+    "final_chunk_unpadded": "a step that finishes a prompt's prefill is not filled up with chunks that would not "
+                            "finish theirs (whole prompts and decodes still join); for CPU workers "
+                            "(docs/benchmarks.md, fin35)",
     "host": "address the endpoints (and KV side channels) bind to",
     "grpc_port": "gRPC port (0 = off: HTTP only; --http-port must then be set)",
     "metrics_port": "Prometheus metrics port (0 = any free port)",

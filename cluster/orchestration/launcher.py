@@ -51,7 +51,8 @@ def engine_config(cfg: ServeConfig, pool: str = "decode") -> EngineConfig:
         scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                                   max_waiting=cfg.max_worker_queue, queue_order=cfg.queue_order,
-                                  queue_max_pass_s=cfg.queue_max_pass_s),
+                                  queue_max_pass_s=cfg.queue_max_pass_s,
+                                  final_chunk_unpadded=cfg.final_chunk_unpadded),
         step_trace_size=cfg.step_trace_size, prompt_layer_groups=_layer_groups(cfg, pool))
 
 

@@ -15,6 +15,8 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
+from _scheduler_helpers import step
+
 BS = 4
 PREFIX = list(range(100, 116))           # 4 full blocks
 
@@ -35,15 +37,6 @@ def make(order: str, clock: Clock, budget: int = 8, max_pass_s: float = 20.0) ->
 
 def req(rid: str, tokens, max_tokens: int = 1) -> Request:
     return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens))
-
-
-def step(s: Scheduler) -> list[tuple[str, int]]:
-    out = s.schedule()
-    for r in s.update_from_output(out, {q.request.request_id: [7] for q in out.seqs if q.sample}):
-        if r.num_output_tokens >= r.sampling_params.max_tokens:
-            s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
-    s.check_integrity()
-    return [(q.request.request_id, q.num_new_tokens) for q in out.seqs]
 
 
 def warmed(order: str, clock: Clock, **kw) -> Scheduler:

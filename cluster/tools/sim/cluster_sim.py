@@ -83,6 +83,8 @@ class SimConfig:
     # every node's SchedulerConfig.queue_order and queue_max_pass_s (engine/queue_order.py)
     queue_order: str = "fcfs"
     queue_max_pass_s: float = 20.0
+    # every node's SchedulerConfig.final_chunk_unpadded
+    final_chunk_unpadded: bool = False
 
     def __post_init__(self) -> None:
         if self.decode_nodes < 1 or self.prefill_nodes < 0:
@@ -201,7 +203,8 @@ class ClusterSim:
     def _add_node(self, role: str, nid: str, joined: float) -> SimNode:
         c = self.config
         sched = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, queue_order=c.queue_order,
-                                          queue_max_pass_s=c.queue_max_pass_s),
+                                          queue_max_pass_s=c.queue_max_pass_s,
+                                          final_chunk_unpadded=c.final_chunk_unpadded),
                           CacheConfig(block_size=c.block_size, num_blocks=self.num_blocks), self.num_blocks,
                           c.max_model_len, clock=self.loop.clock)
         shared = c.interference is not None
