@@ -18,9 +18,14 @@ PY = sys.executable
 
 
 def _traces(run_id: str) -> list[str]:
+    """The bed's namespaces (`pdtb-<run>-h<i>`), links (`pdtb<run>...`) and state directory still there.
+    Matched by name, not as a substring of the line: a run id is 4 random hex digits, and one such as
+    "defa" or "1000" also occurs in the loopback's line ("group default", "qlen 1000")."""
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    return ([line for line in ns.splitlines() if run_id in line] + [line for line in links.splitlines() if run_id in line]
+    names = [line.split(" ", 1)[0] for line in ns.splitlines()]
+    devs = [line.split(":", 2)[1].strip().split("@", 1)[0] for line in links.splitlines() if line.count(":") >= 2]
+    return ([n for n in names if n.startswith(f"pdtb-{run_id}-")] + [d for d in devs if d.startswith(f"pdtb{run_id}")]
             + ([str(STATE_ROOT / run_id)] if (STATE_ROOT / run_id).exists() else []))
 
 
