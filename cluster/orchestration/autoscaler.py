@@ -153,8 +153,8 @@ class Autoscaler:
 
     def _workers(self, pool: str) -> int:
         """What the pool holds or is starting, less what it is retiring: the last target acted on."""
-        serving = [w for w in self.backend.pool.serving(pool) if w not in self._retiring]
-        return len(serving) + self._starting[pool]
+        held = [w for w in self.backend.pool.held(pool) if w not in self._retiring]
+        return len(held) + self._starting[pool]
 
     # ---------------------------------------------------------------- acting
     def _record(self, d: PoolDecision) -> None:

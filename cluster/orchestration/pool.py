@@ -57,6 +57,7 @@ class WorkerPool:
         self.router = Router(router_config(config), rng=random.Random(0), clock=time.monotonic)
         self.workers: dict[str, WorkerRef] = {}
         self.draining: set[str] = set()
+        self.joining: set[str] = set()     # grown, admitted, first report not in yet (not alive, not routed)
         self.deliver: Callable[[str, StepDelta], None] = lambda worker_id, delta: None
         self.on_lost: Callable[[str, BackendError], None] = lambda worker_id, error: None
         self.stats: dict[str, WorkerStats] = {}   # each worker's latest report
@@ -91,6 +92,7 @@ class WorkerPool:
         ref = self._launcher.create(pool)
         ref.alive = False
         await self._launcher.wait_ready([ref])
+        self.joining.add(ref.worker_id)
         self._admit(ref)
         log.info("pool %s grew by %s", pool, ref.worker_id)
         return ref
@@ -102,6 +104,7 @@ class WorkerPool:
         if consumer is not None:
             consumer.cancel()
         self.draining.discard(worker_id)
+        self.joining.discard(worker_id)
         self._streaming.discard(worker_id)
         self.router.remove_worker(worker_id)
         self.stats.pop(worker_id, None)
@@ -114,6 +117,14 @@ class WorkerPool:
         alive and routed."""
         return sorted(w for w, r in self.workers.items() if r.alive and w not in self.draining
                       and (r.pool == "prefill") == (pool == "prefill"))
+
+    def held(self, pool: str) -> list[str]:
+        """`serving` and the workers of `pool` grown but not yet routed (`joining`: ready, first
+        report not in): what the pool holds for a fleet cap, a new worker counted from the moment
+        its start ends, not from its first report."""
+        joining = [w for w in self.joining if w in self.workers and w not in self.draining
+                   and (self.workers[w].pool == "prefill") == (pool == "prefill")]
+        return sorted(set(self.serving(pool)) | set(joining))
 
     async def stop(self) -> None:
         self._stopping = True
@@ -223,6 +234,7 @@ class WorkerPool:
                 async for obj in gen:
                     batch = await obj
                     ref.alive = True    # the stream's first (empty) batch says it is back
+                    self.joining.discard(ref.worker_id)
                     self._streaming.add(ref.worker_id)
                     for delta in batch:
                         self.deliver(ref.worker_id, delta)
@@ -272,6 +284,7 @@ class WorkerPool:
             # failure of a call to its previous incarnation must not keep a live one unrouted
         revived = not ref.alive or ref.worker_id not in self.router.index.worker_ids
         ref.alive = True
+        self.joining.discard(ref.worker_id)
         result = self.router.on_events(ref.worker_id, report.events)
         if revived or result.needs_resync:
             try:

@@ -71,7 +71,8 @@ def test_live_signals_age_the_last_prompt_from_the_prompt_token_counter():
 
     now = [0.0]
     pool = SimpleNamespace(router=SimpleNamespace(view=SimpleNamespace(prefill=[], decode=[])),
-                           serving=lambda pool: [f"{pool}-0"], stats={})
+                           serving=lambda pool: [f"{pool}-0"],
+                           held=lambda pool: [f"{pool}-0"], stats={})
     metrics = Metrics()
     scaler = Autoscaler(SimpleNamespace(pool=pool), ServeConfig(autoscale=True), metrics, clock=lambda: now[0])
 
@@ -97,7 +98,8 @@ def test_live_signals_give_each_decode_workers_own_kv_use():
     views = [SimpleNamespace(worker_id=f"decode-{i}", load=WorkerLoad(0, r, w, kv))
              for i, (r, w, kv) in enumerate([(3, 0, 0.2), (9, 4, 0.9)])]
     pool = SimpleNamespace(router=SimpleNamespace(view=SimpleNamespace(prefill=[], decode=views)),
-                           serving=lambda pool: [v.worker_id for v in views] if pool == "decode" else [], stats={})
+                           serving=lambda pool: [v.worker_id for v in views] if pool == "decode" else [],
+                           held=lambda pool: [v.worker_id for v in views] if pool == "decode" else [], stats={})
     scaler = Autoscaler(SimpleNamespace(pool=pool), ServeConfig(autoscale=True), Metrics(), clock=lambda: 0.0)
     d = scaler._signals(0.0).decode
     assert d.kv_usage_by_worker == (0.2, 0.9) and d.kv_usage == pytest.approx(0.55)

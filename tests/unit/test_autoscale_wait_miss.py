@@ -39,7 +39,8 @@ def test_the_window_keeps_the_counted_requests_of_its_span():
 
 def _scaler(now: list[float], **config) -> tuple[Autoscaler, Metrics]:
     pool = SimpleNamespace(router=SimpleNamespace(view=SimpleNamespace(prefill=[], decode=[])),
-                           serving=lambda pool: [f"{pool}-0"], stats={})
+                           serving=lambda pool: [f"{pool}-0"],
+                           held=lambda pool: [f"{pool}-0"], stats={})
     metrics = Metrics()
     cfg = ServeConfig(autoscale=True, slo_ttft_ms=1000, autoscale_prefill_tokens_per_s=1000,
                       autoscale_interval=5.0, autoscale_cooldown_s=20.0, **config)

@@ -98,3 +98,47 @@ def test_a_report_is_quiet_only_with_nothing_running_queued_leased_or_changed(ti
                  replace(report, stats=replace(report.stats, waiting=2)),
                  replace(report, leases_active=1), replace(report, events=(event,))):
         assert not pool_mod.quiet_report(busy)
+
+
+class _Launcher:
+    """`create` hands out the in-process worker's handle; `wait_ready` returns at once (it is ready)."""
+    def __init__(self, handle):
+        self.handle = handle
+
+    def create(self, pool: str) -> WorkerRef:
+        return WorkerRef("prefill-1", pool, self.handle, alive=True)
+
+    async def wait_ready(self, refs) -> None:
+        return None
+
+
+def test_a_grown_worker_is_held_from_its_start_and_routed_from_its_first_report(tiny_llama_dir):
+    """Between `grow`'s end and the worker's first report the worker is not routed (`serving`) but
+    the pool holds it (`held`): the autoscaler counts it there, or it would see one worker fewer and
+    grow past a fleet cap (the e2e autoscale test's 5 workers under a cap of 4)."""
+    from prefill_worker.worker import PrefillWorker
+
+    cfg = EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(block_size=16, num_blocks=64),
+                       scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=256))
+    handle = _Handle(PrefillWorker("prefill-1", cfg, TransferSettings(backend="tcp", lease_ttl=60.0, timeout=60.0)))
+    handle.hang = False
+
+    async def go():
+        pool = pool_mod.WorkerPool(ServeConfig(), Metrics(), report_interval=0.05)
+        pool._launcher = _Launcher(handle)
+        await pool.grow("prefill")
+        before = (pool.serving("prefill"), pool.held("prefill"), pool.held("decode"))
+        task = asyncio.get_running_loop().create_task(pool._poll_reports())
+        try:
+            for _ in range(100):       # 5 s
+                if pool.serving("prefill"):
+                    break
+                await asyncio.sleep(0.05)
+            return before, (pool.serving("prefill"), pool.held("prefill"), set(pool.joining))
+        finally:
+            pool._stopping = True
+            task.cancel()
+
+    before, after = asyncio.run(go())
+    assert before == ([], ["prefill-1"], [])
+    assert after == (["prefill-1"], ["prefill-1"], set())
