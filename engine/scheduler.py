@@ -144,7 +144,7 @@ class Scheduler(RemoteKVMixin):
         step to chunks that would not finish their prompt in it (whole prompts and decodes still join)."""
         out.seqs.append(seq)
         budget.take(seq.num_new_tokens)
-        if seq.sample and self.config.final_chunk_unpadded and not _is_decode(seq.request):
+        if self.config.final_chunk_unpadded and seq.sample and not _is_decode(seq.request):
             budget.prefill_closed = True
 
     def _allocate_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> list[int] | None:
