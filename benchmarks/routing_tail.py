@@ -17,7 +17,8 @@ cache, the tokens computed for others in its own steps (shared), and
 what the node computed during their wait: for whom (requests that arrived
 before them), how many of those were cold. One JSON line; simulated, not
 measured. --queue-order sets the prefill nodes' waiting-queue order
-(SchedulerConfig.queue_order) for both arms alike.
+(SchedulerConfig.queue_order) for both arms alike; --split-prefill-min-tokens (routing_sim.py's
+split options) spreads long cold prefills over idle prefill nodes, both arms alike.
 
     PYTHONPATH=$PWD:$PWD/benchmarks .venv/bin/python benchmarks/routing_tail.py --loads 1,1.2,1.4 --seeds 0,1,2
 """
@@ -32,7 +33,7 @@ from cluster.router import CostWeights, PolicyConfig
 from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
 from cluster.tools.sim.cost_model import load_cost_model
 from cluster.tools.sim.workload import PromptBuilder
-from routing_sim import BLOCK, ideal_cached_tokens, mooncake, shared_prefix
+from routing_sim import BLOCK, add_split_args, ideal_cached_tokens, mooncake, shared_prefix, split_config
 
 
 COLD = 0.25      # a cold turn: an infinite cache would hold under this share of its prompt
@@ -110,7 +111,7 @@ def run_one(reqs, policy: str, args, cost, reusable: dict[str, int]) -> tuple[di
     cfg = SimConfig(args.prefill_workers, 1, policy=policy, policy_config=pc, block_size=BLOCK,
                     num_blocks=args.kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=64,
                     queue_order=args.queue_order, queue_max_pass_s=args.queue_max_pass_s,
-                    final_chunk_unpadded=args.final_chunk_unpadded)
+                    final_chunk_unpadded=args.final_chunk_unpadded, split_prefill=split_config(args))
     sim = ClusterSim(cfg, cost, reqs, PromptBuilder(BLOCK, args.trace_block_len))
     rec = Recorder(sim)
     s = sim.run()
@@ -164,6 +165,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--rate", type=float, default=1.5)
+    add_split_args(p)
     args = p.parse_args()
     cost, out = load_cost_model("cpu"), {"benchmark": "routing_tail", "simulated": True, "args": vars(args),
                                           "runs": [], "pooled": {}}
