@@ -130,9 +130,11 @@ def run_one(reqs, policy: str, args, cost, reusable: dict[str, int]) -> tuple[di
                      "alone": alone_s(cost, r.uncached, r.cached, args.max_num_batched_tokens),
                      "queued_ahead": r.queued_ahead, "waiting_ahead": r.waiting_ahead,
                      "tokens_ahead": sum(ahead.values()), "reqs_ahead": len(ahead), "cold_ahead": cold_ahead,
-                     "later_ahead": sum(1 for k in ahead if k in by_id and by_id[k].arrival_s > o.arrival_s)})
+                     "later_ahead": sum(1 for k in ahead if k in by_id and by_id[k].arrival_s > o.arrival_s),
+                     "split": sim.split is not None and rid in sim.split.split_ids})
     summ = {"hit_rate": round(s["hit_rate_tokens"], 4),
-            **{f"ttft_{q}_s": round(s["ttft_s"][q], 3) for q in ("p50", "p90", "mean")}}
+            **{f"ttft_{q}_s": round(s["ttft_s"][q], 3) for q in ("p50", "p90", "mean")},
+            **({"split_prefill": s["split_prefill"]} if "split_prefill" in s else {})}
     return summ, rows
 
 
@@ -140,7 +142,7 @@ def describe(rows: list[dict]) -> dict:
     if not rows:
         return {"n": 0}
     m = lambda k: round(statistics.mean(float(r[k]) for r in rows), 2)   # noqa: E731
-    return {"n": len(rows), "cold_share": m("cold"), **{k: m(k) for k in (
+    return {"n": len(rows), "cold_share": m("cold"), "split_share": m("split"), **{k: m(k) for k in (
         "ttft", "wait", "compute", "alone", "prompt", "uncached", "missed", "shared", "queued_ahead", "waiting_ahead", "tokens_ahead",
         "reqs_ahead", "cold_ahead", "later_ahead")},
         "wait_share": round(sum(r["wait"] for r in rows) / max(1e-9, sum(r["ttft"] for r in rows)), 3)}

@@ -8,6 +8,10 @@ that file), prefix-aware's hit rate over the ideal (mean, min), its TTFT p90 (me
 and mean TTFT (mean over seeds); for an option file also ``pa_only``: the median ratio of BASE's
 round-robin p90 to the option's prefix-aware p90 (as if only prefix-aware had the feature; for
 information). Prints one JSON line and a markdown table. Simulated figures.
+
+Given routing_tail.py outputs instead, per file, load and policy: the median TTFT p90 over seeds,
+the tail's (requests at or above each run's p90) means weighted by request, its share split, and
+the splits and helper seconds lent per run.
 """
 from __future__ import annotations
 
@@ -46,11 +50,47 @@ def rows(data: dict, base: dict | None) -> dict[str, dict]:
     return out
 
 
+TAIL_KEYS = ("ttft", "wait", "compute", "alone", "uncached", "cold_share", "split_share")
+
+
+def tail_rows(data: dict) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for load in sorted({r["load"] for r in data["runs"]}):
+        for policy in ("round_robin", "prefix_aware"):
+            runs = [r for r in data["runs"] if r["load"] == load and r["policy"] == policy]
+            n = sum(r["tail"]["n"] for r in runs)
+            row = {"p90_median_s": round(statistics.median(r["ttft_p90_s"] for r in runs), 2),
+                   **{k: round(sum(r["tail"][k] * r["tail"]["n"] for r in runs) / n, 2)
+                      for k in TAIL_KEYS if k in runs[0]["tail"]}}
+            if "split_prefill" in runs[0]:
+                row["splits_per_run"] = statistics.mean(r["split_prefill"]["splits"] for r in runs)
+                row["helper_lent_s_per_run"] = round(statistics.mean(r["split_prefill"]["helper_lent_s"]
+                                                                     for r in runs), 1)
+            out[f"{load}/{policy}"] = row
+    return out
+
+
+def main_tail(files: list[str], datas: list[dict]) -> None:
+    table = {f: tail_rows(d) for f, d in zip(files, datas)}
+    print(json.dumps({"benchmark": "split_prefill_table", "simulated": True, "tail": table}))
+    print("| file | load/policy | p90 (s) | tail TTFT = wait + compute (s) | alone (s) | uncached | cold, split share | "
+          "splits, helper s lent per run |")
+    print("|---|---|---:|---|---:|---:|---|---|")
+    for f, t in table.items():
+        for key, r in t.items():
+            print(f"| {f.rsplit('/', 1)[-1]} | {key} | {r['p90_median_s']} | {r['ttft']} = {r['wait']} + "
+                  f"{r['compute']} | {r['alone']} | {r['uncached']} | {r['cold_share']}, {r.get('split_share', 0)} | "
+                  f"{r.get('splits_per_run', '-')}, {r.get('helper_lent_s_per_run', '-')} |")
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     files = sys.argv[1:]
     datas = [json.load(open(f)) for f in files]
+    if datas[0].get("benchmark") == "routing_tail":
+        main_tail(files, datas)
+        return
     table = {f: rows(d, datas[0] if i else None) for i, (f, d) in enumerate(zip(files, datas))}
     print(json.dumps({"benchmark": "split_prefill_table", "simulated": True, "table": table}))
     print("| file | load | p90 ratio (median) | PA-only ratio | hit/ideal mean, min | PA p90 (s) | PA mean (s) | RR p90 (s) |")

@@ -115,6 +115,7 @@ class SplitPrefills:
         self.seen: set[str] = set()          # admitted on a prefill node, prefill not ended
         self.lent: dict[str, str] = {}       # helper node id -> request id
         self.splits = 0
+        self.split_ids: set[str] = set()     # every request split (for per-request breakdowns)
         self.lent_s = 0.0
 
     def _idle_helpers(self, node: "SimNode") -> list["SimNode"]:
@@ -169,6 +170,7 @@ class SplitPrefills:
         now = self.sim.loop.now
         self.active[r.request_id] = _Split(r, helpers, scale, copy_s, now)
         self.splits += 1
+        self.split_ids.add(r.request_id)
         for h in helpers:
             self.lent[h.node_id] = r.request_id
             h.lend()
