@@ -135,6 +135,8 @@ def run_one(reqs, policy: str, args, cost, reusable: dict[str, int]) -> tuple[di
     summ = {"hit_rate": round(s["hit_rate_tokens"], 4),
             **{f"ttft_{q}_s": round(s["ttft_s"][q], 3) for q in ("p50", "p90", "mean")},
             **({"split_prefill": s["split_prefill"]} if "split_prefill" in s else {})}
+    if "split_prefill" in summ:      # admitted with enough uncached tokens to split (split or not: no idle helper)
+        summ["split_prefill"]["eligible"] = sum(r["uncached"] >= args.split_prefill_min_tokens for r in rows)
     return summ, rows
 
 

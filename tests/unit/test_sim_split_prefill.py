@@ -85,6 +85,12 @@ def test_a_link_adds_the_activation_hand_offs_and_the_kv_copy():
     t_c = alone / 4
     expect = t_c + h + 3 * max(t_c / 2, h) + 2048 * 1000 / 2 / (0.01e9 / 8)
     assert _ttft(sim, "long") == pytest.approx(expect, rel=1e-9)
+    # a pipeline chunk of 128 tokens is priced at its own size: 16 steps of 128 on one node, over 16
+    sim, _ = _run(reqs, SplitPrefill(min_tokens=1024, link_gbps=0.01, chunk_tokens=128))
+    h, t_c = 576 * 128 * 4 / (0.01e9 / 8), alone_seconds(_cost(), 2048, 0, 128) / 16
+    assert t_c > alone / 16
+    expect = t_c + h + 15 * max(t_c / 2, h) + 2048 * 1000 / 2 / (0.01e9 / 8)
+    assert _ttft(sim, "long") == pytest.approx(expect, rel=1e-9)
 
 
 def test_config_errors_say_how_to_fix():

@@ -25,6 +25,10 @@ between stages (``hidden_size x chunk_tokens x activation_bytes`` over a link of
 ``link_gbps``) the group computes the prompt in
 ``T = t_c + (k - 1) h + (C - 1) max(t_c / k, h)``; with no link cost
 (``link_gbps = 0``, the optimistic bound) ``T = alone (C + k - 1) / (k C)``.
+The costed variant (``link_gbps > 0``) also prices a pipeline chunk smaller
+than ``max_num_batched_tokens`` at its own size: ``t_c`` is then the request's
+uncached tokens in chunks of ``chunk_tokens`` on an idle node (the profile's
+per-step cost included), over ``C``.
 Each of A's steps carrying a chunk of the request then costs its normal time
 minus ``(1 - T / alone)`` x that chunk's pure-prefill time (other requests'
 tokens in the step keep their cost). With a link, the step that finishes the
@@ -165,7 +169,10 @@ class SplitPrefills:
         alone = alone_seconds(self.cost, uncached, cached, self.step_tokens)
         if alone <= 0:
             return
-        scale = self.config.group_seconds(alone, uncached, self.chunk) / alone
+        # costed: the pipeline's chunks at their own size's cost (per-step overhead, attention)
+        piped = alone if not self.config.link_gbps or self.chunk == self.step_tokens else \
+            alone_seconds(self.cost, uncached, cached, self.chunk)
+        scale = self.config.group_seconds(piped, uncached, self.chunk) / alone
         copy_s = self.config.kv_copy_s(uncached, self.cost.kv_bytes_per_token)
         now = self.sim.loop.now
         self.active[r.request_id] = _Split(r, helpers, scale, copy_s, now)
