@@ -12,7 +12,8 @@ giving it tokens) whose uncached prompt tokens are at least ``min_tokens``, and
 ``k - 1`` other prefill nodes are idle (nothing running, nothing waiting, not
 already lent), those helpers are lent to it: they take no step until its
 prefill ends (its first token), and their load reports count the prefill's
-remaining tokens as queued (what they are busy with). A computes the prompt as
+remaining tokens as queued (what they are busy with); the lent time counts in
+their busy seconds. A computes the prompt as
 before (its own scheduler, chunks, other requests in the same steps) and ends
 holding the whole prefix, so later turns hit on A; only the time changes.
 
