@@ -22,6 +22,10 @@ fewest_uncached (with --queue-max-pass-s) sets every node's waiting-queue order
 (engine/queue_order.py) for both policies alike; --final-chunk-unpadded sets every node's
 SchedulerConfig.final_chunk_unpadded (a step finishing a prefill takes no partial chunk);
 --step-add-s adds a fixed cost to every simulated step (sensitivity to a per-step overhead).
+--split-prefill-min-tokens N spreads a prefill of N or more uncached tokens over
+--split-prefill-nodes idle prefill nodes (cluster/tools/sim/split_prefill.py: the what-if of
+Mooncake's chunked pipeline parallelism; --split-prefill-chunk-tokens, --split-link-gbps: its
+pipeline chunk and link, 0 = the optimistic bound), for both policies alike.
 
 Prints one JSON line: every run (simulated), and per workload and weight the
 mean and minimum prefix-aware hit rate over the ideal and the median TTFT p90
@@ -38,6 +42,7 @@ from dataclasses import replace
 from cluster.router import CostWeights, PolicyConfig
 from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
 from cluster.tools.sim.cost_model import ScaledCost, load_cost_model
+from cluster.tools.sim.split_prefill import SplitPrefill
 from cluster.tools.sim.workload import PromptBuilder, TraceRequest
 from routing_workloads import DEFAULT_TRACE, conversations, read_rows
 
@@ -101,6 +106,32 @@ def ideal_hit_rate(reqs: list[TraceRequest], block_len: int = BLOCK) -> float:
     return sum(ideal_cached_tokens(reqs, block_len)) / sum(r.input_length for r in reqs)
 
 
+def split_config(args) -> SplitPrefill | None:
+    """The --split-prefill-* options (None: off)."""
+    n = getattr(args, "split_prefill_min_tokens", 0)
+    return SplitPrefill(n, args.split_prefill_nodes, args.split_prefill_chunk_tokens,
+                        args.split_link_gbps) if n else None
+
+
+def add_split_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--split-prefill-min-tokens", type=int, default=0,
+                   help="split a prefill of at least this many uncached tokens over idle prefill nodes "
+                        "(simulated what-if, cluster/tools/sim/split_prefill.py; 0: off)")
+    p.add_argument("--split-prefill-nodes", type=int, default=2, help="the group's size (the node and helpers)")
+    p.add_argument("--split-prefill-chunk-tokens", type=int, default=0,
+                   help="the pipeline's chunk (0: --max-num-batched-tokens)")
+    p.add_argument("--split-link-gbps", type=float, default=0.0,
+                   help="link between stages, Gbit/s (0: no transfer cost, the optimistic bound)")
+
+
+def split_header(args) -> dict:
+    """The options in the output JSON (nothing when off: the JSON is main's)."""
+    if not args.split_prefill_min_tokens:
+        return {}
+    return {k: getattr(args, k) for k in ("split_prefill_min_tokens", "split_prefill_nodes",
+                                          "split_prefill_chunk_tokens", "split_link_gbps")}
+
+
 def simulate(reqs: list[TraceRequest], policy: str, weight: float, args, busy: float | None = None) -> dict:
     """busy: CostWeights.busy_pool_miss (None: its default)."""
     w = CostWeights(uncached_token=weight)
@@ -109,7 +140,8 @@ def simulate(reqs: list[TraceRequest], policy: str, weight: float, args, busy: f
                     num_blocks=args.kv_blocks, max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 512),
                     max_num_seqs=64, queue_order=getattr(args, "queue_order", "fcfs"),
                     queue_max_pass_s=getattr(args, "queue_max_pass_s", 20.0),
-                    final_chunk_unpadded=getattr(args, "final_chunk_unpadded", False))
+                    final_chunk_unpadded=getattr(args, "final_chunk_unpadded", False),
+                    split_prefill=split_config(args))
     builder = PromptBuilder(BLOCK, getattr(args, "trace_block_len", BLOCK))
     cost = load_cost_model("cpu")
     add_s = getattr(args, "step_add_s", 0.0)
@@ -170,13 +202,14 @@ def main() -> None:
                    help="every node's SchedulerConfig.final_chunk_unpadded (both policies)")
     p.add_argument("--step-add-s", type=float, default=0.0,
                    help="seconds added to every simulated step (a fixed per-step cost the CPU profile lacks)")
+    add_split_args(p)
     args = p.parse_args()
     out: dict = {"benchmark": "routing_sim", "simulated": True, "profile": "cpu",
                  "prefill_workers": args.prefill_workers, "weights": args.weights,
                  "busy_pool_miss": args.busy_pool_miss, "loads": args.loads,
                  "seeds": args.seeds, "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
                  "final_chunk_unpadded": args.final_chunk_unpadded, "step_add_s": args.step_add_s,
-                 "runs": [], "summary": {}}
+                 **split_header(args), "runs": [], "summary": {}}
     kv = args.kv_blocks
     if args.trace_block_len % BLOCK:
         p.error(f"--trace-block-len must be a multiple of {BLOCK}")

@@ -17,7 +17,8 @@ cache, the tokens computed for others in its own steps (shared), and
 what the node computed during their wait: for whom (requests that arrived
 before them), how many of those were cold. One JSON line; simulated, not
 measured. --queue-order sets the prefill nodes' waiting-queue order
-(SchedulerConfig.queue_order) for both arms alike.
+(SchedulerConfig.queue_order) for both arms alike; --split-prefill-min-tokens (routing_sim.py's
+split options) spreads long cold prefills over idle prefill nodes, both arms alike.
 
     PYTHONPATH=$PWD:$PWD/benchmarks .venv/bin/python benchmarks/routing_tail.py --loads 1,1.2,1.4 --seeds 0,1,2
 """
@@ -32,7 +33,7 @@ from cluster.router import CostWeights, PolicyConfig
 from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
 from cluster.tools.sim.cost_model import load_cost_model
 from cluster.tools.sim.workload import PromptBuilder
-from routing_sim import BLOCK, ideal_cached_tokens, mooncake, shared_prefix
+from routing_sim import BLOCK, add_split_args, ideal_cached_tokens, mooncake, shared_prefix, split_config
 
 
 COLD = 0.25      # a cold turn: an infinite cache would hold under this share of its prompt
@@ -110,7 +111,7 @@ def run_one(reqs, policy: str, args, cost, reusable: dict[str, int]) -> tuple[di
     cfg = SimConfig(args.prefill_workers, 1, policy=policy, policy_config=pc, block_size=BLOCK,
                     num_blocks=args.kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=64,
                     queue_order=args.queue_order, queue_max_pass_s=args.queue_max_pass_s,
-                    final_chunk_unpadded=args.final_chunk_unpadded)
+                    final_chunk_unpadded=args.final_chunk_unpadded, split_prefill=split_config(args))
     sim = ClusterSim(cfg, cost, reqs, PromptBuilder(BLOCK, args.trace_block_len))
     rec = Recorder(sim)
     s = sim.run()
@@ -129,9 +130,13 @@ def run_one(reqs, policy: str, args, cost, reusable: dict[str, int]) -> tuple[di
                      "alone": alone_s(cost, r.uncached, r.cached, args.max_num_batched_tokens),
                      "queued_ahead": r.queued_ahead, "waiting_ahead": r.waiting_ahead,
                      "tokens_ahead": sum(ahead.values()), "reqs_ahead": len(ahead), "cold_ahead": cold_ahead,
-                     "later_ahead": sum(1 for k in ahead if k in by_id and by_id[k].arrival_s > o.arrival_s)})
+                     "later_ahead": sum(1 for k in ahead if k in by_id and by_id[k].arrival_s > o.arrival_s),
+                     "split": sim.split is not None and rid in sim.split.split_ids})
     summ = {"hit_rate": round(s["hit_rate_tokens"], 4),
-            **{f"ttft_{q}_s": round(s["ttft_s"][q], 3) for q in ("p50", "p90", "mean")}}
+            **{f"ttft_{q}_s": round(s["ttft_s"][q], 3) for q in ("p50", "p90", "mean")},
+            **({"split_prefill": s["split_prefill"]} if "split_prefill" in s else {})}
+    if "split_prefill" in summ:      # admitted with enough uncached tokens to split (split or not: no idle helper)
+        summ["split_prefill"]["eligible"] = sum(r["uncached"] >= args.split_prefill_min_tokens for r in rows)
     return summ, rows
 
 
@@ -139,7 +144,7 @@ def describe(rows: list[dict]) -> dict:
     if not rows:
         return {"n": 0}
     m = lambda k: round(statistics.mean(float(r[k]) for r in rows), 2)   # noqa: E731
-    return {"n": len(rows), "cold_share": m("cold"), **{k: m(k) for k in (
+    return {"n": len(rows), "cold_share": m("cold"), "split_share": m("split"), **{k: m(k) for k in (
         "ttft", "wait", "compute", "alone", "prompt", "uncached", "missed", "shared", "queued_ahead", "waiting_ahead", "tokens_ahead",
         "reqs_ahead", "cold_ahead", "later_ahead")},
         "wait_share": round(sum(r["wait"] for r in rows) / max(1e-9, sum(r["ttft"] for r in rows)), 3)}
@@ -164,6 +169,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--rate", type=float, default=1.5)
+    add_split_args(p)
     args = p.parse_args()
     cost, out = load_cost_model("cpu"), {"benchmark": "routing_tail", "simulated": True, "args": vars(args),
                                           "runs": [], "pooled": {}}

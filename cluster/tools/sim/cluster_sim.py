@@ -42,6 +42,7 @@ from cluster.tools.sim.insitu import Interference, step_kind
 from cluster.tools.sim.metrics import LogHistogram, NodeUsage, RequestRecord, Slo, summarize
 from cluster.tools.sim.node import SimNode
 from cluster.tools.sim.reservation import RESERVATION_TTL_FACTOR, Reservations
+from cluster.tools.sim.split_prefill import SplitPrefill, SplitPrefills
 from cluster.tools.sim.workload import Prompt, PromptBuilder, TraceRequest
 from engine.block_pool import KVBlock
 from engine.config import CacheConfig, SchedulerConfig
@@ -85,6 +86,9 @@ class SimConfig:
     queue_max_pass_s: float = 20.0
     # every node's SchedulerConfig.final_chunk_unpadded
     final_chunk_unpadded: bool = False
+    # a long cold prefill spread over idle prefill nodes (a what-if of Mooncake's chunked pipeline
+    # parallelism: cluster/tools/sim/split_prefill.py); None: off
+    split_prefill: SplitPrefill | None = None
 
     def __post_init__(self) -> None:
         if self.decode_nodes < 1 or self.prefill_nodes < 0:
@@ -98,6 +102,14 @@ class SimConfig:
         if self.progress_s < 0:
             raise ValueError(f"progress_s must be >= 0 simulated seconds (0 = no progress lines), "
                              f"got {self.progress_s}")
+        if self.split_prefill is not None:
+            if self.prefill_nodes < self.split_prefill.nodes:
+                raise ValueError(f"split_prefill spreads a prefill over {self.split_prefill.nodes} prefill "
+                                 f"nodes: give --prefill-nodes >= {self.split_prefill.nodes}, got "
+                                 f"{self.prefill_nodes}")
+            if self.autoscale is not None or self.interference is not None:
+                raise ValueError("split_prefill is modelled on fixed pools of nodes with their own hardware: "
+                                 "leave autoscale and interference None with it")
 
 
 class _Live:
@@ -165,6 +177,8 @@ class ClusterSim:
                               pc.weights)
         self.router = Router(RouterConfig(config.policy, pc), rng=random.Random(config.seed),
                              clock=self.loop.clock)
+        self.split = (SplitPrefills(config.split_prefill, cost, config.max_num_batched_tokens, self)
+                      if config.split_prefill is not None else None)
         nb = config.num_blocks or cost.kv_capacity_tokens // config.block_size
         self.num_blocks = nb
         self.nodes: dict[str, SimNode] = {}
@@ -211,7 +225,8 @@ class ClusterSim:
         node = self.nodes[nid] = SimNode(nid, role, sched, self.cost, self.loop, self, collapse=c.collapse,
                                          slowdown=self._slowdown if shared else None,
                                          on_busy_change=self._host_changed if shared else None,
-                                         jitter=self._jitter if shared and c.interference.jitter else None)
+                                         jitter=self._jitter if shared and c.interference.jitter else None,
+                                         step_cost=self.split.step_seconds if self.split is not None else None)
         self.nic_free[nid] = 0.0
         self.refs[nid] = 0
         self.spans.setdefault(nid, [role, joined, None])
@@ -369,6 +384,8 @@ class ClusterSim:
                          "decode_reservations": dict(self.reservations.counts)}}
         if self.autoscaler is not None:
             extra["autoscale"] = self.autoscaler.summary()
+        if self.split is not None:
+            extra["split_prefill"] = self.split.summary()
         return summarize(self.records, self.itl, nodes, end - start, c.slo, extra)
 
     def _arrive(self) -> None:
@@ -417,6 +434,8 @@ class ClusterSim:
                 rec.first_token_s = first
                 rec.cached_tokens = r.num_cached_tokens or 0
                 self.router.on_prefill_end(r.request_id)     # as handoff.py: its in-flight record ends
+                if self.split is not None:
+                    self.split.prefill_ended(r.request_id)
                 if self.autoscaler is not None:
                     self.autoscaler.on_first_token(rec)
             else:
@@ -532,7 +551,8 @@ class ClusterSim:
                 s.kv.drain_events()
                 continue
             # as DecodeWorker.report: hand-offs waiting for KV room are waiting requests
-            load = WorkerLoad(s.num_waiting_tokens, s.num_running, s.num_waiting + node.joining, s.kv_usage)
+            queued = s.num_waiting_tokens + (self.split.queued_tokens(nid) if self.split is not None else 0)
+            load = WorkerLoad(queued, s.num_running, s.num_waiting + node.joining, s.kv_usage)
             batch.append((nid, load, s.kv.drain_events()))
         if batch:
             self.loop.after(self.config.report_lag_s, self._deliver, batch)

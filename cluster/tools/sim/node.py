@@ -34,6 +34,7 @@ Action = Callable[["SimNode"], None]
 Retry = Callable[["SimNode"], bool]
 Slowdown = Callable[["SimNode", SchedulerOutput], float]
 BusyChange = Callable[["SimNode"], None]
+StepCost = Callable[["SimNode", SchedulerOutput, float], float]
 
 
 class NodeListener(Protocol):
@@ -66,7 +67,8 @@ class SimNode:
     def __init__(self, node_id: str, role: str, scheduler: Scheduler, cost: CostModel, loop: EventLoop,
                  listener: NodeListener, *, collapse: bool = True, max_run_steps: int = 4096,
                  output_token: int = 1, slowdown: Slowdown | None = None,
-                 on_busy_change: BusyChange | None = None, jitter: Slowdown | None = None) -> None:
+                 on_busy_change: BusyChange | None = None, jitter: Slowdown | None = None,
+                 step_cost: StepCost | None = None) -> None:
         if max_run_steps < 1:
             raise ValueError(f"max_run_steps must be >= 1, got {max_run_steps}")
         self.node_id, self.role = node_id, role
@@ -78,6 +80,9 @@ class SimNode:
         # stops being busy; steps are then never collapsed into runs
         self.slowdown, self.on_busy_change = slowdown, on_busy_change
         self.jitter = jitter        # with slowdown: each step's isolated cost x jitter(node, step), drawn once
+        # a single step's cost as the cost model gives it -> what it costs (split prefills: split_prefill.py)
+        self.step_cost = step_cost
+        self.lent = False           # lent to another node's split prefill: it takes no step
         self._left = self._since = self._factor = 0.0      # isolated seconds left, as of, at factor
         self._was_busy = False
         if slowdown is not None:
@@ -152,6 +157,14 @@ class SimNode:
                 node.retries.append(retry)
         self.post(first, keeps_batch=keeps_batch)
 
+    def lend(self) -> None:
+        """Lent to another node's split prefill (idle now): no step until `unlend`."""
+        self.lent = self.dirty = True
+
+    def unlend(self) -> None:
+        self.lent, self.dirty = False, True
+        self._kick()
+
     def _kick(self) -> None:
         if not self._start_pending and self._run is None:
             self._start_pending = True
@@ -176,7 +189,7 @@ class SimNode:
     # ---- one step or run -----------------------------------------------------
     def _start(self) -> None:
         self._start_pending = False
-        if self._run is not None:
+        if self._run is not None or self.lent:
             return
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -188,6 +201,8 @@ class SimNode:
             ends = now + np.cumsum(self.cost.decode_run(len(ctx), sum(ctx), k, max(ctx)))
         else:
             t = self.cost.step_seconds(sched)
+            if self.step_cost is not None:
+                t = self.step_cost(self, sched, t)
             if self.slowdown is not None:
                 if self.jitter is not None:
                     t *= self.jitter(self, sched)
