@@ -49,7 +49,12 @@ Which signals decide each pool, and why:
   (``DecodeSignals.kv_usage_by_worker``, `waits_on_full`): the waiting sit on
   full workers whatever the mean says (at 1000 simulated nodes 60-76 waited
   while the mean read 0.4-0.6), and a shrink drains the least-loaded workers,
-  the ones with room.
+  the ones with room. **At the fleet cap** the load and KV-room rules grow decode only
+  past ``decode_grow_usage_at_cap`` (0.95) of what it holds, not past the targets: a
+  decode worker more there is a prefill worker fewer, so decode rides a burst nearly
+  full, as a fixed split does, rather than buying headroom with prefill's TTFT (the
+  simulator's 100- and 1000-node fleets, docs/simulator.md "(grow36)"). The targets still
+  size its scale-in, its trades and the start split; ITL misses still grow it at once.
 
 Load is predicted ``predict_ahead_s`` ahead (about a worker's start-up time):
 the last observation plus the smoothed slope (an EWMA of the EWMA's slope) times
