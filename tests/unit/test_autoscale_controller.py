@@ -422,3 +422,36 @@ def test_decode_holds_while_hand_offs_wait_on_full_workers():
     assert targets == [4, 4, 4, 2]
     with pytest.raises(ValueError, match="kv_usage_by_worker"):
         DecodeSignals(2, 2, 10, 0, 0.3, None, SEQS, kv_usage_by_worker=(0.1, 0.2, 0.3))
+
+
+def test_at_the_fleet_cap_decode_grows_only_for_room_about_to_run_out():
+    # a decode worker more at the cap is a prefill worker fewer: decode grows by its KV and load
+    # rules past decode_grow_usage_at_cap (0.95), not past the targets (0.75 KV, 0.8 sequences)
+    cfg = config(max_total_workers=10, decode_first_under_cap=True, max_step_up=10.0, cooldown_out_s=0.0)
+
+    def at(p: int, **dk) -> FleetDecision:
+        return decide(cfg, FleetSignals(prefill(p, 10_000), decode(3, **dk)), ControllerState(), 0.0)[0]
+
+    # KV at 0.85 of 3 workers (2.55 worker units): over the 0.75 target, under 0.95
+    below = at(5, running=20, kv=0.85)                       # 5 + 3 < 10: the target decides
+    assert (below.decode.target, below.decode.reason) == (4, Reason.KV_ROOM)
+    capped = at(7, running=20, kv=0.85)                      # 7 + 3 = 10: rides it
+    assert (capped.prefill.target, capped.decode.target) == (7, 3) and capped.decode.reason is Reason.STEADY
+    old = decide(replace(cfg, decode_grow_usage_at_cap=None), FleetSignals(prefill(7, 10_000),
+                 decode(3, running=20, kv=0.85)), ControllerState(), 0.0)[0]
+    assert (old.prefill.target, old.decode.target) == (6, 4)   # None: the target, prefill displaced
+    # room about to run out at the cap: it grows, displacing prefill
+    full = at(7, running=20, kv=0.97)
+    assert (full.prefill.target, full.decode.target, full.decode.reason) == (6, 4, Reason.KV_ROOM)
+    # hand-offs waiting: one more only once KV is past 0.95, at the cap
+    assert at(7, running=20, waiting=1, kv=0.9).decode.target == 3
+    assert at(7, running=20, waiting=1, kv=0.96).decode.target == 4
+    # sequences: 110 on workers holding 40 need 4 at 80%, 3 at 95%
+    assert at(5, running=110, kv=0.5).decode.target == 4
+    assert at(7, running=110, kv=0.5).decode.target == 3
+
+
+@pytest.mark.parametrize("grow", [0.7, 1.01])
+def test_decode_grow_usage_at_cap_must_lie_between_the_targets_and_full(grow):
+    with pytest.raises(ValueError, match="decode_grow_usage_at_cap must be in"):
+        config(decode_grow_usage_at_cap=grow)

@@ -120,13 +120,13 @@ def _replay(series, p0: int = 8, d0: int = 8):
 def test_decode_gives_way_by_marginal_value_after_its_memory():
     # recorded: decode's KV use 0.2-0.3 of 8 workers (at most 2.4 worker units: 4 hold it under
     # 0.75), prefill missing 5% by waiting at rho 0.375. Nothing moves before the memory (2 holds,
-    # 60 s) is full; then decode gives 3 (its own ask at the target, 5, is the floor) and prefill
-    # grows into the room
+    # 60 s) is full; then decode gives 4 (its own ask at the cap, 150 at 95% of 40 per worker: 4,
+    # is the floor) and prefill grows into the room
     series = [(0.05, 0.2 + 0.1 * (i % 2)) for i in range(16)]
     out = _replay(series)
     assert all(d.decode.target == 8 for d in out[:12])
-    assert (out[12].decode.target, out[12].decode.reason) == (5, Reason.TRADE)
-    assert out[12].prefill.target == 11
+    assert (out[12].decode.target, out[12].decode.reason) == (4, Reason.TRADE)
+    assert out[12].prefill.target == 12
     # a burst in the memory (0.75 of 8: 6 worker units) that 7 workers would hold over the
     # target (5.25): its cost outweighs what one more prefill worker saves; decode keeps its 8
     burst = series[:6] + [(0.05, 0.75)] + series[7:]

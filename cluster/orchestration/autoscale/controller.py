@@ -49,7 +49,12 @@ Which signals decide each pool, and why:
   (``DecodeSignals.kv_usage_by_worker``, `waits_on_full`): the waiting sit on
   full workers whatever the mean says (at 1000 simulated nodes 60-76 waited
   while the mean read 0.4-0.6), and a shrink drains the least-loaded workers,
-  the ones with room.
+  the ones with room. **At the fleet cap** the load and KV-room rules grow decode only
+  past ``decode_grow_usage_at_cap`` (0.95) of what it holds, not past the targets: a
+  decode worker more there is a prefill worker fewer, so decode rides a burst nearly
+  full, as a fixed split does, rather than buying headroom with prefill's TTFT (the
+  simulator's 100- and 1000-node fleets, docs/simulator.md "(grow36)"). The targets still
+  size its scale-in, its trades and the start split; ITL misses still grow it at once.
 
 Load is predicted ``predict_ahead_s`` ahead (about a worker's start-up time):
 the last observation plus the smoothed slope (an EWMA of the EWMA's slope) times
@@ -300,18 +305,22 @@ def _prefill_want(s: PrefillSignals, st: PoolState, c: AutoscaleConfig) -> _Want
     return _Want(out, reason, fits_in, may_shrink, rate_out, raw * c.target_utilization)
 
 
-def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig) -> _Want:
+def _decode_want(s: DecodeSignals, st: PoolState, c: AutoscaleConfig, at_cap: bool = False) -> _Want:
     seqs_obs = s.running + s.waiting
     pred = st.predicted(seqs_obs, c)
     seqs_out = max(seqs_obs, pred)
     seqs_in = max(seqs_obs, st.ewma or 0.0, pred)
     spw = s.seqs_per_worker * st.capacity_scale
-    by_seqs = _ceil(seqs_out / (spw * c.target_utilization))
+    # at the fleet cap a worker more for decode is one fewer for prefill: grow only for room about
+    # to run out (decode_grow_usage_at_cap), not for the targets' headroom
+    grow = c.decode_grow_usage_at_cap if at_cap and c.decode_grow_usage_at_cap is not None else None
+    by_seqs = _ceil(seqs_out / (spw * (grow or c.target_utilization)))
     # workers' worth of KV in use, and what the waiting will take once admitted (at the context the
     # per-worker figure assumes): a backlog waiting for room is not in kv_usage yet
     kv_workers = s.kv_usage * s.ready_workers + s.waiting / s.seqs_per_worker
-    by_kv = _ceil(kv_workers / c.target_kv_usage)
-    if s.waiting > 0 and s.kv_usage >= c.target_kv_usage:
+    kv_grow = grow or c.target_kv_usage
+    by_kv = _ceil(kv_workers / kv_grow)
+    if s.waiting > 0 and s.kv_usage >= kv_grow:
         by_kv = max(by_kv, s.workers + 1)            # requests wait and KV is full: at least one more
     out, reason = (by_kv, Reason.KV_ROOM) if by_kv > by_seqs else (by_seqs, Reason.LOAD)
     itl = s.itl_p90_ms
@@ -388,13 +397,16 @@ def _to_min(d: PoolDecision, st: PoolState, bounds: PoolBounds, now: float) -> t
             replace(st, last_change_t=now, below_since=None, needs=()))
 
 
+def _at_cap(c: AutoscaleConfig, s: FleetSignals) -> bool:
+    """Both pools and the draining workers hold the whole fleet cap."""
+    return c.max_total_workers is not None and s.prefill.workers + s.decode.workers + s.draining >= c.max_total_workers
+
+
 def _trade(c: AutoscaleConfig, s: FleetSignals, prefill: _Want) -> bool:
     """Prefill wants more workers and the fleet is at its cap (draining workers included): decode
     gives up what it does not need without waiting out its scale-in hold (still a step per
     cool-down, no lower than its peak need over the memory)."""
-    cap = c.max_total_workers
-    return c.trade_at_cap and cap is not None and prefill.out > s.prefill.workers and \
-        s.prefill.workers + s.decode.workers + s.draining >= cap
+    return c.trade_at_cap and prefill.out > s.prefill.workers and _at_cap(c, s)
 
 
 def _give_way(c: AutoscaleConfig, s: FleetSignals, wp: _Want, wd: _Want, d: PoolDecision, st: PoolState,
@@ -480,7 +492,8 @@ def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerStat
     dt_d = now - state.decode.last_t if state.decode.last_t is not None else 0.0
     ps = state.prefill.observe(signals.prefill.prompt_tokens_per_s, now, config)
     ds = state.decode.observe(float(signals.decode.running + signals.decode.waiting), now, config)
-    wp, wd = _prefill_want(signals.prefill, ps, config), _decode_want(signals.decode, ds, config)
+    wp, wd = _prefill_want(signals.prefill, ps, config), _decode_want(signals.decode, ds, config,
+                                                                       _at_cap(config, signals))
     ps = _learn(ps, wp, signals.prefill.workers, dt_p, config)
     ds = _learn(ds, wd, signals.decode.workers, dt_d, config)
     memory = config.scale_in_memory_factor * config.scale_in_hold_s

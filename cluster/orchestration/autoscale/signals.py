@@ -177,6 +177,12 @@ class AutoscaleConfig:
     cooldown_in_s: float = 30.0
     max_step_up: float = 0.5
     max_step_down: float = 0.2
+    # at the fleet cap decode grows by its load (sequences) and KV rules only past this share of
+    # what it holds, not past target_utilization / target_kv_usage: there a decode worker more is a
+    # prefill worker fewer (displaced, or not traded), so decode rides a burst nearly full, as a
+    # fixed split does, instead of buying headroom with prefill's TTFT; the targets still size
+    # its scale-in, its trades and the start split (None: the targets, at the cap too)
+    decode_grow_usage_at_cap: float | None = 0.95
 
     def __post_init__(self) -> None:
         if self.slo_ttft_ms <= 0 or self.slo_itl_ms <= 0:
@@ -203,6 +209,11 @@ class AutoscaleConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.idle_hold_s is not None and self.idle_hold_s < 0:
             raise ValueError(f"idle_hold_s must be >= 0 seconds (or None: never), got {self.idle_hold_s}")
+        grow = self.decode_grow_usage_at_cap
+        if grow is not None and not max(self.target_utilization, self.target_kv_usage) <= grow <= 1:
+            raise ValueError(f"decode_grow_usage_at_cap must be in [max(target_utilization, target_kv_usage), 1] "
+                             f"= [{max(self.target_utilization, self.target_kv_usage)}, 1] (or None: the "
+                             f"targets), got {grow}")
         if self.max_total_workers is not None and \
                 self.max_total_workers < self.prefill.min_workers + self.decode.min_workers:
             raise ValueError(f"max_total_workers {self.max_total_workers} is below the pools' minimums "
