@@ -7,7 +7,7 @@ prefill node: arrival, the queued prefill tokens ahead of it when it was added
 (admission), its cached and uncached prompt tokens, its first token, and the
 tokens the node computed for other requests while it waited. TTFT then splits
 into the wait (arrival -> admission) and the compute (admission -> first
-token, which includes sharing steps with others), and `alone_s` is what its
+token, which includes sharing steps with others), and `alone` is what its
 uncached tokens cost on an idle node (the cost model, one chunk per step).
 
 For the requests above each run's TTFT p90 ("tail") and for all requests, it
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from cluster.router import CostWeights, PolicyConfig
 from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
 from cluster.tools.sim.cost_model import load_cost_model
+from cluster.tools.sim.split_prefill import alone_seconds
 from cluster.tools.sim.workload import PromptBuilder
 from routing_sim import BLOCK, add_split_args, ideal_cached_tokens, mooncake, shared_prefix, split_config
 
@@ -97,15 +98,6 @@ class Recorder:
         sched.add_request, sched.schedule = add_request, scheduled
 
 
-def alone_s(cost, uncached: int, cached: int, chunk: int) -> float:
-    t, done = 0.0, cached
-    while done < cached + uncached:
-        n = min(chunk, cached + uncached - done)
-        t += cost.pure_prefill(n, done)
-        done += n
-    return t
-
-
 def run_one(reqs, policy: str, args, cost, reusable: dict[str, int]) -> tuple[dict, list[dict]]:
     pc = PolicyConfig(0.0, 0, 1.0, weights=CostWeights(uncached_token=args.weight))
     cfg = SimConfig(args.prefill_workers, 1, policy=policy, policy_config=pc, block_size=BLOCK,
@@ -127,7 +119,7 @@ def run_one(reqs, policy: str, args, cost, reusable: dict[str, int]) -> tuple[di
                      "compute": o.first_token_s - r.admitted_s, "prompt": o.prompt_tokens, "cached": r.cached,
                      "uncached": r.uncached, "cold": reusable[rid] < COLD * o.prompt_tokens,
                      "missed": reusable[rid] - r.cached, "shared": r.shared,
-                     "alone": alone_s(cost, r.uncached, r.cached, args.max_num_batched_tokens),
+                     "alone": alone_seconds(cost, r.uncached, r.cached, args.max_num_batched_tokens),
                      "queued_ahead": r.queued_ahead, "waiting_ahead": r.waiting_ahead,
                      "tokens_ahead": sum(ahead.values()), "reqs_ahead": len(ahead), "cold_ahead": cold_ahead,
                      "later_ahead": sum(1 for k in ahead if k in by_id and by_id[k].arrival_s > o.arrival_s),
