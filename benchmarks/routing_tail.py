@@ -31,8 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from cluster.router import CostWeights, PolicyConfig
 from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
-from cluster.tools.sim.cost_model import load_cost_model
-from cluster.tools.sim.split_prefill import alone_seconds
+from cluster.tools.sim.cost_model import load_cost_model, prefill_alone_s
 from cluster.tools.sim.workload import PromptBuilder
 from routing_sim import BLOCK, add_split_args, ideal_cached_tokens, mooncake, shared_prefix, split_config
 
@@ -119,7 +118,8 @@ def run_one(reqs, policy: str, args, cost, reusable: dict[str, int]) -> tuple[di
                      "compute": o.first_token_s - r.admitted_s, "prompt": o.prompt_tokens, "cached": r.cached,
                      "uncached": r.uncached, "cold": reusable[rid] < COLD * o.prompt_tokens,
                      "missed": reusable[rid] - r.cached, "shared": r.shared,
-                     "alone": alone_seconds(cost, r.uncached, r.cached, args.max_num_batched_tokens),
+                     "alone": prefill_alone_s(cost.pure_prefill, args.max_num_batched_tokens, r.cached + r.uncached,
+                                              r.cached),
                      "queued_ahead": r.queued_ahead, "waiting_ahead": r.waiting_ahead,
                      "tokens_ahead": sum(ahead.values()), "reqs_ahead": len(ahead), "cold_ahead": cold_ahead,
                      "later_ahead": sum(1 for k in ahead if k in by_id and by_id[k].arrival_s > o.arrival_s),

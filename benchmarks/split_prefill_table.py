@@ -77,15 +77,21 @@ def tail_rows(data: dict) -> dict[str, dict]:
 def main_tail(files: list[str], datas: list[dict]) -> None:
     table = {f: tail_rows(d) for f, d in zip(files, datas)}
     print(json.dumps({"benchmark": "split_prefill_table", "simulated": True, "tail": table}))
-    print("| file | load/policy | p90 (s) | tail TTFT = wait + compute (s) | alone (s) | uncached | cold, split share | "
-          "splits / eligible / requests, helper s lent per run |")
-    print("|---|---|---:|---|---:|---:|---|---|")
+    markdown(table, ["load/policy", "p90 (s)", "tail TTFT = wait + compute (s)", "alone (s)", "uncached",
+                     "cold, split share", "splits / eligible / requests, helper s lent per run"],
+             lambda key, r: [key, r["p90_median_s"], f"{r['ttft']} = {r['wait']} + {r['compute']}", r["alone"],
+                             r["uncached"], f"{r['cold_share']}, {r.get('split_share', 0)}",
+                             f"{r.get('splits_per_run', '-')} / {r.get('eligible_per_run', '-')} / "
+                             f"{r.get('requests_per_run', '-')}, {r.get('helper_lent_s_per_run', '-')}"])
+
+
+def markdown(table: dict[str, dict[str, dict]], columns: list[str], cells) -> None:
+    """One markdown row per (file, key) of ``table``: the file's name, then ``cells(key, row)``."""
+    print("| " + " | ".join(["file", *columns]) + " |")
+    print("|---" * (len(columns) + 1) + "|")
     for f, t in table.items():
         for key, r in t.items():
-            print(f"| {f.rsplit('/', 1)[-1]} | {key} | {r['p90_median_s']} | {r['ttft']} = {r['wait']} + "
-                  f"{r['compute']} | {r['alone']} | {r['uncached']} | {r['cold_share']}, {r.get('split_share', 0)} | "
-                  f"{r.get('splits_per_run', '-')} / {r.get('eligible_per_run', '-')} / {r.get('requests_per_run', '-')}, "
-                  f"{r.get('helper_lent_s_per_run', '-')} |")
+            print("| " + " | ".join(str(c) for c in [f.rsplit("/", 1)[-1], *cells(key, r)]) + " |")
 
 
 def main() -> None:
@@ -98,15 +104,11 @@ def main() -> None:
         return
     table = {f: rows(d, datas[0] if i else None) for i, (f, d) in enumerate(zip(files, datas))}
     print(json.dumps({"benchmark": "split_prefill_table", "simulated": True, "table": table}))
-    print("| file | load | p90 ratio (median) | ratio up (runs) | PA-only ratio | hit/ideal mean, min | PA p90 (s) | "
-          "PA mean (s) | RR p90 (s) |")
-    print("|---|---:|---:|---:|---:|---|---:|---:|---:|")
-    for f, t in table.items():
-        for load, r in t.items():
-            print(f"| {f.rsplit('/', 1)[-1]} | {load} | {r['ratio_median']} | {r.get('ratio_up_runs', '-')} | "
-                  f"{r.get('pa_only_ratio_median', '-')} | "
-                  f"{r['hit_over_ideal_mean']}, {r['hit_over_ideal_min']} | {r['pa_p90_median_s']} | "
-                  f"{r['pa_mean_s']} | {r['rr_p90_median_s']} |")
+    markdown(table, ["load", "p90 ratio (median)", "ratio up (runs)", "PA-only ratio", "hit/ideal mean, min",
+                     "PA p90 (s)", "PA mean (s)", "RR p90 (s)"],
+             lambda load, r: [load, r["ratio_median"], r.get("ratio_up_runs", "-"), r.get("pa_only_ratio_median", "-"),
+                              f"{r['hit_over_ideal_mean']}, {r['hit_over_ideal_min']}", r["pa_p90_median_s"],
+                              r["pa_mean_s"], r["rr_p90_median_s"]])
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def test_planned_split_gives_decode_the_peak_in_flight_and_prefill_the_rest():
 
 
 def test_prefill_alone_is_its_uncached_chunks():
-    from cluster.tools.sim.autoscale import prefill_alone_s
+    from cluster.tools.sim.cost_model import prefill_alone_s
     calls = []
 
     def pure(n, cached):

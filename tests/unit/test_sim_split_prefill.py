@@ -3,7 +3,8 @@ import pytest
 
 from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
 from cluster.tools.sim.cost_model import Table2D, TableCostModel, TransferCost
-from cluster.tools.sim.split_prefill import SplitPrefill, alone_seconds
+from cluster.tools.sim.cost_model import prefill_alone_s
+from cluster.tools.sim.split_prefill import SplitPrefill
 from cluster.tools.sim.workload import PromptBuilder, TraceRequest
 
 BS, STEP = 16, 512
@@ -34,7 +35,7 @@ def _ttft(sim, rid):
 def test_a_lone_long_cold_prompt_finishes_in_the_modelled_share_of_its_alone_time():
     reqs = [_req("long", 0.0, 2048, 0)]          # 4 chunks of 512: (C + 1) / (2 C) = 5 / 8
     off_sim, _ = _run(reqs)
-    alone = alone_seconds(_cost(), 2048, 0, STEP)
+    alone = prefill_alone_s(_cost().pure_prefill, STEP, 2048, 0)
     assert _ttft(off_sim, "long") == pytest.approx(alone, rel=1e-9)
     on_sim, s = _run(reqs, SplitPrefill(min_tokens=1024))
     assert s["split_prefill"]["splits"] == 1
@@ -60,7 +61,7 @@ def test_the_helper_takes_nothing_else_until_the_split_prefill_ends():
     on_sim, s = _run(reqs, SplitPrefill(min_tokens=1024))
     long_rec, short_rec = (next(r for r in on_sim.records if r.request_id == k) for k in ("long", "short"))
     assert (long_rec.prefill_node, short_rec.prefill_node) == ("p0000", "p0001")
-    short_alone = alone_seconds(_cost(), 256, 0, STEP)
+    short_alone = prefill_alone_s(_cost().pure_prefill, STEP, 256, 0)
     # it starts when the long prompt's first token frees p0001, not on arrival
     assert short_rec.first_token_s == pytest.approx(long_rec.first_token_s + short_alone, rel=1e-9)
     off_sim, _ = _run(reqs)
@@ -73,21 +74,21 @@ def test_no_idle_helper_no_split():
     reqs = [_req("b", 0.0, 512, 10_000), _req("long", 0.001, 2048, 0)]
     sim, s = _run(reqs, SplitPrefill(min_tokens=1024))
     assert s["split_prefill"]["splits"] == 0
-    assert _ttft(sim, "long") == pytest.approx(alone_seconds(_cost(), 2048, 0, STEP), rel=1e-9)
+    assert _ttft(sim, "long") == pytest.approx(prefill_alone_s(_cost().pure_prefill, STEP, 2048, 0), rel=1e-9)
 
 
 def test_a_link_adds_the_activation_hand_offs_and_the_kv_copy():
     reqs = [_req("long", 0.0, 2048, 0)]
     cfg = SplitPrefill(min_tokens=1024, link_gbps=0.01)        # slow enough to count
     sim, _ = _run(reqs, cfg)
-    alone = alone_seconds(_cost(), 2048, 0, STEP)
+    alone = prefill_alone_s(_cost().pure_prefill, STEP, 2048, 0)
     h = 576 * STEP * 4 / (0.01e9 / 8)
     t_c = alone / 4
     expect = t_c + h + 3 * max(t_c / 2, h) + 2048 * 1000 / 2 / (0.01e9 / 8)
     assert _ttft(sim, "long") == pytest.approx(expect, rel=1e-9)
     # a pipeline chunk of 128 tokens is priced at its own size: 16 steps of 128 on one node, over 16
     sim, _ = _run(reqs, SplitPrefill(min_tokens=1024, link_gbps=0.01, chunk_tokens=128))
-    h, t_c = 576 * 128 * 4 / (0.01e9 / 8), alone_seconds(_cost(), 2048, 0, 128) / 16
+    h, t_c = 576 * 128 * 4 / (0.01e9 / 8), prefill_alone_s(_cost().pure_prefill, 128, 2048, 0) / 16
     assert t_c > alone / 16
     expect = t_c + h + 15 * max(t_c / 2, h) + 2048 * 1000 / 2 / (0.01e9 / 8)
     assert _ttft(sim, "long") == pytest.approx(expect, rel=1e-9)

@@ -29,6 +29,7 @@ from cluster.orchestration.autoscale import (AutoscaleConfig, ControllerState, D
                                              PrefillSignals, decide, wait_miss)
 from cluster.tools.planner.capacity import sequences_that_fit
 from cluster.tools.planner.pools import peak_rate, size_pools, split_at_cap
+from cluster.tools.sim.cost_model import prefill_alone_s
 
 if TYPE_CHECKING:
     from cluster.tools.sim.cluster_sim import ClusterSim
@@ -68,17 +69,6 @@ def prefill_tokens_per_s(cost, chunk: int, mean_prompt: float) -> float:
                          "SimAutoscale.prefill_tokens_per_s")
     chunk = max(1, int(min(chunk, mean_prompt)))
     return chunk / max(seconds(chunk, max(0.0, mean_prompt / 2 - chunk / 2)), 1e-9)
-
-
-def prefill_alone_s(pure_prefill, chunk: int, prompt: int, cached: int) -> float:
-    """Seconds a prompt's prefill takes on an idle node: its uncached tokens in
-    chunks of ``chunk``, each attending to what came before."""
-    t, done = 0.0, max(0, cached)
-    while done < prompt:
-        n = min(chunk, prompt - done)
-        t += pure_prefill(n, done)
-        done += n
-    return t
 
 
 def decode_seqs_per_worker(kv_tokens: int, kv_bytes_per_token: int, mean_context: float,

@@ -300,3 +300,14 @@ def load_cost_model(name_or_path: str) -> TableCostModel:
     except json.JSONDecodeError as e:
         raise ValueError(f"cost profile {path} is not valid JSON: {e}") from None
     return TableCostModel.from_json(data)
+
+
+def prefill_alone_s(pure_prefill, chunk: int, prompt: int, cached: int) -> float:
+    """Seconds a prompt's prefill takes on an idle node: its uncached tokens in
+    chunks of ``chunk``, each attending to what came before."""
+    t, done = 0.0, max(0, cached)
+    while done < prompt:
+        n = min(chunk, prompt - done)
+        t += pure_prefill(n, done)
+        done += n
+    return t

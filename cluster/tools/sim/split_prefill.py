@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cluster.tools.sim.cost_model import CostModel
+from cluster.tools.sim.cost_model import CostModel, prefill_alone_s
 from engine.request import Request
 from engine.scheduler_output import SchedulerOutput
 
@@ -89,16 +89,6 @@ class SplitPrefill:
         c = max(1, math.ceil(uncached / chunk))
         k, t_c, h = self.nodes, alone / c, self.handoff_s(chunk)
         return t_c + (k - 1) * h + (c - 1) * max(t_c / k, h)
-
-
-def alone_seconds(cost: CostModel, uncached: int, cached: int, chunk: int) -> float:
-    """``uncached`` prompt tokens after ``cached`` ones on an idle node, one chunk per step."""
-    t, done = 0.0, cached
-    while done < cached + uncached:
-        n = min(chunk, cached + uncached - done)
-        t += cost.pure_prefill(n, done)
-        done += n
-    return t
 
 
 @dataclass
@@ -167,12 +157,12 @@ class SplitPrefills:
         helpers = self._idle_helpers(node)
         if len(helpers) < self.config.nodes - 1:
             return
-        alone = alone_seconds(self.cost, uncached, cached, self.step_tokens)
+        alone = prefill_alone_s(self.cost.pure_prefill, self.step_tokens, r.num_prompt_tokens, cached)
         if alone <= 0:
             return
         # costed: the pipeline's chunks at their own size's cost (per-step overhead, attention)
         piped = alone if not self.config.link_gbps or self.chunk == self.step_tokens else \
-            alone_seconds(self.cost, uncached, cached, self.chunk)
+            prefill_alone_s(self.cost.pure_prefill, self.chunk, r.num_prompt_tokens, cached)
         scale = self.config.group_seconds(piped, uncached, self.chunk) / alone
         copy_s = self.config.kv_copy_s(uncached, self.cost.kv_bytes_per_token)
         now = self.sim.loop.now
