@@ -8,7 +8,9 @@ size per pool, and acts:
 - scale-out starts workers (`WorkerPool.grow`: Ray places each where the
   pool's resource and CPUs are free; on KubeRay a pending actor makes the Ray
   autoscaler add a pod). A new worker is routed to only once it is ready and
-  its first report and KV snapshot reached the router;
+  its first report and KV snapshot reached the router. Under the fleet cap a
+  worker decided while a retiring one still holds its GPU is started once that
+  one has left, so both pools never hold more than the cap;
 - scale-in retires the least-loaded worker (`drain.retire_worker`: no new
   requests, queued ones move, running ones finish, leases are released, then
   it stops; if it does not empty within `drain_timeout` it serves again).
@@ -87,6 +89,8 @@ class Autoscaler:
         self._last_prompt: float | None = None   # the last sample that saw new prompt tokens
         self._starting = {pool: 0 for pool in POOLS}
         self._retiring: dict[str, str] = {}            # worker id -> pool
+        self._booting = 0                              # grows past the fleet cap's gate, not yet held
+        self._gpu_freed = asyncio.Event()              # a retired worker left (its GPU is free again)
         self._tasks: set[asyncio.Task] = set()
         self.decisions: list[FleetDecision] = []       # the recent ones, for tests and the admin API
         self.signals: list[FleetSignals] = []          # what each of them saw
@@ -186,9 +190,32 @@ class Autoscaler:
             return (v.queued_prefill_tokens + v.running + v.waiting, v.kv_usage, _reverse(w))
         return sorted(serving, key=load)[:n]
 
+    def _gpus_in_use(self) -> int:
+        """Workers holding a GPU: held by either pool, retiring (draining until they leave) and
+        booting."""
+        held = set(self.backend.pool.held("prefill")) | set(self.backend.pool.held("decode")) | set(self._retiring)
+        return len(held) + self._booting
+
+    async def _gpu_for_a_new_worker(self) -> None:
+        """Under the fleet cap (the GPUs the fleet owns) a worker decided at the cap, while the one it
+        replaces still drains, starts once that one has left: both pools together never hold more
+        than the cap (the simulator's `ClusterSim.provision` models the same)."""
+        cap = self.controller.max_total_workers
+        while cap is not None and self._gpus_in_use() >= cap:
+            self._gpu_freed.clear()
+            try:
+                await asyncio.wait_for(self._gpu_freed.wait(), timeout=self.config.autoscale_interval)
+            except asyncio.TimeoutError:
+                pass                                   # look again: a worker may have died meanwhile
+
     async def _grow(self, pool: str) -> None:
         try:
-            await self.backend.grow_pool("colocated" if self.config.colocated else pool)
+            await self._gpu_for_a_new_worker()
+            self._booting += 1
+            try:
+                await self.backend.grow_pool("colocated" if self.config.colocated else pool)
+            finally:
+                self._booting -= 1
         finally:
             self._starting[pool] -= 1
 
@@ -197,6 +224,7 @@ class Autoscaler:
             await self.backend.retire_worker(worker_id)
         finally:
             self._retiring.pop(worker_id, None)
+            self._gpu_freed.set()
 
     def _spawn(self, work: Awaitable[None]) -> None:
         async def run():

@@ -205,3 +205,37 @@ def test_wait_miss_fraction_reaches_the_controller(monkeypatch):
     measured = [f for f in seen if f is not None]
     assert measured and all(0.0 <= f <= 1.0 for f in measured) and max(measured) > 0.0   # the step misses
     assert s["finished"] == len(reqs) and s["autoscale"]["peak_workers"]["prefill"] >= 2
+
+
+def test_under_the_fleet_cap_a_new_node_waits_for_a_drained_nodes_gpu():
+    """The cap is the GPUs the fleet owns: a node started while a drained one still finishes what it
+    holds waits for its GPU, unpaid (as a pending Ray actor), counts as its pool's worker meanwhile,
+    and boots when the drained node leaves; cancelling it first gives nothing back."""
+    cfg = SimConfig(1, 2, block_size=BS, num_blocks=64, max_num_batched_tokens=512, max_num_seqs=16,
+                    max_model_len=2048, autoscale=_autoscale(max_total_workers=3))
+    sim = ClusterSim(cfg, _cost(), _step_workload()[:4], PromptBuilder(BS, tokens_per_id=16))
+    busy = sorted(n.node_id for n in sim.ready_nodes("decode"))[0]
+    sim._hold(busy)                                  # a live request on it: draining, it stays
+    sim.refs[sorted(n.node_id for n in sim.ready_nodes("decode"))[1]] += 2   # the other holds more
+    sim.shrink("decode", 1)
+    assert sim.draining == {busy} and sim.gpus_held() == 3
+    first, second = sim.provision("prefill", 5.0), sim.provision("prefill", 5.0)
+    assert sim.starting_count("prefill") == 2 and not sim.starting["prefill"]
+    assert first not in sim.spans and second not in sim.spans          # not paid while waiting
+    sim.shrink("prefill", 1)                                           # the newest waiting one goes
+    assert list(sim.pending) == [first] and sim.starting_count("prefill") == 1
+    sim.loop.clock.advance_to(7.0)
+    sim._unhold(busy)                                                  # the drained node leaves
+    assert sim.spans[busy][2] == 7.0 and not sim.pending
+    assert sim.spans[first][1] == 7.0 and first in sim.starting["prefill"] and sim.gpus_held() == 3
+
+
+def test_without_a_cap_a_new_node_boots_at_once():
+    cfg = SimConfig(1, 2, block_size=BS, num_blocks=64, max_num_batched_tokens=512, max_num_seqs=16,
+                    max_model_len=2048, autoscale=_autoscale())
+    sim = ClusterSim(cfg, _cost(), _step_workload()[:4], PromptBuilder(BS, tokens_per_id=16))
+    busy = sorted(n.node_id for n in sim.ready_nodes("decode"))[0]
+    sim._hold(busy)
+    sim.shrink("decode", 1)
+    nid = sim.provision("prefill", 5.0)
+    assert nid in sim.starting["prefill"] and nid in sim.spans and not sim.pending

@@ -188,6 +188,11 @@ class ClusterSim:
         self.spans: dict[str, list] = {}
         self.refs: dict[str, int] = {}
         self.starting: dict[str, dict[str, int]] = {"prefill": {}, "decode": {}}   # role -> id -> generation
+        # under the autoscaler's fleet cap (the GPUs the fleet owns) a new node waits, unpaid, for a
+        # GPU that a draining or cancelled node gives back, as a pending Ray actor does: id -> (role,
+        # generation, start-up seconds), oldest first
+        self.gpu_cap = config.autoscale.config.max_total_workers if config.autoscale is not None else None
+        self.pending: dict[str, tuple[str, int, float]] = {}
         self.draining: set[str] = set()
         self.drained_at: dict[str, float] = {}        # node id -> when the router stopped routing to it
         self.retired: list[SimNode] = []
@@ -238,7 +243,12 @@ class ClusterSim:
         return [n for nid, n in self.nodes.items() if n.role == role and nid not in self.draining]
 
     def starting_count(self, role: str) -> int:
-        return len(self.starting[role])
+        """Nodes of ``role`` decided but not ready: starting, or waiting for a GPU under the cap."""
+        return len(self.starting[role]) + sum(1 for r, _, _ in self.pending.values() if r == role)
+
+    def gpus_held(self) -> int:
+        """Nodes holding a GPU: ready, draining and starting (not those waiting for one)."""
+        return len(self.nodes) + sum(len(s) for s in self.starting.values())
 
     def draining_count(self, role: str) -> int:
         """Nodes of ``role`` out of the router, still finishing what they hold (still paid for)."""
@@ -248,13 +258,27 @@ class ClusterSim:
         return bool(self.live) or self._next < len(self.workload)
 
     def provision(self, role: str, startup_s: float) -> str:
-        """A new node of ``role``: paid for from now, taking requests ``startup_s`` later."""
+        """A new node of ``role``: paid for from now, taking requests ``startup_s`` later; under the
+        fleet cap with every GPU held (a drained node not gone yet), from when one is given back."""
         nid = self._new_id(role)
         self._start_gen += 1
-        self.starting[role][nid] = self._start_gen
-        self.spans[nid] = [role, self.loop.now, None]
-        self.loop.after(startup_s, self._ready, role, nid, self._start_gen)
+        if self.gpu_cap is not None and self.gpus_held() >= self.gpu_cap:
+            self.pending[nid] = (role, self._start_gen, startup_s)
+        else:
+            self._boot(role, nid, self._start_gen, startup_s)
         return nid
+
+    def _boot(self, role: str, nid: str, gen: int, startup_s: float) -> None:
+        self.starting[role][nid] = gen
+        self.spans[nid] = [role, self.loop.now, None]
+        self.loop.after(startup_s, self._ready, role, nid, gen)
+
+    def _gpu_freed(self) -> None:
+        """A GPU was given back: the oldest nodes waiting for one start booting."""
+        while self.pending and self.gpus_held() < self.gpu_cap:
+            nid = next(iter(self.pending))
+            role, gen, startup_s = self.pending.pop(nid)
+            self._boot(role, nid, gen, startup_s)
 
     def _ready(self, role: str, nid: str, gen: int) -> None:
         if self.starting[role].get(nid) != gen:
@@ -263,13 +287,19 @@ class ClusterSim:
         self._add_node(role, nid, self.spans[nid][1])
 
     def shrink(self, role: str, count: int) -> None:
-        """Take ``count`` nodes out of ``role``'s pool: starting ones first (newest
-        first), then drain the ready nodes holding the fewest live requests."""
+        """Take ``count`` nodes out of ``role``'s pool: those waiting for a GPU first, then
+        starting ones (both newest first), then drain the ready nodes holding the fewest live
+        requests."""
+        for nid in [n for n, (r, _, _) in self.pending.items() if r == role][::-1][:count]:
+            del self.pending[nid]
+            count -= 1
         starting = self.starting[role]
         for nid in sorted(starting, key=starting.get, reverse=True)[:count]:
             del starting[nid]
             self.spans[nid][2] = self.loop.now
             count -= 1
+        if self.pending:
+            self._gpu_freed()
         ready = sorted(self.ready_nodes(role), key=lambda n: (self.refs[n.node_id], n.node_id))
         if count >= len(ready):
             raise ValueError(f"cannot drain {count} of {len(ready)} ready {role} nodes: a pool keeps at least one")
@@ -292,6 +322,8 @@ class ClusterSim:
         self.draining.discard(nid)
         self.spans[nid][2] = self.loop.now
         self.retired.append(self.nodes.pop(nid))
+        if self.pending:
+            self._gpu_freed()
 
     def worker_hours(self, end: float) -> dict:
         return worker_hours([(r, a, end if b is None else b) for r, a, b in self.spans.values()],
