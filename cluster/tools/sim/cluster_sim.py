@@ -181,9 +181,24 @@ class ClusterSim:
                       if config.split_prefill is not None else None)
         nb = config.num_blocks or cost.kv_capacity_tokens // config.block_size
         self.num_blocks = nb
+        self.start_s = self.workload[0].arrival_s if self.workload else 0.0
+        self._init_pools(config, colocated)
+        self.autoscaler = SimAutoscaler(self, config.autoscale) if config.autoscale is not None else None
+        self._frontend_until = 0.0       # the frontend's FIFO work ends (with interference.frontend)
+        self._frontend_gen = 0
+        self.records: list[RequestRecord] = []
+        self.live: dict[str, _Live] = {}
+        self.itl = LogHistogram()
+        self._next = 0
+        self.wall_s = 0.0
+        self.fallbacks = 0
+        self.reservations = Reservations(self.loop, RESERVATION_TTL_FACTOR * config.transfer_timeout_s,
+                                         lambda live: self._request(live, live.tokens, live.trace.output_length))
+
+    # ---- pool membership (fixed, or changed by the autoscaler) ----------------
+    def _init_pools(self, config: SimConfig, colocated: bool) -> None:
         self.nodes: dict[str, SimNode] = {}
         self.nic_free: dict[str, float] = {}
-        self.start_s = self.workload[0].arrival_s if self.workload else 0.0
         # pool membership over time: node id -> [role, joined, left]; live requests holding each node
         self.spans: dict[str, list] = {}
         self.refs: dict[str, int] = {}
@@ -201,19 +216,7 @@ class ClusterSim:
         roles = ["prefill"] * config.prefill_nodes + ["colocated" if colocated else "decode"] * config.decode_nodes
         for role in roles:
             self._add_node(role, self._new_id(role), self.start_s)
-        self.autoscaler = SimAutoscaler(self, config.autoscale) if config.autoscale is not None else None
-        self._frontend_until = 0.0       # the frontend's FIFO work ends (with interference.frontend)
-        self._frontend_gen = 0
-        self.records: list[RequestRecord] = []
-        self.live: dict[str, _Live] = {}
-        self.itl = LogHistogram()
-        self._next = 0
-        self.wall_s = 0.0
-        self.fallbacks = 0
-        self.reservations = Reservations(self.loop, RESERVATION_TTL_FACTOR * config.transfer_timeout_s,
-                                         lambda live: self._request(live, live.tokens, live.trace.output_length))
 
-    # ---- pool membership (fixed, or changed by the autoscaler) ----------------
     def _new_id(self, role: str) -> str:
         i = self._ids[role]
         self._ids[role] += 1
