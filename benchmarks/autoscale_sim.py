@@ -22,7 +22,10 @@ JSON line.
 
 ``--autoscaled-only`` runs the autoscaled arm alone (no fixed sweep: the fixed runs do not use the
 controller, so a controller change leaves them as they were); its summary has no best split nor goal.
-``--jobs 1`` runs in this process, in order.
+``--jobs 1`` runs in this process, in order. ``--rate-swing A`` warps every window's arrivals
+(after the copies are overlaid) so that the rate swings between 1 - A and 1 + A of its mean over one
+cosine cycle, trough first (cluster/tools/sim/workload.py `swing_rate`): the conversation trace's
+own rate is level, so without it there is no load change for the controller to follow.
 
 ``--samples 0,1,2,...`` runs every arm (each fixed split and the autoscaled run) on every sample:
 sample k is the trace's k-th window of LIMIT requests (lines k x LIMIT on; ``--sample-by seed``:
@@ -51,7 +54,7 @@ from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
 from cluster.tools.sim.cost_model import load_cost_model
 from cluster.tools.sim.metrics import Slo
 from cluster.tools.sim.samples import summarize_samples
-from cluster.tools.sim.workload import PromptBuilder, compress_time, load_mooncake, overlay
+from cluster.tools.sim.workload import PromptBuilder, compress_time, load_mooncake, overlay, swing_rate
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 
@@ -59,8 +62,9 @@ TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jso
 def one(args, fleet: dict, p: int, d: int, autoscale: bool, sample: int = 0) -> dict:
     cost = load_cost_model(args.profile)
     window = sample if args.sample_by == "window" else 0
-    reqs = overlay(compress_time(load_mooncake(args.trace, fleet["limit"], offset=window * fleet["limit"]),
-                                 fleet["time_scale"]), fleet["copies"])
+    reqs = swing_rate(overlay(compress_time(load_mooncake(args.trace, fleet["limit"], offset=window * fleet["limit"]),
+                                            fleet["time_scale"]), fleet["copies"]),
+                      args.rate_swing, args.swing_period)
     n = fleet["nodes"]
     scale = None
     if autoscale:
@@ -203,6 +207,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-kv-usage", type=float, default=0.75,
                     help="decode's KV target (the controller's KV-room rule, its trade at the cap and the "
                          "planner's start split)")
+    ap.add_argument("--rate-swing", type=float, default=0.0, metavar="A",
+                    help="warp each window's arrivals so the rate swings 1 -/+ A around its mean over a cosine "
+                         "cycle, trough first (the trace's rate is level; 0: as it is)")
+    ap.add_argument("--swing-period", type=float, default=None, metavar="S",
+                    help="the swing's period in seconds (default: the window's span, one cycle)")
     ap.add_argument("--fleet-cap", action="store_true", help="cap both autoscaled pools together at N")
     ap.add_argument("--decode-first", action="store_true",
                     help="at the fleet cap, decode's growth first (it may displace prefill workers)")
@@ -254,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
            "reserve_decode_blocks": not args.no_reserve_decode_blocks,
            "target_kv_usage": args.target_kv_usage, "startup_delay_s": args.startup_delay,
            "interval_s": args.interval, "idle_hold_s": args.idle_hold,
+           "rate_swing": args.rate_swing, "swing_period_s": args.swing_period,
            "autoscaled_only": args.autoscaled_only, "samples": samples, "sample_by": args.sample_by,
            "fleets": {f["label"]: summarize(f, [r for r in rows if r["fleet"] == f["label"]]) for f in fleets}}
     out["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -38,3 +38,17 @@ def test_jobs_must_be_positive(capsys):
 def test_bad_sweep_is_a_clear_error(spec, capsys):
     assert main([*ARGS[:-4], "--sweep", spec]) == 2
     assert "--sweep" in capsys.readouterr().err
+
+
+def test_rate_swing_reaches_the_runs_and_a_bad_one_fails_first(tmp_path, capsys):
+    base = [*ARGS[:-4], "--jobs", "1"]
+    out = tmp_path / "swing.json"
+    assert main([*base, "--rate-swing", "0.6", "--output", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["params"]["rate_swing"] == 0.6 and run["summary"]["finished"] == 60
+    level = tmp_path / "level.json"
+    assert main([*base, "--output", str(level)]) == 0
+    assert json.loads(level.read_text())["runs"][0]["summary"] != run["summary"]      # the arrivals moved
+    for bad, msg in ((["--rate-swing", "1.0"], "amplitude must be in"), (["--swing-period", "-5"], "period must be > 0")):
+        assert main([*base, *bad]) == 2
+        assert msg in capsys.readouterr().err

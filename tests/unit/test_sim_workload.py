@@ -1,11 +1,12 @@
 """Trace expansion: equal hash ids give equal tokens and equal pdserve block
 hashes; time compression and overlays."""
 import json
+import math
 
 import pytest
 
 from cluster.tools.sim.workload import (PromptBuilder, TraceRequest, compress_time, load_mooncake, overlay,
-                                  synthetic_shared_prefix)
+                                  swing_rate, synthetic_shared_prefix)
 from engine.block_hash import block_hashes, packed_tokens
 from engine.block_manager import prompt_blocks
 from engine.request import Request
@@ -76,6 +77,39 @@ def test_compress_and_overlay():
     assert len(three) == 30 and len({r.request_id for r in three}) == 30
     assert {r.salt for r in three} == {"copy0", "copy1", "copy2"}
     assert [r.arrival_s for r in three] == sorted(r.arrival_s for r in three)
+
+
+def _level(n: int, gap_s: float, t0: float = 3.0) -> list[TraceRequest]:
+    return [TraceRequest(f"r{i}", t0 + i * gap_s, 16, 4, (i,), None) for i in range(n)]
+
+
+def test_swing_rate_follows_the_cosine_cycle_and_keeps_the_requests():
+    reqs = _level(6001, 0.1)                                    # 10 req/s, level, over 600 s
+    swung = swing_rate(reqs, 0.5)                               # one cycle over the span: trough, peak, trough
+    assert [r.request_id for r in swung] == [r.request_id for r in reqs]
+    assert [(r.input_length, r.hash_ids) for r in swung] == [(r.input_length, r.hash_ids) for r in reqs]
+    times = [r.arrival_s for r in swung]
+    assert times == sorted(times) and times[0] == 3.0 and times[-1] == pytest.approx(603.0)
+    per_bin = [sum(3.0 + 60 * k <= t < 3.0 + 60 * (k + 1) for t in times) for k in range(10)]
+    # expected count per 60 s bin: 10 req/s x the integral of 1 - 0.5 cos(2 pi t / 600) over the bin
+    want = [10 * (60 - 0.5 * 600 / (2 * math.pi) * (math.sin(2 * math.pi * 60 * (k + 1) / 600)
+                                                     - math.sin(2 * math.pi * 60 * k / 600))) for k in range(10)]
+    assert per_bin == pytest.approx(want, abs=2)
+    assert max(per_bin) / min(per_bin) > 2.5                     # peak / trough of the bins: (1.5 - ) / (0.5 + )
+
+
+def test_swing_rate_period_amplitude_zero_and_bad_input():
+    reqs = _level(1201, 0.5)                                    # 2 req/s over 600 s
+    two = swing_rate(reqs, 0.8, period_s=300.0)                 # two cycles: troughs at 0, 300 and 600 s
+    times = [r.arrival_s - 3.0 for r in two]
+    assert sum(t < 30 for t in times) < sum(120 <= t < 180 for t in times) / 4
+    assert sum(300 <= t < 330 for t in times) < sum(420 <= t < 480 for t in times) / 4
+    assert swing_rate(reqs, 0.0) == reqs
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=r"amplitude must be in \[0, 1\)"):
+            swing_rate(reqs, bad)
+    with pytest.raises(ValueError, match="period must be > 0"):
+        swing_rate(reqs, 0.5, period_s=0.0)
 
 
 @pytest.mark.parametrize("bs,tpi", [(16, 16), (16, 64), (64, 512), (512, 512)])

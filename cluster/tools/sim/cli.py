@@ -57,6 +57,9 @@ def register(subparsers) -> None:
     w.add_argument("--limit", type=int, help="first N trace requests only")
     w.add_argument("--time-scale", type=float, default=1.0, help="compress arrival times by this factor")
     w.add_argument("--copies", type=int, default=1, help="overlay this many copies, each with its own salt")
+    w.add_argument("--rate-swing", type=float, default=0.0, metavar="A",
+                   help="warp arrivals so the rate swings 1 -/+ A around its mean over a cosine cycle, trough first")
+    w.add_argument("--swing-period", type=float, metavar="S", help="the swing's period (default: the arrivals' span)")
     w.add_argument("--tokens-per-id", type=int, default=512, help="tokens per trace hash id (shrink for small models)")
     c = p.add_argument_group("cluster")
     c.add_argument("--prefill-nodes", type=int, default=1, help="0 = colocated nodes only")
@@ -148,7 +151,8 @@ def split_pd(ratio: str, total: int) -> tuple[int, int]:
 def base_params(args) -> dict:
     return {"policy": args.router_policy, "copies": args.copies, "time_scale": args.time_scale,
             "num_blocks": args.num_blocks, "prefill_nodes": args.prefill_nodes, "decode_nodes": args.decode_nodes,
-            "local_prefill_threshold": args.local_prefill_threshold}
+            "local_prefill_threshold": args.local_prefill_threshold, "rate_swing": args.rate_swing,
+            "swing_period_s": args.swing_period}
 
 
 def expand(base: dict, sweeps: dict[str, list]) -> list[dict]:
@@ -165,7 +169,7 @@ def expand(base: dict, sweeps: dict[str, list]) -> list[dict]:
 
 def run(args) -> int:
     from cluster.tools.sim.cost_model import load_cost_model
-    from cluster.tools.sim.workload import load_mooncake, synthetic_shared_prefix
+    from cluster.tools.sim.workload import load_mooncake, swing_rate, synthetic_shared_prefix
 
     if (args.trace is None) == (args.synthetic is None):
         raise ValueError("give exactly one of --trace FILE or --synthetic N")
@@ -184,6 +188,7 @@ def run(args) -> int:
         base_reqs = synthetic_shared_prefix(args.synthetic, args.synthetic_rate, num_prefixes=8, prefix_ids=4,
                                             suffix_ids=2, output_length=64, tokens_per_id=args.tokens_per_id,
                                             seed=args.seed)
+    swing_rate([], args.rate_swing, args.swing_period)      # a bad --rate-swing / --swing-period fails before any run
     sweeps = parse_sweeps(args.sweep)
     runs = expand(base_params(args), sweeps)
     results: list[dict | None] = [None] * len(runs)
@@ -236,10 +241,11 @@ def autoscale_of(args, prefill_nodes: int, decode_nodes: int):
 def simulate_one(params: dict, args, cost, base_reqs) -> dict:
     """One run of the sweep (module level: `--jobs` pickles it to a worker process)."""
     from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
-    from cluster.tools.sim.workload import PromptBuilder, compress_time, overlay
+    from cluster.tools.sim.workload import PromptBuilder, compress_time, overlay, swing_rate
 
     sched_meta = cost.meta.get("scheduler", {})
-    reqs = overlay(compress_time(base_reqs, params["time_scale"]), params["copies"])
+    reqs = swing_rate(overlay(compress_time(base_reqs, params["time_scale"]), params["copies"]),
+                      params["rate_swing"], params["swing_period_s"])
     config = SimConfig(
         params["prefill_nodes"], params["decode_nodes"], policy=params["policy"],
         policy_config=PolicyConfig(args.temperature, params["local_prefill_threshold"],

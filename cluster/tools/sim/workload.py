@@ -1,5 +1,5 @@
 """Workloads: Mooncake traces, synthetic shared-prefix datasets, time
-compression and overlaid copies, and the expansion of trace hash ids into
+compression, overlaid copies and a swinging arrival rate, and the expansion of trace hash ids into
 tokens and pdserve block hashes.
 
 A trace request names its prompt by hash ids, one per ``tokens_per_id``
@@ -115,6 +115,37 @@ def overlay(reqs: list[TraceRequest], copies: int) -> list[TraceRequest]:
            for k in range(copies) for r in reqs]
     out.sort(key=lambda r: r.arrival_s)
     return out
+
+
+def swing_rate(reqs: list[TraceRequest], amplitude: float, period_s: float | None = None) -> list[TraceRequest]:
+    """The same requests with their arrival times warped so that the arrival rate swings over a
+    cosine cycle: ``1 - amplitude * cos(2 pi t / period)`` times the original's from the first
+    arrival (a trough first, the peak at half a period). Over whole periods the mean rate is the
+    original's; order, lengths and sharing are untouched, so on a trace whose rate is level (the
+    Mooncake conversation trace: +-5% per 5 minutes) it gives a load that rises and falls (peak /
+    trough = (1 + a) / (1 - a)) with the trace's own requests. ``period_s`` defaults to the arrivals'
+    span (one cycle). ``amplitude`` 0 returns the requests as they are."""
+    if not 0.0 <= amplitude < 1.0:
+        raise ValueError(f"rate swing amplitude must be in [0, 1) (the trough's rate is 1 - amplitude "
+                         f"of the mean), got {amplitude}")
+    if period_s is not None and period_s <= 0:
+        raise ValueError(f"rate swing period must be > 0 s, got {period_s}")
+    if amplitude == 0.0 or len(reqs) < 2:
+        return list(reqs)
+    t0 = min(r.arrival_s for r in reqs)
+    u = np.array([r.arrival_s - t0 for r in reqs], dtype=np.float64)
+    period = float(u.max()) if period_s is None else period_s
+    if period <= 0:
+        raise ValueError("rate swing period must be > 0 s: the arrivals span no time, give a period")
+    w = 2.0 * math.pi / period
+    # new time tau solves tau - (a / w) sin(w tau) = u: increasing in tau (slope 1 - a cos >= 1 - a > 0)
+    lo, hi = u - amplitude / w, u + amplitude / w
+    for _ in range(60):
+        mid = (lo + hi) / 2.0
+        below = mid - amplitude / w * np.sin(w * mid) < u
+        lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
+    tau = np.maximum.accumulate(np.maximum((lo + hi) / 2.0, 0.0))     # no rounding below 0 or out of order
+    return [replace(r, arrival_s=t0 + float(t)) for r, t in zip(reqs, tau)]
 
 
 class Prompt(NamedTuple):
