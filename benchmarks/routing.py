@@ -105,7 +105,7 @@ def workload(args, vocab_size: int) -> tuple[list[ds.BenchRequest], list[float]]
     if args.workload == "mooncake":
         reqs = mooncake_dataset(MooncakeSample(args.trace_path, args.conversations, args.trace_block_len,
                                                args.trace_time_scale, args.max_model_len - args.output_len,
-                                               args.output_len, args.seed), vocab_size)
+                                               args.output_len, args.seed, args.min_turns), vocab_size)
         return reqs, [r.arrival_s or 0.0 for r in reqs]
     spec = ds.SharedPrefixSpec(args.groups, args.per_group, args.system_len, args.question_len, args.output_len)
     reqs = ds.shared_prefix_dataset(spec, vocab_size, args.seed)
@@ -216,6 +216,7 @@ def workload_info(args, n: int) -> dict:
              "kv_blocks_per_worker": args.kv_blocks, "output_len": args.output_len}
     if args.workload == "mooncake":
         return {"name": "mooncake", "trace": Path(args.trace_path).name, "conversations": args.conversations,
+                "min_turns": args.min_turns,
                 "trace_block_len": args.trace_block_len, "trace_time_scale": args.trace_time_scale,
                 "max_prompt_len": args.max_model_len - args.output_len, **shape}
     return {"name": "shared-prefix", "groups": args.groups, "per_group": args.per_group,
@@ -235,6 +236,8 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson; shared-prefix)")
     p.add_argument("--trace-path", default=str(DEFAULT_TRACE), help="Mooncake conversation trace (JSONL)")
     p.add_argument("--conversations", type=int, default=60, help="whole conversations sampled from the trace")
+    p.add_argument("--min-turns", type=int, default=1,
+                   help="sample only among conversations of at least this many turns (1: all of them)")
     p.add_argument("--trace-block-len", type=int, default=16, help="tokens per trace hash id (512 in the trace)")
     p.add_argument("--trace-time-scale", type=float, default=1 / 40, help="replay seconds per trace second")
     p.add_argument("--seed", type=int, default=0)

@@ -44,7 +44,7 @@ from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
 from cluster.tools.sim.cost_model import ScaledCost, load_cost_model
 from cluster.tools.sim.split_prefill import SplitPrefill
 from cluster.tools.sim.workload import PromptBuilder, TraceRequest
-from routing_workloads import DEFAULT_TRACE, conversations, read_rows
+from routing_workloads import DEFAULT_TRACE, pick_conversations, read_rows
 
 BLOCK = 16
 
@@ -67,11 +67,11 @@ def shared_prefix(groups: int, per_group: int, system_len: int, question_len: in
 
 
 def mooncake(n_conversations: int, time_scale: float, max_len: int, seed: int,
-             block_len: int = BLOCK) -> list[TraceRequest]:
+             block_len: int = BLOCK, min_turns: int = 1) -> list[TraceRequest]:
     """routing_workloads.mooncake_dataset's sample (the same conversations for a seed), as hash ids
     of ``block_len`` tokens each."""
     rows = read_rows(str(DEFAULT_TRACE))
-    picked = sorted(i for c in random.Random(seed).sample(conversations(rows), n_conversations) for i in c)
+    picked = pick_conversations(rows, n_conversations, seed, min_turns)
     t0, out = float(rows[picked[0]]["timestamp"]), []
     for i in picked:
         row = rows[i]
@@ -192,6 +192,7 @@ def main() -> None:
     p.add_argument("--per-group", type=int, default=12)
     p.add_argument("--rate", type=float, default=1.5)
     p.add_argument("--conversations", type=int, default=60)
+    p.add_argument("--min-turns", type=int, default=1, help="draw only conversations of at least this many turns")
     p.add_argument("--trace-time-scale", type=float, default=0.0333)
     p.add_argument("--trace-block-len", type=int, default=BLOCK, help="Mooncake tokens per hash id (a multiple of 16)")
     p.add_argument("--max-model-len", type=int, default=1024, help="Mooncake prompts capped at this - 4 tokens")
@@ -207,7 +208,7 @@ def main() -> None:
     out: dict = {"benchmark": "routing_sim", "simulated": True, "profile": "cpu",
                  "prefill_workers": args.prefill_workers, "weights": args.weights,
                  "busy_pool_miss": args.busy_pool_miss, "loads": args.loads,
-                 "seeds": args.seeds, "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
+                 "seeds": args.seeds, "min_turns": args.min_turns, "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
                  "final_chunk_unpadded": args.final_chunk_unpadded, "step_add_s": args.step_add_s,
                  **split_header(args), "runs": [], "summary": {}}
     kv = args.kv_blocks
@@ -217,7 +218,8 @@ def main() -> None:
     for name, make, blocks, per_id in (
             ("shared-prefix", lambda seed: shared_prefix(args.groups, args.per_group, 384, 32, args.rate, seed),
              kv or 128, BLOCK),
-            ("mooncake", lambda seed: mooncake(args.conversations, args.trace_time_scale, cap, seed, bl),
+            ("mooncake", lambda seed: mooncake(args.conversations, args.trace_time_scale, cap, seed, bl,
+                                               args.min_turns),
              kv or 512, bl)):
         if name not in args.workloads.split(","):
             continue

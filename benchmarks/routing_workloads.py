@@ -33,6 +33,7 @@ class MooncakeSample:
     max_len: int = 1536             # cap on a prompt's tokens after scaling
     output_len: int = 4             # cap on output tokens (prefill is what routing changes)
     seed: int = 0
+    min_turns: int = 1              # draw only among conversations of at least this many turns
 
 
 def read_rows(path: str) -> list[dict]:
@@ -62,13 +63,25 @@ def conversations(rows: list[dict]) -> list[list[int]]:
     return convs
 
 
+def pick_conversations(rows: list[dict], n: int, seed: int, min_turns: int = 1) -> list[int]:
+    """The row indices of ``n`` conversations drawn at random (seeded) among those of at least
+    ``min_turns`` turns, every turn of each kept, in trace order. ``min_turns`` 1 draws among all
+    of them (the trace's mix: 5,114 of its 7,373 conversations are one turn); more draws the
+    multi-turn chats, whose later turns extend the earlier ones (ideal hit rate over the whole
+    trace 0.37; over its conversations of at least 2 / 3 / 4 turns 0.56 / 0.65 / 0.71)."""
+    if min_turns < 1:
+        raise ValueError(f"--min-turns must be >= 1, got {min_turns}")
+    convs = [c for c in conversations(rows) if len(c) >= min_turns]
+    if not 1 <= n <= len(convs):
+        raise ValueError(f"--conversations must be in [1, {len(convs)}] (the conversations of at least "
+                         f"{min_turns} turns), got {n}")
+    return sorted(i for c in random.Random(seed).sample(convs, n) for i in c)
+
+
 def mooncake_dataset(spec: MooncakeSample, vocab_size: int) -> list[ds.BenchRequest]:
     """The sampled conversations' requests in trace order, each with its arrival_s."""
     rows = read_rows(spec.path)
-    convs = conversations(rows)
-    if not 1 <= spec.conversations <= len(convs):
-        raise ValueError(f"--conversations must be in [1, {len(convs)}], got {spec.conversations}")
-    picked = sorted(i for c in random.Random(spec.seed).sample(convs, spec.conversations) for i in c)
+    picked = pick_conversations(rows, spec.conversations, spec.seed, spec.min_turns)
     t0, out = float(rows[picked[0]]["timestamp"]), []
     scale = spec.block_len / ds.TRACE_BLOCK_TOKENS
     for i in picked:

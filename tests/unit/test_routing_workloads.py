@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -39,3 +40,21 @@ def test_a_sample_keeps_every_turn_scaled_and_shares_prefix_tokens(rw, tmp_path)
     assert max(r.prompt_len for r in reqs) <= 64
     with pytest.raises(ValueError, match="--conversations must be in"):
         rw.mooncake_dataset(rw.MooncakeSample(str(path), conversations=3), 1000)
+
+
+def test_min_turns_draws_only_multi_turn_conversations(rw, tmp_path):
+    rows = ROWS + [{"timestamp": 50, "input_length": 1024, "output_length": 9, "hash_ids": [0, 7, 8]}]   # one turn
+    assert rw.conversations(rows) == [[0, 2, 3], [1, 4], [5]]
+    for seed in range(6):               # 1 (the default) draws among all, as before the option
+        assert rw.pick_conversations(rows, 2, seed) == sorted(
+            i for c in random.Random(seed).sample(rw.conversations(rows), 2) for i in c)
+        assert rw.pick_conversations(rows, 2, seed, min_turns=2) == [0, 1, 2, 3, 4]
+        assert rw.pick_conversations(rows, 1, seed, min_turns=3) == [0, 2, 3]
+    with pytest.raises(ValueError, match=r"in \[1, 1\] \(the conversations of at least 3 turns\)"):
+        rw.pick_conversations(rows, 2, 0, min_turns=3)
+    with pytest.raises(ValueError, match="--min-turns must be >= 1"):
+        rw.pick_conversations(rows, 1, 0, min_turns=0)
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    reqs = rw.mooncake_dataset(rw.MooncakeSample(str(path), conversations=1, min_turns=3, max_len=4096), 1000)
+    assert len(reqs) == 3
