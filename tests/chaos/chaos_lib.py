@@ -27,10 +27,12 @@ def chaos_config(model_dir, ray_dir: str, **overrides) -> ServeConfig:
 
 
 def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (reaped, or a zombie / dead entry). A process that exits between
+    the open and the read makes the read fail with ESRCH (ProcessLookupError): gone as well."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return True
 
 
