@@ -5,8 +5,9 @@ prefill workers + 1 decode worker, router_policy prefix_aware and then
 round_robin. --workload shared-prefix (default): --groups system prompts x
 --per-group questions, shuffled, Poisson arrivals at --rate. --workload
 mooncake: a replay of the Mooncake conversation trace, --conversations whole
-conversations sampled from it (--min-turns N: only among those of at least N turns), lengths scaled by --trace-block-len / 512 and
-times by --trace-time-scale (benchmarks/routing_workloads.py). Conditional disaggregation is off for both
+conversations sampled from it (--min-turns N: only among those of at least N
+turns), lengths scaled by --trace-block-len / 512 and times by --trace-time-scale
+(benchmarks/routing_workloads.py). Conditional disaggregation is off for both
 (local_prefill_threshold=0, local_prefill_hit_ratio=1.0), so every prompt is
 prefilled by a prefill worker and the policies differ only in which one.
 The router counts prefixes it has sent before their KV events arrive

@@ -208,7 +208,8 @@ def main() -> None:
     out: dict = {"benchmark": "routing_sim", "simulated": True, "profile": "cpu",
                  "prefill_workers": args.prefill_workers, "weights": args.weights,
                  "busy_pool_miss": args.busy_pool_miss, "loads": args.loads,
-                 "seeds": args.seeds, "min_turns": args.min_turns, "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
+                 "seeds": args.seeds, "min_turns": args.min_turns, "queue_order": args.queue_order,
+                 "queue_max_pass_s": args.queue_max_pass_s,
                  "final_chunk_unpadded": args.final_chunk_unpadded, "step_add_s": args.step_add_s,
                  **split_header(args), "runs": [], "summary": {}}
     kv = args.kv_blocks

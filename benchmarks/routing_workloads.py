@@ -67,8 +67,8 @@ def pick_conversations(rows: list[dict], n: int, seed: int, min_turns: int = 1) 
     """The row indices of ``n`` conversations drawn at random (seeded) among those of at least
     ``min_turns`` turns, every turn of each kept, in trace order. ``min_turns`` 1 draws among all
     of them (the trace's mix: 5,114 of its 7,373 conversations are one turn); more draws the
-    multi-turn chats, whose later turns extend the earlier ones (ideal hit rate over the whole
-    trace 0.37; over its conversations of at least 2 / 3 / 4 turns 0.56 / 0.65 / 0.71)."""
+    multi-turn chats, whose later turns extend the earlier ones (benchmarks/mooncake_conversations.py
+    gives the counts and each class's ideal hit rate)."""
     if min_turns < 1:
         raise ValueError(f"--min-turns must be >= 1, got {min_turns}")
     convs = [c for c in conversations(rows) if len(c) >= min_turns]

@@ -122,7 +122,7 @@ def swing_rate(reqs: list[TraceRequest], amplitude: float, period_s: float | Non
     cosine cycle: ``1 - amplitude * cos(2 pi t / period)`` times the original's from the first
     arrival (a trough first, the peak at half a period). Over whole periods the mean rate is the
     original's; order, lengths and sharing are untouched, so on a trace whose rate is level (the
-    Mooncake conversation trace: +-5% per 5 minutes) it gives a load that rises and falls (peak /
+    Mooncake conversation trace: prompt tokens/s within 7% of its mean per 5 minutes, benchmarks/trace_rate_profile.py) it gives a load that rises and falls (peak /
     trough = (1 + a) / (1 - a)) with the trace's own requests. ``period_s`` defaults to the arrivals'
     span (one cycle). ``amplitude`` 0 returns the requests as they are."""
     if not 0.0 <= amplitude < 1.0:
