@@ -131,6 +131,7 @@ async def run_policy(policy: str, base: dict, args) -> dict:
         cpu1 = snapshot(pids)
         hit1, q1, c1 = await settled_counters(stack)
         waits = prefill_waits(stack)          # the warm-up's 4 distinct prompts never wait
+        recovery = recoveries(stack)
     finally:
         await stack.drain_and_stop(1.0)
     s = summarize(run)
@@ -143,6 +144,7 @@ async def run_policy(policy: str, base: dict, args) -> dict:
             "e2e_ms_p50": s["e2e_ms"]["p50"],
             "request_throughput": s["request_throughput"], "total_token_throughput": s["total_token_throughput"],
             "finished": s["requests"]["finished"], "failures": s["failures"], "prefill_prefix_waits": waits,
+            "recovery": recovery,
             "offered_rate_per_s": round(len(reqs) / max(offsets), 3) if max(offsets) > 0 else None,
             **backlog(run, s["elapsed_s"]),
             "computed_tokens_per_worker": {w: round(c1[w] - c0.get(w, 0.0)) for w in sorted(c1)},
@@ -161,6 +163,24 @@ def backlog(run, elapsed_s: float) -> dict:
     last_send = max((r.sent_s for r in run.results), default=0.0)
     return {"drain_after_last_send_s": round(elapsed_s - last_send, 1),
             "ttft_mean_ms_by_third": [round(1000 * sum(r.ttft_s for r in t) / len(t)) for t in thirds if t]}
+
+
+def recoveries(stack) -> dict[str, int]:
+    """What kept requests going besides the plain path (nonzero only; the warm-up has none):
+    the frontend's recovery counters (cluster/orchestration/journal.py: a decode node that
+    found no KV room in time and recomputed the prompt itself, a failed pull, a full queue)
+    and the workers' expiries (a prefill lease no decode node read in time, a decode
+    reservation no submit claimed). Under overload these say whether a policy's figures
+    include work done twice."""
+    out = {k: v for k, v in asdict(stack.backend.journal.counters).items() if v}
+    reg = stack.metrics.registry
+    for name, key in (("pdserve_lease_expiries_total", "lease_expiries"),
+                      ("pdserve_decode_reservation_expiries_total", "reservation_expiries")):
+        n = sum(reg.get_sample_value(name, {"worker": wid, "pool": ref.pool}) or 0.0
+                for wid, ref in stack.backend.workers.items())
+        if n:
+            out[key] = int(n)
+    return out
 
 
 def prefill_waits(stack) -> dict[str, float]:
