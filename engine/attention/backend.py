@@ -91,17 +91,40 @@ _BACKENDS = MappingProxyType({
     "torch_paged": "engine.attention.torch_paged:TorchPagedAttention",
     "cpu_paged": "engine.attention.cpu_paged:CpuPagedAttention",
 })
-AUTO = "auto"     # cpu_paged where its kernel builds, else torch_paged
+AUTO = "auto"     # cpu_paged where its kernel builds and the CPU has 512-bit vectors, else torch_paged
 
 
 def available_backends() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
+def cpu_has_512bit_vectors(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU runs the cpu_paged kernel's 16-float vectors (``v16``, 512 bits) as one
+    register: x86 with AVX-512F. Elsewhere (AVX2, NEON) the compiler splits every v16 operation
+    and its lane shuffles, and the kernel's prefill path measured 14-22x slower than
+    torch_paged's gather + SDPA on a 2-core AVX2 EPYC (2.0-2.3 against 30-58 GFLOPS a layer,
+    decode 2.4 against 1.8 ms at 4k context; benchmarks/attention_backends.py, docs/benchmarks.md
+    "cpu_paged on AVX2"), against ~2x faster on AVX-512. ``cpuinfo``: /proc/cpuinfo's text
+    (read here when None; a machine without it has no AVX-512 as far as this rule knows)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                  if line.startswith("flags") and ":" in line), [])
+    return "avx512f" in flags
+
+
 @functools.lru_cache(maxsize=1)
 def _auto_backend() -> str:
     from engine.attention.kernels import load_cpu_kernel
 
+    if not cpu_has_512bit_vectors():
+        log.info("attention: this CPU has no AVX-512 (the cpu_paged kernel's 16-float vectors would be "
+                 "split); using torch_paged")
+        return "torch_paged"
     why = load_cpu_kernel()
     if why is None:
         return "cpu_paged"

@@ -103,9 +103,47 @@ def test_single_prompt_paths(block_size, head_dim):
 
 
 @needs_kernel
-def test_auto_picks_cpu_paged_when_the_kernel_builds():
-    assert resolve_backend_name("auto") == "cpu_paged"
-    assert resolve_backend_name("torch_paged") == "torch_paged"
+def test_auto_picks_cpu_paged_when_the_kernel_builds_on_avx512(monkeypatch):
+    from engine.attention import backend
+
+    monkeypatch.setattr(backend, "cpu_has_512bit_vectors", lambda: True)
+    backend._auto_backend.cache_clear()
+    try:
+        assert resolve_backend_name("auto") == "cpu_paged"
+        assert resolve_backend_name("torch_paged") == "torch_paged"
+    finally:
+        backend._auto_backend.cache_clear()
+
+
+def test_auto_picks_torch_paged_without_avx512_even_where_the_kernel_builds(monkeypatch, caplog):
+    """On AVX2 the kernel's 16-float vectors are split and its prefill measured 14-22x slower
+    than torch_paged (benchmarks/attention_backends.py): auto must not pick it there, and an
+    explicit cpu_paged still gets it."""
+    from engine.attention import backend, kernels
+
+    monkeypatch.setattr(backend, "cpu_has_512bit_vectors", lambda: False)
+    monkeypatch.setattr(kernels, "load_cpu_kernel", lambda: None)
+    backend._auto_backend.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="engine.attention.backend"):
+            assert resolve_backend_name("auto") == "torch_paged"
+        assert any("no AVX-512" in r.getMessage() for r in caplog.records)
+        assert resolve_backend_name("cpu_paged") == "cpu_paged"
+    finally:
+        backend._auto_backend.cache_clear()
+
+
+def test_512bit_vectors_read_from_the_cpu_flags():
+    from engine.attention.backend import cpu_has_512bit_vectors
+
+    epyc_avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\nbugs\t\t: sysret_ss_attrs\n"
+    epyc_avx512 = "processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512dq avx512_bf16\n"
+    arm = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes\n"
+    assert not cpu_has_512bit_vectors(epyc_avx2)
+    assert cpu_has_512bit_vectors(epyc_avx512)
+    assert not cpu_has_512bit_vectors(arm)
+    assert not cpu_has_512bit_vectors("flags\t\t: avx512fx\n")   # a whole flag, not a prefix
+    assert not cpu_has_512bit_vectors("")
 
 
 @needs_kernel
@@ -124,6 +162,7 @@ def test_auto_falls_back_to_torch_paged_with_one_log_line(monkeypatch, caplog):
     from engine.attention import backend, kernels
 
     monkeypatch.setattr(kernels, "load_cpu_kernel", lambda: "CalledProcessError: no g++")
+    monkeypatch.setattr(backend, "cpu_has_512bit_vectors", lambda: True)   # the build is what fails
     backend._auto_backend.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="engine.attention.backend"):
