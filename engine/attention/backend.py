@@ -101,10 +101,11 @@ def available_backends() -> tuple[str, ...]:
 def cpu_has_512bit_vectors(cpuinfo: str | None = None) -> bool:
     """Whether this CPU runs the cpu_paged kernel's 16-float vectors (``v16``, 512 bits) as one
     register: x86 with AVX-512F. Elsewhere (AVX2, NEON) the compiler splits every v16 operation
-    and its lane shuffles, and the kernel's prefill path measured 14-22x slower than
-    torch_paged's gather + SDPA on a 2-core AVX2 EPYC (2.0-2.3 against 30-58 GFLOPS a layer,
-    decode 2.4 against 1.8 ms at 4k context; benchmarks/attention_backends.py, docs/benchmarks.md
-    "cpu_paged on AVX2"), against ~2x faster on AVX-512. ``cpuinfo``: /proc/cpuinfo's text
+    and its lane shuffles, and the kernel's prefill path measured 13-22x slower than
+    torch_paged's gather + SDPA on a 2-core AVX2 EPYC (2.1-2.3 against 30-47 GFLOPS a layer;
+    decodes 1.1-1.3x slower; a 4,000-token prompt 14.9 against 155 tokens/s in the engine;
+    benchmarks/attention_backends.py, docs/benchmarks.md "cpu_paged on AVX2"), where on AVX-512
+    it is the faster of the two (docs/benchmarks.md, the vs_vllm section). ``cpuinfo``: /proc/cpuinfo's text
     (read here when None; a machine without it has no AVX-512 as far as this rule knows)."""
     if cpuinfo is None:
         try:

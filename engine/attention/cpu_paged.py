@@ -12,6 +12,9 @@ went to causal SDPA on their new K/V; the kernel is now ~2x faster for them: 2.8
 What the kernel does not cover falls back to :class:`TorchPagedAttention` per step:
 quantized pools (int8/fp8, :mod:`engine.kv_quant`), float16, non-CPU pools, head
 dims other than 16, 32, 64 and 128, and block sizes that are not a multiple of 16.
+The kernel's vectors are 16 floats: on a CPU without AVX-512 they are split and its
+prefill runs 13-22x slower than torch_paged, so ``auto`` picks it only with AVX-512
+(engine/attention/backend.py).
 """
 from __future__ import annotations
 

@@ -116,7 +116,7 @@ def test_auto_picks_cpu_paged_when_the_kernel_builds_on_avx512(monkeypatch):
 
 
 def test_auto_picks_torch_paged_without_avx512_even_where_the_kernel_builds(monkeypatch, caplog):
-    """On AVX2 the kernel's 16-float vectors are split and its prefill measured 14-22x slower
+    """On AVX2 the kernel's 16-float vectors are split and its prefill measured 13-22x slower
     than torch_paged (benchmarks/attention_backends.py): auto must not pick it there, and an
     explicit cpu_paged still gets it."""
     from engine.attention import backend, kernels
