@@ -31,6 +31,7 @@ from engine.attention import AttentionShape, get_attention_backend
 from engine.attention.backend import cpu_has_512bit_vectors, resolve_backend_name
 from engine.attention.kernels import cpu_kernel_available
 from engine.batch import AttentionMetadata
+from engine.cpu_features import cpu_flags
 
 H, KVH, D, LAYERS, BS = 9, 3, 64, 30, 16
 BACKENDS = ("cpu_paged", "torch_paged")
@@ -40,11 +41,8 @@ LAYER_CASES = (("prefill_256_after_3840", 256, 3840), ("prefill_2048_fresh", 204
 
 
 def isa() -> list[str]:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split()
-    except (OSError, StopIteration):
-        return [platform.machine()]
-    return sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"))
+    flags = cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"}
+    return sorted(flags) or [platform.machine()]
 
 
 def fastest_ms(fn, reps: int) -> float:

@@ -28,6 +28,7 @@ import torch
 
 from engine.attention.rotary import apply_rotary
 from engine.batch import AttentionMetadata
+from engine.cpu_features import cpu_flags
 from engine.kv_quant import KVCacheSpec
 
 log = logging.getLogger(__name__)
@@ -105,17 +106,9 @@ def cpu_has_512bit_vectors(cpuinfo: str | None = None) -> bool:
     torch_paged's gather + SDPA on a 2-core AVX2 EPYC (2.1-2.3 against 30-47 GFLOPS a layer;
     decodes 1.1-1.3x slower; a 4,000-token prompt 14.9 against 155 tokens/s in the engine;
     benchmarks/attention_backends.py, docs/benchmarks.md "cpu_paged on AVX2"), where on AVX-512
-    it is the faster of the two (docs/benchmarks.md, the vs_vllm section). ``cpuinfo``: /proc/cpuinfo's text
-    (read here when None; a machine without it has no AVX-512 as far as this rule knows)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
-                  if line.startswith("flags") and ":" in line), [])
-    return "avx512f" in flags
+    it is the faster of the two (docs/benchmarks.md, the vs_vllm section). ``cpuinfo``:
+    /proc/cpuinfo's text (this machine's when None)."""
+    return "avx512f" in cpu_flags(cpuinfo)
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,19 +13,15 @@ never float16 or a non-CPU device.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
+
+from engine.cpu_features import cpu_flags
 
 BATCH_HINT = 32     # oneDNN picks its blocking for this many rows; measured best from 1 to 512 here
 
 
 def _cpu_has_bf16() -> bool:
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
