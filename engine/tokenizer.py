@@ -96,7 +96,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path_or_reader: Any) -> Tokenizer:
         """Rebuild a byte-level BPE tokenizer from GGUF metadata. Accepts a path
-        or an already open ``gguf.GGUFReader`` (opening one parses the whole file)."""
+        or an already open :class:`engine.loader.gguf_file.GGUFFile`."""
         meta = _GGUFMeta(path_or_reader)
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
@@ -250,16 +250,9 @@ class _GGUFMeta:
     """Just the metadata fields of a GGUF file, as Python values."""
 
     def __init__(self, path_or_reader: Any) -> None:
-        import gguf
+        from engine.loader.gguf_file import GGUFFile
 
-        if isinstance(path_or_reader, gguf.GGUFReader):
-            self._reader = path_or_reader
-        else:
-            p = Path(path_or_reader)
-            if not p.is_file():
-                raise ValueError(f"GGUF file {str(p)!r} does not exist")
-            self._reader = gguf.GGUFReader(str(p))
+        self._reader = path_or_reader if isinstance(path_or_reader, GGUFFile) else GGUFFile(path_or_reader)
 
     def get(self, key: str) -> Any:
-        field = self._reader.fields.get(key)
-        return None if field is None else field.contents()
+        return self._reader.fields.get(key)

@@ -1,5 +1,5 @@
-"""Read a GGUF file with the ``gguf`` package: config from its metadata, every
-tensor dequantized to float32 and renamed to Hugging Face names.
+"""Read a GGUF file (engine/loader/gguf_file.py; the ``gguf`` package dequantizes):
+config from its metadata, every tensor dequantized to float32 and renamed to Hugging Face names.
 
 llama.cpp's converter permutes the rows of Q and K of Llama-style models so
 that its rotary kernel can rotate adjacent pairs; HF rotates the two halves of
@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.loader.gguf_file import GGUFFile
 
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
 # archs whose converter applied the rotary Q/K row permutation
@@ -38,9 +39,8 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 def _f32(x) -> float:
@@ -65,7 +65,7 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def gguf_model_config(reader, *, name: str = "model") -> ModelConfig:
+def gguf_model_config(reader: GGUFFile, *, name: str = "model") -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
@@ -80,7 +80,7 @@ def gguf_model_config(reader, *, name: str = "model") -> ModelConfig:
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     tensor_names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
     scaling = None
     if _field(reader, f"{arch}.rope.scaling.type") == "linear":
         scaling = (("factor", float(_field(reader, f"{arch}.rope.scaling.factor"))),
@@ -117,12 +117,10 @@ def _dequantize(tensor) -> np.ndarray:
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(ModelConfig, float32 state dict in HF naming) of a GGUF file."""
-    from gguf import GGUFReader
-
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"GGUF file {path} does not exist")
-    reader = GGUFReader(str(path))
+    reader = GGUFFile(path)
     config = gguf_model_config(reader, name=path.stem)
     permuted = config.architecture in _PERMUTED_ARCHS
     state: dict[str, torch.Tensor] = {}

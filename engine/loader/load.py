@@ -42,8 +42,8 @@ def load_model_config(path: str | Path | None) -> ModelConfig:
     if p.is_dir():
         return load_hf_config(p)
     if p.is_file() and p.suffix == ".gguf":
-        from gguf import GGUFReader
-        return gguf_model_config(GGUFReader(str(p)), name=p.stem)
+        from engine.loader.gguf_file import GGUFFile
+        return gguf_model_config(GGUFFile(p), name=p.stem)
     raise ValueError(f"model {str(path)!r} is neither a Hugging Face directory (config.json + "
                      "*.safetensors) nor a .gguf file")
 

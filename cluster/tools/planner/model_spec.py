@@ -111,13 +111,13 @@ def _estimate_params(cfg: dict, hidden: int, heads: int, kv_heads: int, head_dim
 
 def spec_from_gguf(path: Path) -> ModelSpec:
     """Metadata keys are prefixed by general.architecture (llama, qwen2, ...)."""
-    from gguf import GGUFReader
+    from engine.loader.gguf_file import GGUFFile
 
     if not path.is_file():
         raise ValueError(f"GGUF file {path} does not exist; pass an existing .gguf path or a preset")
     try:
-        reader = GGUFReader(str(path))
-    except Exception as e:   # gguf raises ValueError/struct errors on a bad file
+        reader = GGUFFile(path)
+    except ValueError as e:
         raise ValueError(f"cannot read GGUF {path}: {e}") from e
     arch = str(_gguf_field(reader, "general.architecture", path))
 
@@ -136,10 +136,10 @@ def spec_from_gguf(path: Path) -> ModelSpec:
 
 
 def _gguf_field(reader, key: str, path: Path, default=None):
-    field = reader.fields.get(key)
-    if field is None:
+    value = reader.fields.get(key)
+    if value is None:
         if default is None:
             raise ValueError(f"GGUF {path} has no metadata key {key!r}; it is not a decoder the planner "
                              "understands (llama, qwen2, ... need block_count and attention.head_count)")
         return default
-    return field.contents()
+    return value
