@@ -1,14 +1,17 @@
 """cpu_paged against torch_paged on this CPU: one attention layer, and whole engine runs.
 
-`attention_backend="auto"` picks cpu_paged (the C++ kernel over the pool, 16-float vectors)
-only where the CPU has AVX-512 (engine/attention/backend.py); this script measures what that
-rule rests on, side by side in one process:
+`attention_backend="auto"` picks cpu_paged (the C++ kernel over the pool: 16-float vectors with
+AVX-512, 8-float ones elsewhere) where it builds; without AVX-512 cpu_paged hands steps with
+prefill work to torch_paged (engine/attention/cpu_paged.py). This script measures what those
+rules rest on, side by side in one process:
 
-- ``layer``: one layer's attention (SmolLM2-135M shapes: 9 query heads, 3 KV heads, head dim
+- ``layer``: one layer's attention, cpu_paged always in its kernel (SmolLM2-135M shapes: 9 query heads, 3 KV heads, head dim
   64, block 16, 1 torch thread), the fastest of several calls, for a long prompt's later chunk
   after a cached prefix, fresh prompts, and decodes at long and short context, with SDPA on a
   contiguous copy beside them as the reference (GFLOPS counts the visible query-key pairs);
-- ``engine``: `LLM.generate` with each backend (greedy, token ids): a 4,000-token prompt
+- ``engine``: `LLM.generate` with each backend, and on a CPU without AVX-512 also
+  ``cpu_paged_kernel_prefill`` (cpu_paged with prefill steps kept in the kernel, the rule before
+  the split), greedy, token ids: a 4,000-token prompt
   (prefill tokens/s), a follow-up turn sharing its first 3,840 tokens with 256 new ones
   (the multi-turn hit the routing replay is made of), 8 prompts x 128 in / 32 out, and batch 1
   x 64 out; both backends' tokens are compared.
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionShape, get_attention_backend
 from engine.attention.backend import cpu_has_512bit_vectors, resolve_backend_name
+from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.kernels import cpu_kernel_available
 from engine.batch import AttentionMetadata
 from engine.cpu_features import cpu_flags
@@ -72,7 +76,8 @@ def layer_case(qlen: int, prefix: int, backends: tuple[str, ...]) -> dict:
     reps = 3 if qlen * ctx > 2_000_000 else 10
     out: dict = {}
     for name in backends:
-        be = get_attention_backend(name, AttentionShape(LAYERS, H, KVH, D, BS))
+        shape = AttentionShape(LAYERS, H, KVH, D, BS)
+        be = CpuPagedAttention(shape, prefill_in_kernel=True) if name == "cpu_paged" else get_attention_backend(name, shape)
         plan = be.plan(meta, pool)
         out[f"{name}_ms"] = round(fastest_ms(lambda: be.forward(plan, 7, q, kv, kv), reps), 3)
     k, v = torch.randn(1, KVH, ctx, D, generator=g), torch.randn(1, KVH, ctx, D, generator=g)
@@ -86,10 +91,13 @@ def layer_case(qlen: int, prefix: int, backends: tuple[str, ...]) -> dict:
     return out
 
 
-def engine_runs(backend: str, vocab_floor: int = 100) -> tuple[dict, list[list[int]]]:
+def engine_runs(arm: str, vocab_floor: int = 100) -> tuple[dict, list[list[int]]]:
     from engine import LLM, SamplingParams
 
-    llm = LLM(attention_backend=backend, kv_cache_memory_bytes=1 << 30, max_model_len=4200)
+    llm = LLM(attention_backend=arm.removesuffix("_kernel_prefill"), kv_cache_memory_bytes=1 << 30,
+              max_model_len=4200)
+    if arm.endswith("_kernel_prefill"):
+        llm.engine.runner.attention.prefill_in_kernel = True
     try:
         vocab = llm.engine.vocab_size
         ids = [(vocab_floor + (i * 7919) % (vocab - vocab_floor)) for i in range(4000)]
@@ -130,7 +138,9 @@ def main() -> None:
                  "cpu_has_512bit_vectors": cpu_has_512bit_vectors(), "auto_picks": resolve_backend_name("auto"),
                  "layer": {label: layer_case(n, c, backends) for label, n, c in LAYER_CASES}}
     if not args.skip_engine:
-        runs = {b: engine_runs(b) for b in backends}
+        arms = backends + (("cpu_paged_kernel_prefill",) if "cpu_paged" in backends and not cpu_has_512bit_vectors()
+                           else ())
+        runs = {a: engine_runs(a) for a in arms}
         res["engine"] = {b: r[0] for b, r in runs.items()}
         res["engine_tokens_agree"] = len({json.dumps(r[1]) for r in runs.values()}) == 1
     print(json.dumps(res))

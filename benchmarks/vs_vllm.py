@@ -19,7 +19,8 @@ bundled GGUF is converted once into a plain fp32 LlamaForCausalLM directory, in 
 Modes: ``pdserve`` (its defaults: linear layers on oneDNN-packed weights, OpenMP threads
 pinned one per core as vLLM pins its own), ``pdserve_plain`` (``--pdserve-plain``:
 ``F.linear`` on plain weights, as before), ``pdserve_b128`` (128-token KV blocks),
-``pdserve_unpinned`` (``omp_threads_bind="off"``), ``vllm_eager`` (``enforce_eager``) and
+``pdserve_unpinned`` (``omp_threads_bind="off"``), ``pdserve_torch_paged``
+(``attention_backend="torch_paged"``: no C++ attention kernel), ``vllm_eager`` (``enforce_eager``) and
 ``vllm_compiled`` (vLLM's default torch.compile + CUDA-graph-free CPU path), all at --dtype
 (default float32: the parity setting; vLLM's own default for an fp32 checkpoint on CPU is
 bfloat16: pass ``--dtype bfloat16`` for that). Each figure is the best of the rounds (this host is shared;
@@ -86,7 +87,8 @@ def child_pdserve(spec: dict) -> dict:
               max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_num_batched_tokens"],
               packed_weights=spec["mode"] != "pdserve_plain",
               block_size=128 if spec["mode"] == "pdserve_b128" else 16,
-              omp_threads_bind="off" if spec["mode"] == "pdserve_unpinned" else "auto")
+              omp_threads_bind="off" if spec["mode"] == "pdserve_unpinned" else "auto",
+              attention_backend="torch_paged" if spec["mode"] == "pdserve_torch_paged" else "auto")
 
     def generate(prompts, max_tokens):
         res = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -95,6 +97,7 @@ def child_pdserve(spec: dict) -> dict:
     rows = _run_workloads(spec, generate)
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(), "block_size": llm.engine.config.cache.block_size,
+            "attention_backend": llm.engine.runner.attention.name,
             "pinned_cores": sorted(llm.engine.thread_pinner.pinned.values()), **rows}
 
 
@@ -235,11 +238,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--modes", nargs="+", default=["pdserve", "vllm_eager", "vllm_compiled"],
-                   choices=("pdserve", "pdserve_plain", "pdserve_b128", "pdserve_unpinned", "vllm_eager",
-                            "vllm_compiled"),
+                   choices=("pdserve", "pdserve_plain", "pdserve_b128", "pdserve_unpinned", "pdserve_torch_paged",
+                            "vllm_eager", "vllm_compiled"),
                    help="pdserve_b128: pdserve with 128-token KV blocks, the block size vLLM's CPU build "
                    "uses by default (pdserve's default is 16); pdserve_unpinned: omp_threads_bind='off' "
-                   "(pdserve's default, 'auto', pins its OpenMP threads one per core, as vLLM does)")
+                   "(pdserve's default, 'auto', pins its OpenMP threads one per core, as vLLM does); "
+                   "pdserve_torch_paged: attention_backend='torch_paged' (the default, 'auto', runs the "
+                   "cpu_paged kernel where it builds)")
     p.add_argument("--pdserve-plain", action="store_true", help="add the pdserve_plain mode (F.linear on plain "
                    "weights, as before oneDNN packing)")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -278,6 +283,7 @@ def main() -> int:
         "bench": "vs_vllm", "machine": machine(),
         "cpu_capability": {m: first[m].get("cpu_capability") for m in modes},
         "block_size": {m: first[m].get("block_size") for m in modes},
+        "attention_backend": {m: first[m]["attention_backend"] for m in pd_modes},
         "vllm_version": next((first[m]["vllm"] for m in vl_modes), None),
         "vllm_modes": {m: ("enforce_eager" if m == "vllm_eager" else "torch.compile (default)") for m in vl_modes},
         "model": str(model_dir), "dtype": args.dtype, "rounds": args.rounds,

@@ -101,7 +101,7 @@ class EngineConfig:
     step_trace_size: int = 0           # > 0: keep the last N steps' timings (engine/step_trace.py)
     tensor_parallel_size: int = 1      # ranks one model is split over (engine/parallel/)
     packed_weights: bool = True        # CPU: linear layers on oneDNN-packed weights (engine/model/packed_linear.py)
-    attention_backend: str = "auto"    # "auto" (cpu_paged on AVX-512 where its kernel builds, else torch_paged) or a name
+    attention_backend: str = "auto"    # "auto" (cpu_paged where its kernel builds, else torch_paged) or a name
                                        # from engine.attention.available_backends()
     # > 1: a prefill_only request's last prompt chunk reports its layers in this many groups while
     # it computes (StepDelta.computed_layers; engine/layer_progress.py), all groups but the last

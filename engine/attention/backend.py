@@ -92,7 +92,7 @@ _BACKENDS = MappingProxyType({
     "torch_paged": "engine.attention.torch_paged:TorchPagedAttention",
     "cpu_paged": "engine.attention.cpu_paged:CpuPagedAttention",
 })
-AUTO = "auto"     # cpu_paged where its kernel builds and the CPU has 512-bit vectors, else torch_paged
+AUTO = "auto"     # cpu_paged where its kernel builds, else torch_paged
 
 
 def available_backends() -> tuple[str, ...]:
@@ -100,14 +100,12 @@ def available_backends() -> tuple[str, ...]:
 
 
 def cpu_has_512bit_vectors(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU runs the cpu_paged kernel's 16-float vectors (``v16``, 512 bits) as one
-    register: x86 with AVX-512F. Elsewhere (AVX2, NEON) the compiler splits every v16 operation
-    and its lane shuffles, and the kernel's prefill path measured 13-22x slower than
-    torch_paged's gather + SDPA on a 2-core AVX2 EPYC (2.1-2.3 against 30-47 GFLOPS a layer;
-    decodes 1.1-1.3x slower; a 4,000-token prompt 14.9 against 155 tokens/s in the engine;
-    benchmarks/attention_backends.py, docs/benchmarks.md "cpu_paged on AVX2"), where on AVX-512
-    it is the faster of the two (docs/benchmarks.md, the vs_vllm section). ``cpuinfo``:
-    /proc/cpuinfo's text (this machine's when None)."""
+    """Whether this CPU has 512-bit float vectors (x86 AVX-512F): the cpu_paged kernel is built
+    with 16-float vectors there and 8-float ones elsewhere (AVX2, NEON). With 8 its decodes
+    measured 2x faster than torch_paged's gather + SDPA on a 2-core AVX2 EPYC, its prefill
+    1.3-2.2x slower (benchmarks/attention_backends.py, docs/benchmarks.md "cpu_paged on AVX2"),
+    so there cpu_paged hands a step with prefill work to torch_paged (engine/attention/cpu_paged.py).
+    ``cpuinfo``: /proc/cpuinfo's text (this machine's when None)."""
     return "avx512f" in cpu_flags(cpuinfo)
 
 
@@ -115,10 +113,6 @@ def cpu_has_512bit_vectors(cpuinfo: str | None = None) -> bool:
 def _auto_backend() -> str:
     from engine.attention.kernels import load_cpu_kernel
 
-    if not cpu_has_512bit_vectors():
-        log.info("attention: this CPU has no AVX-512 (the cpu_paged kernel's 16-float vectors would be "
-                 "split); using torch_paged")
-        return "torch_paged"
     why = load_cpu_kernel()
     if why is None:
         return "cpu_paged"

@@ -12,9 +12,12 @@ went to causal SDPA on their new K/V; the kernel is now ~2x faster for them: 2.8
 What the kernel does not cover falls back to :class:`TorchPagedAttention` per step:
 quantized pools (int8/fp8, :mod:`engine.kv_quant`), float16, non-CPU pools, head
 dims other than 16, 32, 64 and 128, and block sizes that are not a multiple of 16.
-The kernel's vectors are 16 floats: on a CPU without AVX-512 they are split and its
-prefill runs 13-22x slower than torch_paged, so ``auto`` picks it only with AVX-512
-(engine/attention/backend.py).
+
+The kernel's vectors are 16 floats with AVX-512 and 8 elsewhere. With 8 (AVX2) its decodes
+measured 2x faster than torch_paged's but its prefill 1.3-2.2x slower than the gather + SDPA
+(GEMM) torch_paged runs, so on such a CPU a step with any prefill-like sequence goes to
+torch_paged and decode-only steps to the kernel (``prefill_in_kernel``; docs/benchmarks.md,
+"cpu_paged on AVX2"). On AVX-512 the kernel is the faster of the two for both.
 """
 from __future__ import annotations
 
@@ -22,10 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.backend import AttentionShape, cpu_has_512bit_vectors
 from engine.attention.kernels import load_cpu_kernel
 from engine.attention.pool_views import PlainPoolView
 from engine.attention.torch_paged import TorchPagedAttention, TorchPagedPlan
 from engine.batch import AttentionMetadata
+from engine.kv_quant import KVCacheSpec
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _HEAD_DIMS = (16, 32, 64, 128)
@@ -46,8 +51,12 @@ class CpuPagedPlan:
 class CpuPagedAttention(TorchPagedAttention):
     name = "cpu_paged"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, shape: AttentionShape, kv_spec: KVCacheSpec | None = None, *,
+                 prefill_in_kernel: bool | None = None) -> None:
+        """``prefill_in_kernel``: whether steps with prefill work run in the kernel too (None: where
+        the CPU has 512-bit vectors; else such steps go to torch_paged, see the module docstring)."""
+        super().__init__(shape, kv_spec)
+        self.prefill_in_kernel = cpu_has_512bit_vectors() if prefill_in_kernel is None else prefill_in_kernel
         why = load_cpu_kernel()
         if why is not None:
             raise RuntimeError(f"the cpu_paged attention kernel did not build ({why}); install g++ and "
@@ -59,7 +68,7 @@ class CpuPagedAttention(TorchPagedAttention):
                 and kv_pool.dtype in _KERNEL_DTYPES and s.head_dim in _HEAD_DIMS and s.block_size % 16 == 0)
 
     def plan(self, attn: AttentionMetadata, kv_pool: torch.Tensor) -> CpuPagedPlan | TorchPagedPlan:  # type: ignore[override]
-        if not self.handles(kv_pool):
+        if not self.handles(kv_pool) or (attn.num_prefills and not self.prefill_in_kernel):
             return super().plan(attn, kv_pool)
         s = self.shape
         assert attn.block_size == s.block_size, "metadata block size differs from the pool's"

@@ -41,7 +41,16 @@ def _metadata(seqs: list[tuple[int, int]], block_size: int, num_blocks: int, rng
         block_size=block_size)
 
 
-def _compare(seqs, *, block_size=16, kv_heads=3, group=3, head_dim=64, dtype=torch.float32, seed=0):
+def _kernel_backend(shape, kv_spec=None, prefill_in_kernel=True):
+    """cpu_paged with its prefill in the kernel on every CPU (by default a CPU without 512-bit
+    vectors hands prefill steps to torch_paged), so these tests cover the kernel everywhere."""
+    from engine.attention.cpu_paged import CpuPagedAttention
+
+    return CpuPagedAttention(shape, kv_spec, prefill_in_kernel=prefill_in_kernel)
+
+
+def _compare(seqs, *, block_size=16, kv_heads=3, group=3, head_dim=64, dtype=torch.float32, seed=0,
+             prefill_in_kernel=True):
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     shape = AttentionShape(LAYERS, kv_heads * group, kv_heads, head_dim, block_size)
@@ -50,8 +59,7 @@ def _compare(seqs, *, block_size=16, kv_heads=3, group=3, head_dim=64, dtype=tor
     meta = _metadata(seqs, block_size, num_blocks, rng)
     t = int(meta.query_start_loc[-1])
     outs = []
-    for name in ("torch_paged", "cpu_paged"):
-        backend = get_attention_backend(name, shape)
+    for backend in (get_attention_backend("torch_paged", shape), _kernel_backend(shape, None, prefill_in_kernel)):
         p = pool.clone()
         plan = backend.plan(meta, p)
         per_layer = []
@@ -103,10 +111,9 @@ def test_single_prompt_paths(block_size, head_dim):
 
 
 @needs_kernel
-def test_auto_picks_cpu_paged_when_the_kernel_builds_on_avx512(monkeypatch):
+def test_auto_picks_cpu_paged_where_the_kernel_builds():
     from engine.attention import backend
 
-    monkeypatch.setattr(backend, "cpu_has_512bit_vectors", lambda: True)
     backend._auto_backend.cache_clear()
     try:
         assert resolve_backend_name("auto") == "cpu_paged"
@@ -115,22 +122,28 @@ def test_auto_picks_cpu_paged_when_the_kernel_builds_on_avx512(monkeypatch):
         backend._auto_backend.cache_clear()
 
 
-def test_auto_picks_torch_paged_without_avx512_even_where_the_kernel_builds(monkeypatch, caplog):
-    """On AVX2 the kernel's 16-float vectors are split and its prefill measured 13-22x slower
-    than torch_paged (benchmarks/attention_backends.py): auto must not pick it there, and an
-    explicit cpu_paged still gets it."""
-    from engine.attention import backend, kernels
+@needs_kernel
+@pytest.mark.parametrize("wide", [True, False])
+def test_prefill_steps_go_to_torch_paged_only_without_512bit_vectors(monkeypatch, wide):
+    """With 8-float vectors (AVX2) the kernel's prefill measured 1.3-2.2x slower than torch_paged
+    and its decodes 2x faster (benchmarks/attention_backends.py): there a step with a prefill-like
+    sequence is planned by torch_paged and a decode-only step by the kernel; with AVX-512 every
+    step runs in the kernel. Either way the outputs match torch_paged."""
+    from engine.attention import cpu_paged
+    from engine.attention.torch_paged import TorchPagedPlan
 
-    monkeypatch.setattr(backend, "cpu_has_512bit_vectors", lambda: False)
-    monkeypatch.setattr(kernels, "load_cpu_kernel", lambda: None)
-    backend._auto_backend.cache_clear()
-    try:
-        with caplog.at_level("INFO", logger="engine.attention.backend"):
-            assert resolve_backend_name("auto") == "torch_paged"
-        assert any("no AVX-512" in r.getMessage() for r in caplog.records)
-        assert resolve_backend_name("cpu_paged") == "cpu_paged"
-    finally:
-        backend._auto_backend.cache_clear()
+    monkeypatch.setattr(cpu_paged, "cpu_has_512bit_vectors", lambda: wide)
+    shape = AttentionShape(LAYERS, 9, 3, 64, 16)
+    backend = get_attention_backend("cpu_paged", shape)
+    assert backend.prefill_in_kernel is wide
+    pool = torch.zeros(16, LAYERS, 2, 3, 16, 64)
+    rng = random.Random(0)
+    mixed = backend.plan(_metadata([(20, 20), (1, 40)], 16, 16, rng), pool)
+    decodes = backend.plan(_metadata([(1, 30), (1, 40)], 16, 16, rng), pool)
+    assert isinstance(mixed, TorchPagedPlan) is not wide
+    assert isinstance(decodes, cpu_paged.CpuPagedPlan)
+    _compare([(77, 77), (1, 20)], prefill_in_kernel=wide)
+    _compare([(1, 300), (1, 20)], prefill_in_kernel=wide)
 
 
 def test_512bit_vectors_read_from_the_cpu_flags():
@@ -162,7 +175,6 @@ def test_auto_falls_back_to_torch_paged_with_one_log_line(monkeypatch, caplog):
     from engine.attention import backend, kernels
 
     monkeypatch.setattr(kernels, "load_cpu_kernel", lambda: "CalledProcessError: no g++")
-    monkeypatch.setattr(backend, "cpu_has_512bit_vectors", lambda: True)   # the build is what fails
     backend._auto_backend.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="engine.attention.backend"):
@@ -219,7 +231,8 @@ def test_forward_qkv_rotates_and_writes_like_torch(seqs):
     width = (shape.num_heads + 2 * kv_heads) * head_dim
     outs = []
     for name in ("torch_paged", "cpu_paged"):
-        backend, p = get_attention_backend(name, shape), pool.clone()
+        backend = get_attention_backend(name, shape) if name == "torch_paged" else _kernel_backend(shape)
+        p = pool.clone()
         plan = backend.plan(meta, p)
         per_layer, rotated = [], []
         for layer in range(LAYERS):

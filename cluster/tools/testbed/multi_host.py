@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
@@ -81,8 +82,10 @@ class MultiHostServe:
         ray_start(self.head, num_cpus=1)
         self.roles = {**{n: {"pdserve_prefill": slots_per_host} for n in prefill_hosts},
                       **{n: {"pdserve_decode": slots_per_host} for n in decode_hosts}}
-        for name, resources in self.roles.items():
-            ray_start(bed.host(name), head=self.head, resources=resources)
+        # the worker hosts join at once (each `ray start` is ~10 s of mostly waiting on 2 cores)
+        with ThreadPoolExecutor(len(self.roles)) as pool:
+            list(pool.map(lambda role: ray_start(bed.host(role[0]), head=self.head, resources=role[1]),
+                          self.roles.items()))
         cfg = dict(model=str(model), address=f"{self.head.address}:{RAY_PORT}", host=self.head.address,
                    prefill_resource="pdserve_prefill", decode_resource="pdserve_decode",
                    prefill_workers=prefill_workers, decode_workers=decode_workers, num_kv_blocks=128,

@@ -10,7 +10,7 @@
 // position ctx[s]-1, so query j of s sees keys [0, ctx[s]-qlen+j] (causal with a cached
 // prefix; a decode is qlen 1), with an online softmax in fp32. Prefill work items are
 // (sequence, kv head, query tile): each reads a K/V tile once for all the query heads of its kv
-// head (GQA) and all the queries of its tile; tiles of 16..64 query rows put the rows in the
+// head (GQA) and all the queries of its tile; tiles of 1-4 vectors of query rows put the rows in the
 // vector lanes (attend_tile_lanes), fewer go one row at a time (run_item). A decode is one item
 // per sequence over every kv head (run_decode): it streams each block's layer slab in one pass
 // and prefetches the next; decodes with few sequences split the context (flash-decoding) and a
@@ -33,10 +33,25 @@ namespace {
 
 constexpr float kNegBig = -1e30f;
 constexpr int64_t kMinTokensPerSplit = 64;   // a split decode's least context per item
-constexpr int64_t kLanes = 16;   // keys per score vector; block_size and head_dim are multiples
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+// The vector width: one register of floats. 16 (512 bits) with AVX-512, else 8 (256 bits: AVX2,
+// and two NEON registers on ARM). With 16-float vectors on an AVX2 CPU the compiler splits every
+// operation and lane shuffle and the lane tiles' accumulators spill: 13-22x slower prefill
+// (docs/benchmarks.md, "cpu_paged on AVX2"). PDSERVE_LANES overrides it (8 or 16), for tests.
+#if defined(PDSERVE_LANES)
+#define PDSERVE_VEC_LANES PDSERVE_LANES
+#elif defined(__AVX512F__)
+#define PDSERVE_VEC_LANES 16
+#else
+#define PDSERVE_VEC_LANES 8
+#endif
+constexpr int64_t kLanes = PDSERVE_VEC_LANES;
+static_assert(kLanes == 8 || kLanes == 16, "PDSERVE_LANES must be 8 or 16");
+// Vector registers the lane tiles may fill with accumulators (half the register file).
+constexpr int kAccRegs = kLanes == 16 ? 16 : 8;
+
+typedef float vf __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vfi __attribute__((vector_size(kLanes * 4)));
 
 inline float to_f(float x) { return x; }
 inline float to_f(at::BFloat16 x) {
@@ -68,41 +83,46 @@ inline float exp_neg(float x) {
   return p * scale;
 }
 
-// Lanes j < 8: x[2j] + x[2j+1]; lanes 8 + j: y[2j] + y[2j+1].
-inline v16 pair_sums(v16 x, v16 y) {
-  const v16i even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const v16i odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+// Lanes j < kLanes/2: x[2j] + x[2j+1]; lanes kLanes/2 + j: y[2j] + y[2j+1].
+inline vf pair_sums(vf x, vf y) {
+#if PDSERVE_VEC_LANES == 16
+  const vfi even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const vfi odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+#else
+  const vfi even = {0, 2, 4, 6, 8, 10, 12, 14};
+  const vfi odd = {1, 3, 5, 7, 9, 11, 13, 15};
+#endif
   return __builtin_shuffle(x, y, even) + __builtin_shuffle(x, y, odd);
 }
 
-// Sixteen vectors -> one whose lane j is the sum of a[j]'s lanes (a transposing add tree).
-inline v16 reduce16(v16* a) {
-  for (int w = 8; w >= 1; w /= 2)
+// kLanes vectors -> one whose lane j is the sum of a[j]'s lanes (a transposing add tree).
+inline vf reduce_lanes(vf* a) {
+  for (int w = kLanes / 2; w >= 1; w /= 2)
     for (int j = 0; j < w; ++j) a[j] = pair_sums(a[2 * j], a[2 * j + 1]);
   return a[0];
 }
 
-inline v16 load16(const float* p) {
-  v16 v;
+inline vf loadv(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Scores of one query row against keys [0, n) of an fp32 tile ([bs, DV*16]) into s.
 template <int DV>
 inline void scores(const float* q, const float* k, int64_t n, float* s) {
-  v16 qv[DV];
-  for (int i = 0; i < DV; ++i) qv[i] = load16(q + i * kLanes);
+  vf qv[DV];
+  for (int i = 0; i < DV; ++i) qv[i] = loadv(q + i * kLanes);
   for (int64_t c = 0; c < n; c += kLanes) {
-    v16 a[kLanes];
+    vf a[kLanes];
     for (int j = 0; j < kLanes; ++j) {
       const float* kt = k + (c + j) * DV * kLanes;
-      v16 acc = qv[0] * load16(kt);
-      for (int i = 1; i < DV; ++i) acc += qv[i] * load16(kt + i * kLanes);
+      vf acc = qv[0] * loadv(kt);
+      for (int i = 1; i < DV; ++i) acc += qv[i] * loadv(kt + i * kLanes);
       a[j] = acc;
     }
-    store16(s + c, reduce16(a));
+    storev(s + c, reduce_lanes(a));
   }
 }
 
@@ -115,23 +135,24 @@ inline void attend_tile_lanes(const float* qt, const float* k, const float* v, i
                               const int32_t* lim, float* sbuf, float* m, float* l, float* acc, int64_t rows) {
   constexpr int W = NV * kLanes;
   constexpr int D = DV * kLanes;
+  constexpr int J = 4 * NV <= kAccRegs ? 4 : 2;    // keys per pass: J x NV accumulators stay in registers
   int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {
-    v16 a[4][NV] = {};
+  for (; t + J <= n; t += J) {
+    vf a[J][NV] = {};
     const float* k0 = k + t * D;
     for (int d = 0; d < D; ++d)
       for (int u = 0; u < NV; ++u) {
-        const v16 qv = load16(qt + d * W + u * kLanes);
-        for (int j = 0; j < 4; ++j) a[j][u] += qv * k0[j * D + d];
+        const vf qv = loadv(qt + d * W + u * kLanes);
+        for (int j = 0; j < J; ++j) a[j][u] += qv * k0[j * D + d];
       }
-    for (int j = 0; j < 4; ++j)
-      for (int u = 0; u < NV; ++u) store16(sbuf + (t + j) * W + u * kLanes, a[j][u]);
+    for (int j = 0; j < J; ++j)
+      for (int u = 0; u < NV; ++u) storev(sbuf + (t + j) * W + u * kLanes, a[j][u]);
   }
   for (; t < n; ++t) {
-    v16 a[NV] = {};
+    vf a[NV] = {};
     for (int d = 0; d < D; ++d)
-      for (int u = 0; u < NV; ++u) a[u] += load16(qt + d * W + u * kLanes) * k[t * D + d];
-    for (int u = 0; u < NV; ++u) store16(sbuf + t * W + u * kLanes, a[u]);
+      for (int u = 0; u < NV; ++u) a[u] += loadv(qt + d * W + u * kLanes) * k[t * D + d];
+    for (int u = 0; u < NV; ++u) storev(sbuf + t * W + u * kLanes, a[u]);
   }
   float bm[W], mn[W];
 #pragma omp simd
@@ -161,14 +182,14 @@ inline void attend_tile_lanes(const float* qt, const float* k, const float* v, i
     const int64_t nr = std::min<int64_t>(n, lim[r] - kstart + 1);
     if (nr <= 0) continue;
     float* ar = acc + r * D;
-    v16 a[DV];
-    for (int i = 0; i < DV; ++i) a[i] = load16(ar + i * kLanes) * bm[r];
+    vf a[DV];
+    for (int i = 0; i < DV; ++i) a[i] = loadv(ar + i * kLanes) * bm[r];
     for (int64_t tt = 0; tt < nr; ++tt) {
       const float p = sbuf[tt * W + r];
       const float* vt = v + tt * D;
-      for (int i = 0; i < DV; ++i) a[i] += p * load16(vt + i * kLanes);
+      for (int i = 0; i < DV; ++i) a[i] += p * loadv(vt + i * kLanes);
     }
-    for (int i = 0; i < DV; ++i) store16(ar + i * kLanes, a[i]);
+    for (int i = 0; i < DV; ++i) storev(ar + i * kLanes, a[i]);
   }
 }
 
@@ -176,19 +197,19 @@ inline void attend_tile_lanes(const float* qt, const float* k, const float* v, i
 template <int DV, int R>
 inline void pv_rows(const float* v, const float* p, int64_t p_stride, int64_t n, const float* corr,
                     float* acc, int64_t d) {
-  v16 a[R][DV];
+  vf a[R][DV];
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < DV; ++i) a[r][i] = load16(acc + r * d + i * kLanes) * corr[r];
+    for (int i = 0; i < DV; ++i) a[r][i] = loadv(acc + r * d + i * kLanes) * corr[r];
   for (int64_t t = 0; t < n; ++t) {
-    v16 vt[DV];
-    for (int i = 0; i < DV; ++i) vt[i] = load16(v + t * DV * kLanes + i * kLanes);
+    vf vt[DV];
+    for (int i = 0; i < DV; ++i) vt[i] = loadv(v + t * DV * kLanes + i * kLanes);
     for (int r = 0; r < R; ++r) {
       const float pr = p[r * p_stride + t];
       for (int i = 0; i < DV; ++i) a[r][i] += pr * vt[i];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < DV; ++i) store16(acc + r * d + i * kLanes, a[r][i]);
+    for (int i = 0; i < DV; ++i) storev(acc + r * d + i * kLanes, a[r][i]);
 }
 
 // The `grp` query rows of one kv head against one K/V tile (first n keys valid): scores row by
@@ -263,7 +284,7 @@ inline void prefetch_tiles(const T* pool, const Geometry& g, int64_t blk, int64_
   }
 }
 
-// Rows in lanes (prefill tiles of >= 16 rows): the item's K/V tiles through attend_tile_lanes.
+// Rows in lanes (prefill tiles of >= kLanes rows): the item's K/V tiles through attend_tile_lanes.
 template <typename T, int DV, int NV>
 void lanes_item(const Item& it, const Geometry& g, const T* pool, const int64_t* bt, int64_t prefix,
                 RowState& st) {
@@ -479,7 +500,8 @@ void launch(const at::Tensor& q, const at::Tensor& pool, const Geometry& g, cons
   const int64_t* bp = bt.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t dv = g.head_dim / kLanes;
-  auto item = dv == 1 ? &run_any<T, 1> : dv == 2 ? &run_any<T, 2> : dv == 4 ? &run_any<T, 4> : &run_any<T, 8>;
+  auto item = dv == 1 ? &run_any<T, 1> : dv == 2 ? &run_any<T, 2> : dv == 4 ? &run_any<T, 4>
+            : dv == 8 ? &run_any<T, 8> : &run_any<T, 16>;   // 16: head_dim 128 in 8-float vectors
   // Costliest items first, handed out one at a time: a mixed batch's long prefill tiles and
   // short decodes balance over the threads (a static split would give one thread the prefills).
   std::stable_sort(w.items.begin(), w.items.end(), [&](const Item& x, const Item& y) {
