@@ -97,7 +97,9 @@ class Tokenizer:
     def from_gguf(cls, path_or_reader: Any) -> Tokenizer:
         """Rebuild a byte-level BPE tokenizer from GGUF metadata. Accepts a path
         or an already open :class:`engine.loader.gguf_file.GGUFFile`."""
-        meta = _GGUFMeta(path_or_reader)
+        from engine.loader.gguf_file import GGUFFile
+
+        meta = path_or_reader if isinstance(path_or_reader, GGUFFile) else GGUFFile(path_or_reader)
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"GGUF tokenizer model {kind!r} is not supported: only byte-level BPE "
@@ -244,15 +246,3 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return byte_level
     raise ValueError(f"GGUF pre-tokenizer {pre!r} is not known; load the model from a Hugging Face "
                      "directory (tokenizer.json) instead")
-
-
-class _GGUFMeta:
-    """Just the metadata fields of a GGUF file, as Python values."""
-
-    def __init__(self, path_or_reader: Any) -> None:
-        from engine.loader.gguf_file import GGUFFile
-
-        self._reader = path_or_reader if isinstance(path_or_reader, GGUFFile) else GGUFFile(path_or_reader)
-
-    def get(self, key: str) -> Any:
-        return self._reader.fields.get(key)

@@ -35,6 +35,9 @@ _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+# GGML types stored as plain numpy arrays (by GGMLQuantizationType name); the rest are quantized rows
+_PLAIN_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
 
 
 @dataclass(frozen=True)
@@ -145,10 +148,7 @@ class GGUFFile:
         if start + n_bytes > len(self._map):
             raise ValueError(f"tensor {name!r} runs past the end of {self.path}: the file is truncated")
         np_shape = tuple(reversed(dims))
-        plain = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-                 GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
-                 GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
-                 GGMLQuantizationType.I64: np.int64}.get(qtype)
+        plain = _PLAIN_TYPES.get(qtype.name)
         if plain is not None:
             data = np.frombuffer(self._map, dtype=plain, count=n_elements, offset=start).reshape(np_shape)
         else:

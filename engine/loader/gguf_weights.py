@@ -39,10 +39,6 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def _field(reader: GGUFFile, key: str, default=None):
-    return reader.fields.get(key, default)
-
-
 def _f32(x) -> float:
     """GGUF stores floats as float32: 9.9999997e-06 -> 1e-05."""
     return float(f"{float(x):.7g}")
@@ -66,42 +62,42 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gguf_model_config(reader: GGUFFile, *, name: str = "model") -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+    arch = reader.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_GGUF_ARCHS)}")
     if reader.fields.get(f"{arch}.rope.scaling.type") is not None and \
-            _field(reader, f"{arch}.rope.scaling.type") not in ("none", "linear"):
+            reader.get(f"{arch}.rope.scaling.type") not in ("none", "linear"):
         raise ValueError("this GGUF uses a rope scaling pdserve does not read from GGUF; "
                          "load the Hugging Face directory instead")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError("this GGUF carries llama3 rope frequency factors (rope_freqs.weight), which "
                          "pdserve does not read from GGUF; load the Hugging Face directory instead")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(reader.get(f"{arch}.embedding_length"))
+    heads = int(reader.get(f"{arch}.attention.head_count"))
     tensor_names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
+    vocab = reader.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
     scaling = None
-    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
-        scaling = (("factor", float(_field(reader, f"{arch}.rope.scaling.factor"))),
+    if reader.get(f"{arch}.rope.scaling.type") == "linear":
+        scaling = (("factor", float(reader.get(f"{arch}.rope.scaling.factor"))),
                    ("rope_type", "linear"))
-    eos = [_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    eos = [reader.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(reader.get(f"{arch}.feed_forward_length")),
+        num_layers=int(reader.get(f"{arch}.block_count")),
         num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rms_norm_eps=_f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=_f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        num_kv_heads=int(reader.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(reader.get(f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=_f32(reader.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(reader.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        max_position_embeddings=int(reader.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=f"blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=name,
     )
