@@ -83,24 +83,79 @@ inline float exp_neg(float x) {
   return p * scale;
 }
 
-// Lanes j < kLanes/2: x[2j] + x[2j+1]; lanes kLanes/2 + j: y[2j] + y[2j+1].
-inline vf pair_sums(vf x, vf y) {
+inline vf splat(float x) { return vf{} + x; }
+
+// exp_neg on a vector (the same steps and constants, lane by lane): the softmax of the decode
+// tiles, where GCC left the scalar loop unvectorized (a third of the decode kernel's time).
+inline vf exp_neg(vf x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vfi bits = (__builtin_convertvector(n, vfi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline vf vmax_of(vf a, vf b) { return a > b ? a : b; }
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
 #if PDSERVE_VEC_LANES == 16
+const vfi kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+const vfi kIota = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+
+#if PDSERVE_VEC_LANES == 16
+// Lanes j < 8: x[2j] + x[2j+1]; lanes 8 + j: y[2j] + y[2j+1] (one two-source permute each on AVX-512).
+inline vf pair_sums(vf x, vf y) {
   const vfi even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
   const vfi odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-#else
-  const vfi even = {0, 2, 4, 6, 8, 10, 12, 14};
-  const vfi odd = {1, 3, 5, 7, 9, 11, 13, 15};
-#endif
   return __builtin_shuffle(x, y, even) + __builtin_shuffle(x, y, odd);
 }
 
-// kLanes vectors -> one whose lane j is the sum of a[j]'s lanes (a transposing add tree).
+// 16 vectors -> one whose lane j is the sum of a[j]'s lanes (a transposing add tree).
 inline vf reduce_lanes(vf* a) {
   for (int w = kLanes / 2; w >= 1; w /= 2)
     for (int j = 0; j < w; ++j) a[j] = pair_sums(a[2 * j], a[2 * j + 1]);
   return a[0];
 }
+#else
+// Pair sums inside each 4-float half: [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7].
+// Two in-half shuffles (shufps) and an add: a shuffle across the halves costs AVX2 two permutes
+// and a blend per source (the even/odd pair sums above: 7 instructions where these take 3).
+inline vf half_pair_sums(vf x, vf y) {
+  const vfi even = {0, 2, 8, 10, 4, 6, 12, 14};
+  const vfi odd = {1, 3, 9, 11, 5, 7, 13, 15};
+  return __builtin_shuffle(x, y, even) + __builtin_shuffle(x, y, odd);
+}
+
+// 8 vectors -> one whose lane j is the sum of a[j]'s lanes: two in-half trees leave a[j]'s low
+// and high half sums in lane j of the low and high halves; one cross-half add joins them.
+inline vf reduce_lanes(vf* a) {
+  const vf h0 = half_pair_sums(half_pair_sums(a[0], a[1]), half_pair_sums(a[2], a[3]));
+  const vf h1 = half_pair_sums(half_pair_sums(a[4], a[5]), half_pair_sums(a[6], a[7]));
+  const vfi lo = {0, 1, 2, 3, 8, 9, 10, 11};
+  const vfi hi = {4, 5, 6, 7, 12, 13, 14, 15};
+  return __builtin_shuffle(h0, h1, lo) + __builtin_shuffle(h0, h1, hi);
+}
+#endif
 
 inline vf loadv(const float* p) {
   vf v;
@@ -109,18 +164,20 @@ inline vf loadv(const float* p) {
 }
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Scores of one query row against keys [0, n) of an fp32 tile ([bs, DV*16]) into s.
+// Scores of one query row against keys [0, n) of an fp32 tile ([bs, DV*kLanes]) into s. A
+// pass takes kLanes keys with one accumulator each, the query vector outermost: kLanes
+// independent FMA chains (the FMA latency hidden) and one query vector live, where a key at a
+// time with the whole query in registers leaves room for ~4 chains on AVX2's 16 registers.
 template <int DV>
 inline void scores(const float* q, const float* k, int64_t n, float* s) {
-  vf qv[DV];
-  for (int i = 0; i < DV; ++i) qv[i] = loadv(q + i * kLanes);
   for (int64_t c = 0; c < n; c += kLanes) {
+    const float* kc = k + c * DV * kLanes;
     vf a[kLanes];
-    for (int j = 0; j < kLanes; ++j) {
-      const float* kt = k + (c + j) * DV * kLanes;
-      vf acc = qv[0] * loadv(kt);
-      for (int i = 1; i < DV; ++i) acc += qv[i] * loadv(kt + i * kLanes);
-      a[j] = acc;
+    const vf q0 = loadv(q);
+    for (int j = 0; j < kLanes; ++j) a[j] = q0 * loadv(kc + j * DV * kLanes);
+    for (int i = 1; i < DV; ++i) {
+      const vf qi = loadv(q + i * kLanes);
+      for (int j = 0; j < kLanes; ++j) a[j] += qi * loadv(kc + (j * DV + i) * kLanes);
     }
     storev(s + c, reduce_lanes(a));
   }
@@ -222,16 +279,22 @@ inline void attend_group(const float* q, const float* k, const float* v, int64_t
   for (int64_t r = 0; r < grp; ++r) {
     float* sr = s + r * bs;
     scores<DV>(q + r * D, k, n, sr);
-    float bm = kNegBig;
-#pragma omp simd reduction(max : bm)
-    for (int64_t t = 0; t < n; ++t) bm = std::max(bm, sr[t]);
-    const float mn = std::max(m[r], bm);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      sr[t] = exp_neg(sr[t] - mn);
-      sum += sr[t];
+    // the softmax on whole vectors (scores() filled sr up to n rounded up to kLanes); lanes
+    // at or past n are masked: -inf-like for the max, 0 for the probabilities
+    vf vmax = splat(kNegBig);
+    for (int64_t c = 0; c < n; c += kLanes) {
+      const vfi live = kIota < static_cast<int32_t>(n - c);
+      vmax = vmax_of(vmax, live ? loadv(sr + c) : splat(kNegBig));
     }
+    const float mn = std::max(m[r], hmax(vmax));
+    vf vsum = splat(0.f);
+    for (int64_t c = 0; c < n; c += kLanes) {
+      const vfi live = kIota < static_cast<int32_t>(n - c);
+      const vf p = live ? exp_neg(loadv(sr + c) - mn) : splat(0.f);
+      storev(sr + c, p);
+      vsum += p;
+    }
+    const float sum = hsum(vsum);
     corr[r] = exp_neg(m[r] - mn);
     l[r] = l[r] * corr[r] + sum;
     m[r] = mn;
