@@ -8,12 +8,13 @@
 //
 // Sequence s owns query tokens [qsl[s], qsl[s+1]); its last query token sits at context
 // position ctx[s]-1, so query j of s sees keys [0, ctx[s]-qlen+j] (causal with a cached
-// prefix; a decode is qlen 1), with an online softmax in fp32. Prefill work items are
+// prefix; a decode is qlen 1), softmax in fp32 (online, tile by tile, for prefill). Prefill work items are
 // (sequence, kv head, query tile): each reads a K/V tile once for all the query heads of its kv
 // head (GQA) and all the queries of its tile; tiles of 1-4 vectors of query rows put the rows in the
 // vector lanes (attend_tile_lanes), fewer go one row at a time (run_item). A decode is one item
-// per sequence over every kv head (run_decode): it streams each block's layer slab in one pass
-// and prefetches the next; decodes with few sequences split the context (flash-decoding) and a
+// per sequence over every kv head (run_decode): the scores from each block's K half, one softmax
+// per row, then P.V from each block's V half, prefetching a block ahead; decodes with few
+// sequences split the context (flash-decoding) and a
 // second pass merges the partial softmaxes. Items are handed out costliest first from a shared
 // counter.
 #include <ATen/ATen.h>
@@ -250,13 +251,14 @@ inline void attend_tile_lanes(const float* qt, const float* k, const float* v, i
   }
 }
 
-// Up to R rows of one kv head's group: acc[r] = acc[r] * corr[r] + P[r] . V for keys [0, n).
+// Up to R rows of one kv head's group: acc[r] = acc[r] * corr[r] + P[r] . V for keys [0, n)
+// (corr null: no rescale).
 template <int DV, int R>
 inline void pv_rows(const float* v, const float* p, int64_t p_stride, int64_t n, const float* corr,
                     float* acc, int64_t d) {
   vf a[R][DV];
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < DV; ++i) a[r][i] = loadv(acc + r * d + i * kLanes) * corr[r];
+    for (int i = 0; i < DV; ++i) a[r][i] = corr ? loadv(acc + r * d + i * kLanes) * corr[r] : loadv(acc + r * d + i * kLanes);
   for (int64_t t = 0; t < n; ++t) {
     vf vt[DV];
     for (int i = 0; i < DV; ++i) vt[i] = loadv(v + t * DV * kLanes + i * kLanes);
@@ -418,44 +420,82 @@ void run_item(const Item& it, const Geometry& g, const T* q, const T* pool, cons
   }
 }
 
-// Prefetch part `part` of `parts` of a block's layer slab (all kv heads' K and V tiles).
-inline void prefetch_part(const char* slab, int64_t bytes, int64_t part, int64_t parts) {
+// Prefetch part `part` of `parts` of `bytes` at p.
+inline void prefetch_part(const char* p, int64_t bytes, int64_t part, int64_t parts) {
   const int64_t lo = bytes * part / parts & ~int64_t{63}, hi = bytes * (part + 1) / parts;
-  for (int64_t o = lo; o < hi; o += 64) __builtin_prefetch(slab + o);
+  for (int64_t o = lo; o < hi; o += 64) __builtin_prefetch(p + o);
 }
 
-// A decode (one query token) over context blocks [b0, b1), every kv head: each block's layer
-// slab ([2, kv_heads, block_size, head_dim], contiguous) is read in one pass, the GQA rows of a
-// kv head together, and the next block's slab is prefetched a kv head at a time while this
-// one is computed: 16-token blocks are 24 KB slabs scattered over the pool and the hardware
-// prefetcher stops at each 4 KB page (one block ahead measured best of 0, 1, 2, 4, 8 blocks).
+// Row r's softmax over its `keys` scores in place (lanes past `keys` masked): m = the max,
+// s = exp(s - m), l = their sum.
+inline void softmax_row(float* s, int64_t keys, float& m, float& l) {
+  vf vmax = splat(kNegBig);
+  for (int64_t c = 0; c < keys; c += kLanes) {
+    const vfi live = kIota < static_cast<int32_t>(std::min<int64_t>(keys - c, kLanes));
+    vmax = vmax_of(vmax, live ? loadv(s + c) : splat(kNegBig));
+  }
+  m = hmax(vmax);
+  vf vsum = splat(0.f);
+  for (int64_t c = 0; c < keys; c += kLanes) {
+    const vfi live = kIota < static_cast<int32_t>(std::min<int64_t>(keys - c, kLanes));
+    const vf p = live ? exp_neg(loadv(s + c) - m) : splat(0.f);
+    storev(s + c, p);
+    vsum += p;
+  }
+  l = hsum(vsum);
+}
+
+// A decode (one query token) over context blocks [b0, b1), every kv head, in two passes over
+// the blocks: the scores of every query row against every key (each block's K half of its layer
+// slab, [kv_heads, block_size, head_dim], read in one pass), one softmax per row over the whole
+// range, then P.V (each block's V half). A softmax per block (an online one) put a serial
+// chain of horizontal max, scalar exp and sum into every block: a quarter of the kernel's time.
+// The next block's half is prefetched a kv head at a time while this one is computed: 16-token
+// blocks are scattered over the pool and the hardware prefetcher stops at each 4 KB page.
 template <typename T, int DV>
 void run_decode(const Item& it, const Geometry& g, const T* q, const T* pool, const int64_t* bt,
                 const int64_t* qsl, const int64_t* ctx, T* out, float* partials) {
   const int64_t d = g.head_dim, bs = g.block_size, grp = g.group, rows = g.heads, kvh = g.kv_heads;
   const int64_t tok = qsl[it.seq], n_ctx = ctx[it.seq];
-  const int64_t slab = 2 * kvh * g.tile(), slab_bytes = slab * static_cast<int64_t>(sizeof(T));
-  std::vector<float> qf(rows * d), acc(rows * d, 0.f), m(rows, kNegBig), l(rows, 0.f), s(grp * bs), corr(grp);
+  const int64_t slab = 2 * kvh * g.tile(), half_bytes = kvh * g.tile() * static_cast<int64_t>(sizeof(T));
+  const int64_t b1 = std::min(it.b1, (n_ctx + bs - 1) / bs);
+  const int64_t keys = std::max<int64_t>(0, std::min(b1 * bs, n_ctx) - it.b0 * bs);
+  const int64_t stride = std::max<int64_t>(0, b1 - it.b0) * bs;    // a row's scores, block_size-aligned
+  thread_local std::vector<float> work;    // reused: a long context's scores are MBs
+  work.resize(2 * rows * d + rows * stride + 2 * rows);
+  float *qf = work.data(), *acc = qf + rows * d, *s = acc + rows * d, *m = s + rows * stride, *l = m + rows;
+  std::fill(acc, acc + rows * d, 0.f);
   std::vector<float> kb(std::is_same<T, float>::value ? 0 : g.tile()), vb(kb.size());
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_f(q[tok * g.q_row + r * d + i]) * g.scale;
-  const int64_t b1 = std::min(it.b1, (n_ctx + bs - 1) / bs);
   const int64_t* row = bt + it.seq * g.bt_stride;
+  auto slab_of = [&](int64_t b) { return pool + (row[b] * g.layers + g.layer) * slab; };
   for (int64_t b = it.b0; b < b1; ++b) {
-    const T* base = pool + (row[b] * g.layers + g.layer) * slab;
-    const char* next = b + 1 < b1 ? reinterpret_cast<const char*>(pool + (row[b + 1] * g.layers + g.layer) * slab)
-                                  : nullptr;
+    const T* base = slab_of(b);
+    const char* next = b + 1 < b1 ? reinterpret_cast<const char*>(slab_of(b + 1)) : nullptr;
     const int64_t n = std::min(bs, n_ctx - b * bs);
     for (int64_t h = 0; h < kvh; ++h) {
-      if (next) prefetch_part(next, slab_bytes, h, kvh);
+      if (next) prefetch_part(next, half_bytes, h, kvh);
       const float* k = tile_f32(base + h * g.tile(), g.tile(), kb.data());
-      const float* v = tile_f32(base + (kvh + h) * g.tile(), g.tile(), vb.data());
-      attend_group<DV>(qf.data() + h * grp * d, k, v, n, grp, bs, s.data(), m.data() + h * grp,
-                       l.data() + h * grp, acc.data() + h * grp * d, corr.data());
+      for (int64_t r = h * grp; r < (h + 1) * grp; ++r) scores<DV>(qf + r * d, k, n, s + r * stride + (b - it.b0) * bs);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) softmax_row(s + r * stride, keys, m[r], l[r]);
+  constexpr int RP = DV <= 4 ? 3 : 1;
+  for (int64_t b = it.b0; b < b1; ++b) {
+    const T* base = slab_of(b) + kvh * g.tile();
+    const char* next = b + 1 < b1 ? reinterpret_cast<const char*>(slab_of(b + 1) + kvh * g.tile()) : nullptr;
+    const int64_t n = std::min(bs, n_ctx - b * bs), off = (b - it.b0) * bs;
+    for (int64_t h = 0; h < kvh; ++h) {
+      if (next) prefetch_part(next, half_bytes, h, kvh);
+      const float* v = tile_f32(base + h * g.tile(), g.tile(), vb.data());
+      int64_t r = h * grp;
+      for (; r + RP <= (h + 1) * grp; r += RP) pv_rows<DV, RP>(v, s + r * stride + off, stride, n, nullptr, acc + r * d, d);
+      for (; r < (h + 1) * grp; ++r) pv_rows<DV, 1>(v, s + r * stride + off, stride, n, nullptr, acc + r * d, d);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float* a = acc.data() + r * d;
+    const float* a = acc + r * d;
     if (it.partial >= 0) {
       float* dst = partials + (it.partial * rows + r) * (d + 2);
       dst[0] = m[r];
