@@ -11,7 +11,12 @@ from grpc_harness import LoopThread, free_port  # noqa: F401 (re-exported for th
 
 
 class Cluster:
-    def __init__(self, cfg: ServeConfig) -> None:
+    """`start_stack(cfg)` on a loop thread. ``keep_ray``: the process's Ray runtime outlives the
+    cluster (a module's fixture started it for several clusters: a Ray start and stop is ~7 s
+    here); without it the cluster's close shuts Ray down."""
+
+    def __init__(self, cfg: ServeConfig, *, keep_ray: bool = False) -> None:
+        self.keep_ray = keep_ray
         self.loop = LoopThread()
         try:
             self.stack: ServerStack = self.loop.run(start_stack(cfg), timeout=300)
@@ -78,7 +83,8 @@ class Cluster:
         try:
             self.loop.run(_cancel_pending(), timeout=60)
         finally:
-            ray.shutdown()
+            if not self.keep_ray:
+                ray.shutdown()
             self.loop.close()
 
 

@@ -32,13 +32,30 @@ def tiny_llama_1kv_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_1kv"), "llama", num_kv_heads=1, seed=3)
 
 
-def _cluster(model_dir, tmp, prefill_tp: int, decode_tp: int, backend: str = "tcp", decode_workers: int = 1) -> Cluster:
-    return Cluster(ServeConfig(
+def _config(model_dir, tmp, prefill_tp: int, decode_tp: int, backend: str = "tcp", decode_workers: int = 1) -> ServeConfig:
+    return ServeConfig(
         model=str(model_dir), num_kv_blocks=32, max_model_len=256, block_size=BS, transfer_backend=backend,
         prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
         grpc_port=free_port(), http_port=0, metrics_port=0, prefill_workers=1, decode_workers=decode_workers,
         ray_temp_dir=str(tmp), worker_niceness=0, local_prefill_threshold=0, local_prefill_hit_ratio=1.0,
-        reserve_decode_blocks=True, pipelined_handoff=True, max_num_batched_tokens=40))
+        reserve_decode_blocks=True, pipelined_handoff=True, max_num_batched_tokens=40)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_runtime(tiny_llama_dir, tmp_path_factory):
+    """One local Ray for the module's clusters, sized for the largest (TP 2 prefill, two TP 2
+    decode workers); each cluster starts and stops its own workers on it, as deployments sharing
+    a Ray cluster (`--address`) do."""
+    import ray
+
+    from cluster.orchestration.launcher import init_ray
+    init_ray(_config(tiny_llama_dir, tmp_path_factory.mktemp("ray"), 2, 2, decode_workers=2))
+    yield
+    ray.shutdown()
+
+
+def _cluster(model_dir, tmp, prefill_tp: int, decode_tp: int, backend: str = "tcp", decode_workers: int = 1) -> Cluster:
+    return Cluster(_config(model_dir, tmp, prefill_tp, decode_tp, backend, decode_workers), keep_ray=True)
 
 
 async def _complete(target, ids):
