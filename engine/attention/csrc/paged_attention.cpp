@@ -220,22 +220,29 @@ inline void attend_tile_lanes(const float* qt, const float* k, const float* v, i
 #pragma omp simd
     for (int i = 0; i < W; ++i) bm[i] = std::max(bm[i], kstart + t <= lim[i] ? st[i] : kNegBig);
   }
-#pragma omp simd
-  for (int i = 0; i < W; ++i) {
-    mn[i] = std::max(m[i], bm[i]);
-    bm[i] = exp_neg(m[i] - mn[i]);    // the correction of what was accumulated
-    m[i] = mn[i];
-    l[i] *= bm[i];
+  // the correction and the probabilities on whole vectors (GCC leaves these loops scalar when
+  // written lane by lane: the masked exp is "control flow")
+  vf lsum[NV];
+  for (int u = 0; u < NV; ++u) {
+    const vf mo = loadv(m + u * kLanes), mv = vmax_of(mo, loadv(bm + u * kLanes));
+    const vf c = exp_neg(mo - mv);    // the correction of what was accumulated
+    storev(mn + u * kLanes, mv);
+    storev(bm + u * kLanes, c);
+    storev(m + u * kLanes, mv);
+    lsum[u] = loadv(l + u * kLanes) * c;
   }
   for (t = 0; t < n; ++t) {
     float* st = sbuf + t * W;
-#pragma omp simd
-    for (int i = 0; i < W; ++i) {
-      const float p = kstart + t <= lim[i] ? exp_neg(st[i] - mn[i]) : 0.f;
-      st[i] = p;
-      l[i] += p;
+    for (int u = 0; u < NV; ++u) {
+      vfi lv;
+      std::memcpy(&lv, lim + u * kLanes, sizeof(lv));
+      const vf p = static_cast<int32_t>(kstart + t) <= lv ? exp_neg(loadv(st + u * kLanes) - loadv(mn + u * kLanes))
+                                                          : splat(0.f);
+      storev(st + u * kLanes, p);
+      lsum[u] += p;
     }
   }
+  for (int u = 0; u < NV; ++u) storev(l + u * kLanes, lsum[u]);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t nr = std::min<int64_t>(n, lim[r] - kstart + 1);
     if (nr <= 0) continue;
