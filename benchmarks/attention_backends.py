@@ -1,17 +1,17 @@
 """cpu_paged against torch_paged on this CPU: one attention layer, and whole engine runs.
 
 `attention_backend="auto"` picks cpu_paged (the C++ kernel over the pool: 16-float vectors with
-AVX-512, 8-float ones elsewhere) where it builds; without AVX-512 cpu_paged hands steps with
-prefill work to torch_paged (engine/attention/cpu_paged.py). This script measures what those
-rules rest on, side by side in one process:
+AVX-512, 8-float ones elsewhere) where it builds, and it runs every step in its kernel
+(engine/attention/cpu_paged.py). This script measures what that rests on, side by side in one
+process:
 
 - ``layer``: one layer's attention, cpu_paged always in its kernel (SmolLM2-135M shapes: 9 query heads, 3 KV heads, head dim
   64, block 16, 1 torch thread), the fastest of several calls, for a long prompt's later chunk
   after a cached prefix, fresh prompts, and decodes at long and short context, with SDPA on a
   contiguous copy beside them as the reference (GFLOPS counts the visible query-key pairs);
-- ``engine``: `LLM.generate` with each backend, and on a CPU without AVX-512 also
-  ``cpu_paged_kernel_prefill`` (cpu_paged with prefill steps kept in the kernel, the rule before
-  the split), greedy, token ids: a 4,000-token prompt
+- ``engine``: `LLM.generate` with each backend, and ``cpu_paged_torch_prefill`` (cpu_paged with
+  steps that carry prefill work sent to torch_paged: the rule on AVX2 from 2026-11-28 to
+  2026-11-29), greedy, token ids: a 4,000-token prompt
   (prefill tokens/s), a follow-up turn sharing its first 3,840 tokens with 256 new ones
   (the multi-turn hit the routing replay is made of), 8 prompts x 128 in / 32 out, and batch 1
   x 64 out; both backends' tokens are compared.
@@ -94,10 +94,10 @@ def layer_case(qlen: int, prefix: int, backends: tuple[str, ...]) -> dict:
 def engine_runs(arm: str, vocab_floor: int = 100) -> tuple[dict, list[list[int]]]:
     from engine import LLM, SamplingParams
 
-    llm = LLM(attention_backend=arm.removesuffix("_kernel_prefill"), kv_cache_memory_bytes=1 << 30,
+    llm = LLM(attention_backend=arm.removesuffix("_torch_prefill"), kv_cache_memory_bytes=1 << 30,
               max_model_len=4200)
-    if arm.endswith("_kernel_prefill"):
-        llm.engine.runner.attention.prefill_in_kernel = True
+    if arm.endswith("_torch_prefill"):
+        llm.engine.runner.attention.prefill_in_kernel = False
     try:
         vocab = llm.engine.vocab_size
         ids = [(vocab_floor + (i * 7919) % (vocab - vocab_floor)) for i in range(4000)]
@@ -138,8 +138,7 @@ def main() -> None:
                  "cpu_has_512bit_vectors": cpu_has_512bit_vectors(), "auto_picks": resolve_backend_name("auto"),
                  "layer": {label: layer_case(n, c, backends) for label, n, c in LAYER_CASES}}
     if not args.skip_engine:
-        arms = backends + (("cpu_paged_kernel_prefill",) if "cpu_paged" in backends and not cpu_has_512bit_vectors()
-                           else ())
+        arms = backends + (("cpu_paged_torch_prefill",) if "cpu_paged" in backends else ())
         runs = {a: engine_runs(a) for a in arms}
         res["engine"] = {b: r[0] for b, r in runs.items()}
         res["engine_tokens_agree"] = len({json.dumps(r[1]) for r in runs.values()}) == 1

@@ -3,7 +3,8 @@
 One engine (SmolLM2 fp32 or --model) in this process; for each workload (``--rows``:
 prompts x prompt tokens, default 32x512 and 48x128) it adds fresh seeded random prompts
 with ``max_tokens=1`` and times ``LLMEngine.step()`` until they finish: prompt tok/s.
-Variants (``--budget``: the scheduler's ``max_num_batched_tokens``) run on the same engine,
+Variants (``--budget``: the scheduler's ``max_num_batched_tokens``; ``--kernel-prefill on off``:
+cpu_paged's prefill steps in its kernel or in torch_paged) run on the same engine,
 alternating, for ``--rounds`` rounds; each figure is the best round (the median is also
 printed). Another engine tree is measured by running this script with its PYTHONPATH.
 
@@ -16,6 +17,7 @@ own calls (wrapped on the instance): ``gemm`` (every projection: ``FusedLinear.f
 
   python benchmarks/prefill_profile.py --rows 8x512 16x128 --parts
   python benchmarks/prefill_profile.py --budget 2048 4096 --rows 32x512
+  python benchmarks/prefill_profile.py --kernel-prefill on off --rows 32x512 48x128 --parts
 """
 from __future__ import annotations
 
@@ -50,9 +52,23 @@ def run_prefill(engine: LLMEngine, rng: random.Random, n: int, length: int, tag:
     return time.perf_counter() - t0, steps
 
 
-def set_variant(engine: LLMEngine, budget: int) -> None:
+def set_variant(engine: LLMEngine, variant: tuple[int, str]) -> None:
+    """(budget, kernel prefill): the step's token budget; "on"/"off" sets whether cpu_paged runs
+    prefill steps in its kernel ("auto": the backend's own rule)."""
+    budget, kernel = variant
     sched = engine.scheduler
     sched.config = dataclasses.replace(sched.config, max_num_batched_tokens=budget)
+    attention = engine.runner.attention
+    if kernel != "auto":
+        if not hasattr(attention, "prefill_in_kernel"):
+            raise SystemExit(f"--kernel-prefill {kernel}: the engine's attention backend is {attention.name}, "
+                             "not cpu_paged")
+        attention.prefill_in_kernel = kernel == "on"
+
+
+def variant_name(variant: tuple[int, str]) -> str:
+    budget, kernel = variant
+    return f"budget={budget}" + ("" if kernel == "auto" else f",kernel_prefill={kernel}")
 
 
 def parts(engine: LLMEngine, rng: random.Random, n: int, length: int) -> dict:
@@ -94,13 +110,15 @@ def main() -> None:
     ap.add_argument("--budget", type=int, nargs="+", default=[2048], help="max_num_batched_tokens variants")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kernel-prefill", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                    help="cpu_paged's prefill steps in its kernel (on) or torch_paged (off); each a variant")
     ap.add_argument("--parts", action="store_true", help="cut the first variant's prefill into parts")
     args = ap.parse_args()
     config = EngineConfig(model=args.model or "", dtype=args.dtype, seed=0,
                           cache=CacheConfig(kv_cache_memory_bytes=2 << 30),
                           scheduler=SchedulerConfig(max_num_seqs=64, max_model_len=2048))
     engine = LLMEngine(config)
-    variants = list(args.budget)
+    variants = [(b, k) for b in args.budget for k in args.kernel_prefill]
     rng = random.Random(0)
     run_prefill(engine, rng, 2, 64, "warm")
     workloads = [tuple(int(x) for x in r.split("x")) for r in args.rows]
@@ -110,7 +128,7 @@ def main() -> None:
             set_variant(engine, budget)
             for n, length in workloads:
                 dt, _ = run_prefill(engine, rng, n, length, f"r{rnd}")
-                results[f"budget={budget}"][f"{n}x{length}"].append(round(n * length / dt, 1))
+                results[variant_name(budget)][f"{n}x{length}"].append(round(n * length / dt, 1))
     report: dict[str, Any] = {
         "benchmark": "prefill_profile", "dtype": args.dtype, "threads": torch.get_num_threads(),
         "isa": torch.backends.cpu.get_cpu_capability(), "rounds": args.rounds, "metric": "prompt tok/s",
@@ -120,7 +138,7 @@ def main() -> None:
         report["parts"] = {}
         for budget in variants:
             set_variant(engine, budget)
-            report["parts"][f"budget={budget}"] = {
+            report["parts"][variant_name(budget)] = {
                 f"{n}x{length}": parts(engine, rng, n, length) for n, length in workloads}
     print(json.dumps(report))
 

@@ -13,11 +13,12 @@ What the kernel does not cover falls back to :class:`TorchPagedAttention` per st
 quantized pools (int8/fp8, :mod:`engine.kv_quant`), float16, non-CPU pools, head
 dims other than 16, 32, 64 and 128, and block sizes that are not a multiple of 16.
 
-The kernel's vectors are 16 floats with AVX-512 and 8 elsewhere. With 8 (AVX2) its decodes
-measured 2x faster than torch_paged's but its prefill 1.3-2.2x slower than the gather + SDPA
-(GEMM) torch_paged runs, so on such a CPU a step with any prefill-like sequence goes to
-torch_paged and decode-only steps to the kernel (``prefill_in_kernel``; docs/benchmarks.md,
-"cpu_paged on AVX2"). On AVX-512 the kernel is the faster of the two for both.
+The kernel's vectors are 16 floats with AVX-512 and 8 elsewhere. It runs every step, prefill
+and decode, on both: with 8 (AVX2) its prefill once measured 1.3-2.2x slower than the gather +
+SDPA torch_paged runs, and steps with prefill went to torch_paged; with its softmax on whole
+vectors it is level with torch_paged on long prompts and faster on short ones (32 x 512-token
+prompts: 519 vs 470 prompt tok/s), and its decodes 3x faster (docs/benchmarks.md, "The decode
+kernel on 8-float vectors, tuned"). ``prefill_in_kernel=False`` keeps that split, for measuring.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backend import AttentionShape, cpu_has_512bit_vectors
+from engine.attention.backend import AttentionShape
 from engine.attention.kernels import load_cpu_kernel
 from engine.attention.pool_views import PlainPoolView
 from engine.attention.torch_paged import TorchPagedAttention, TorchPagedPlan
@@ -52,11 +53,11 @@ class CpuPagedAttention(TorchPagedAttention):
     name = "cpu_paged"
 
     def __init__(self, shape: AttentionShape, kv_spec: KVCacheSpec | None = None, *,
-                 prefill_in_kernel: bool | None = None) -> None:
-        """``prefill_in_kernel``: whether steps with prefill work run in the kernel too (None: where
-        the CPU has 512-bit vectors; else such steps go to torch_paged, see the module docstring)."""
+                 prefill_in_kernel: bool = True) -> None:
+        """``prefill_in_kernel``: whether steps with prefill work run in the kernel too (False: they
+        go to torch_paged and only decode-only steps to the kernel, see the module docstring)."""
         super().__init__(shape, kv_spec)
-        self.prefill_in_kernel = cpu_has_512bit_vectors() if prefill_in_kernel is None else prefill_in_kernel
+        self.prefill_in_kernel = prefill_in_kernel
         why = load_cpu_kernel()
         if why is not None:
             raise RuntimeError(f"the cpu_paged attention kernel did not build ({why}); install g++ and "

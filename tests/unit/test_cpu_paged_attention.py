@@ -42,8 +42,7 @@ def _metadata(seqs: list[tuple[int, int]], block_size: int, num_blocks: int, rng
 
 
 def _kernel_backend(shape, kv_spec=None, prefill_in_kernel=True):
-    """cpu_paged with its prefill in the kernel on every CPU (by default a CPU without 512-bit
-    vectors hands prefill steps to torch_paged), so these tests cover the kernel everywhere."""
+    """cpu_paged, its prefill in the kernel unless told otherwise."""
     from engine.attention.cpu_paged import CpuPagedAttention
 
     return CpuPagedAttention(shape, kv_spec, prefill_in_kernel=prefill_in_kernel)
@@ -123,27 +122,26 @@ def test_auto_picks_cpu_paged_where_the_kernel_builds():
 
 
 @needs_kernel
-@pytest.mark.parametrize("wide", [True, False])
-def test_prefill_steps_go_to_torch_paged_only_without_512bit_vectors(monkeypatch, wide):
-    """With 8-float vectors (AVX2) the kernel's prefill measured 1.3-2.2x slower than torch_paged
-    and its decodes 2x faster (benchmarks/attention_backends.py): there a step with a prefill-like
-    sequence is planned by torch_paged and a decode-only step by the kernel; with AVX-512 every
-    step runs in the kernel. Either way the outputs match torch_paged."""
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_prefill_steps_run_in_the_kernel_unless_told_otherwise(in_kernel):
+    """By default every step runs in the kernel, on 16- and 8-float vectors alike; with
+    ``prefill_in_kernel=False`` (the AVX2 rule while the kernel's prefill was the slower) a step
+    with a prefill-like sequence is planned by torch_paged and a decode-only step by the kernel.
+    Either way the outputs match torch_paged."""
     from engine.attention import cpu_paged
     from engine.attention.torch_paged import TorchPagedPlan
 
-    monkeypatch.setattr(cpu_paged, "cpu_has_512bit_vectors", lambda: wide)
     shape = AttentionShape(LAYERS, 9, 3, 64, 16)
-    backend = get_attention_backend("cpu_paged", shape)
-    assert backend.prefill_in_kernel is wide
+    assert get_attention_backend("cpu_paged", shape).prefill_in_kernel is True
+    backend = cpu_paged.CpuPagedAttention(shape, prefill_in_kernel=in_kernel)
     pool = torch.zeros(16, LAYERS, 2, 3, 16, 64)
     rng = random.Random(0)
     mixed = backend.plan(_metadata([(20, 20), (1, 40)], 16, 16, rng), pool)
     decodes = backend.plan(_metadata([(1, 30), (1, 40)], 16, 16, rng), pool)
-    assert isinstance(mixed, TorchPagedPlan) is not wide
+    assert isinstance(mixed, TorchPagedPlan) is not in_kernel
     assert isinstance(decodes, cpu_paged.CpuPagedPlan)
-    _compare([(77, 77), (1, 20)], prefill_in_kernel=wide)
-    _compare([(1, 300), (1, 20)], prefill_in_kernel=wide)
+    _compare([(77, 77), (1, 20)], prefill_in_kernel=in_kernel)
+    _compare([(1, 300), (1, 20)], prefill_in_kernel=in_kernel)
 
 
 def test_512bit_vectors_read_from_the_cpu_flags():
