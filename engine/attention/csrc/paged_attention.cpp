@@ -64,46 +64,39 @@ inline float to_f(at::BFloat16 x) {
 inline void store(float v, float* p) { *p = v; }
 inline void store(float v, at::BFloat16* p) { *p = at::BFloat16(v); }
 
-// exp(x) for x <= 0 to ~2 ulp, branch-free so `omp simd` loops vectorize it.
-#pragma omp declare simd notinbranch
-inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   // round to nearest
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
 inline vf splat(float x) { return vf{} + x; }
 
-// exp_neg on a vector (the same steps and constants, lane by lane): the softmax of the decode
-// tiles, where GCC left the scalar loop unvectorized (a third of the decode kernel's time).
-inline vf exp_neg(vf x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  vf r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+// exp(x) for x <= 0 to ~2 ulp, branch-free, on a float or on a vector lane by lane (the softmax
+// runs on whole vectors: GCC left the scalar form unvectorized in the kernel's `omp simd` loops,
+// the masked exp being "control flow", a third of the decode's time).
+inline float clamp_exp_arg(float x) { return std::max(x, -87.0f); }
+inline vf clamp_exp_arg(vf x) { return x < -87.0f ? splat(-87.0f) : x; }
+inline float pow2_of(float n) {    // 2^n for an integral n
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return scale;
+}
+inline vf pow2_of(vf n) {
   const vfi bits = (__builtin_convertvector(n, vfi) + 127) << 23;
   vf scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return scale;
+}
+template <typename V>
+inline V exp_neg(V x) {
+  x = clamp_exp_arg(x);
+  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   // round to nearest
+  V r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V p = r * 0.f + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * pow2_of(n);
 }
 
 inline vf vmax_of(vf a, vf b) { return a > b ? a : b; }
