@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionShape, get_attention_backend
-from engine.attention.backend import cpu_has_512bit_vectors, resolve_backend_name
+from engine.attention.backend import resolve_backend_name
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.kernels import cpu_kernel_available
 from engine.batch import AttentionMetadata
@@ -135,7 +135,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     backends = BACKENDS if cpu_kernel_available() else ("torch_paged",)
     res: dict = {"benchmark": "attention_backends", "isa": isa(), "threads": torch.get_num_threads(),
-                 "cpu_has_512bit_vectors": cpu_has_512bit_vectors(), "auto_picks": resolve_backend_name("auto"),
+                 "auto_picks": resolve_backend_name("auto"),
                  "layer": {label: layer_case(n, c, backends) for label, n, c in LAYER_CASES}}
     if not args.skip_engine:
         arms = backends + (("cpu_paged_torch_prefill",) if "cpu_paged" in backends else ())

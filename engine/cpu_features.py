@@ -1,6 +1,6 @@
 """The CPU's instruction-set flags, read once from /proc/cpuinfo: what decides the engine's
-CPU paths (engine/attention/backend.py: the cpu_paged kernel wants AVX-512;
-engine/model/packed_linear.py: packed bf16 weights want avx512_bf16 or AMX)."""
+CPU paths (engine/model/packed_linear.py: packed bf16 weights want avx512_bf16 or AMX; the
+attention kernel's vector width is the compiler's -march=native, engine/attention/kernels.py)."""
 from __future__ import annotations
 
 import functools

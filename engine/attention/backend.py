@@ -28,7 +28,6 @@ import torch
 
 from engine.attention.rotary import apply_rotary
 from engine.batch import AttentionMetadata
-from engine.cpu_features import cpu_flags
 from engine.kv_quant import KVCacheSpec
 
 log = logging.getLogger(__name__)
@@ -97,16 +96,6 @@ AUTO = "auto"     # cpu_paged where its kernel builds, else torch_paged
 
 def available_backends() -> tuple[str, ...]:
     return tuple(_BACKENDS)
-
-
-def cpu_has_512bit_vectors(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU has 512-bit float vectors (x86 AVX-512F): the cpu_paged kernel is built
-    with 16-float vectors there and 8-float ones elsewhere (AVX2, NEON). With 8 its decodes
-    measured 2x faster than torch_paged's gather + SDPA on a 2-core AVX2 EPYC, its prefill
-    1.3-2.2x slower (benchmarks/attention_backends.py, docs/benchmarks.md "cpu_paged on AVX2"),
-    so there cpu_paged hands a step with prefill work to torch_paged (engine/attention/cpu_paged.py).
-    ``cpuinfo``: /proc/cpuinfo's text (this machine's when None)."""
-    return "avx512f" in cpu_flags(cpuinfo)
 
 
 @functools.lru_cache(maxsize=1)

@@ -17,8 +17,8 @@ The kernel's vectors are 16 floats with AVX-512 and 8 elsewhere. It runs every s
 and decode, on both: with 8 (AVX2) its prefill once measured 1.3-2.2x slower than the gather +
 SDPA torch_paged runs, and steps with prefill went to torch_paged; with its softmax on whole
 vectors it is level with torch_paged on long prompts and faster on short ones (32 x 512-token
-prompts: 519 vs 470 prompt tok/s), and its decodes 3x faster (docs/benchmarks.md, "The decode
-kernel on 8-float vectors, tuned"). ``prefill_in_kernel=False`` keeps that split, for measuring.
+prompts: 519 vs 470 prompt tok/s), and its decodes 3x faster (docs/benchmarks.md, "The kernel
+on 8-float vectors, tuned"). ``prefill_in_kernel=False`` keeps that split, for measuring.
 """
 from __future__ import annotations
 

@@ -144,19 +144,6 @@ def test_prefill_steps_run_in_the_kernel_unless_told_otherwise(in_kernel):
     _compare([(1, 300), (1, 20)], prefill_in_kernel=in_kernel)
 
 
-def test_512bit_vectors_read_from_the_cpu_flags():
-    from engine.attention.backend import cpu_has_512bit_vectors
-
-    epyc_avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\nbugs\t\t: sysret_ss_attrs\n"
-    epyc_avx512 = "processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512dq avx512_bf16\n"
-    arm = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes\n"
-    assert not cpu_has_512bit_vectors(epyc_avx2)
-    assert cpu_has_512bit_vectors(epyc_avx512)
-    assert not cpu_has_512bit_vectors(arm)
-    assert not cpu_has_512bit_vectors("flags\t\t: avx512fx\n")   # a whole flag, not a prefix
-    assert not cpu_has_512bit_vectors("")
-
-
 @needs_kernel
 def test_quantized_pool_falls_back_to_torch_paged():
     from engine.attention.torch_paged import TorchPagedPlan

@@ -158,6 +158,24 @@ inline vf loadv(const float* p) {
 }
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Masked row helpers over s[0, n) read in whole vectors (lanes past n, in the vector that
+// holds s[n - 1], are ignored): the max, and s = exp(s - m) in place with its sum.
+inline vfi live_lanes(int64_t n, int64_t c) { return kIota < static_cast<int32_t>(std::min<int64_t>(n - c, kLanes)); }
+inline float row_max(const float* s, int64_t n) {
+  vf vmax = splat(kNegBig);
+  for (int64_t c = 0; c < n; c += kLanes) vmax = vmax_of(vmax, live_lanes(n, c) ? loadv(s + c) : splat(kNegBig));
+  return hmax(vmax);
+}
+inline float row_exp(float* s, int64_t n, float m) {
+  vf vsum = splat(0.f);
+  for (int64_t c = 0; c < n; c += kLanes) {
+    const vf p = live_lanes(n, c) ? exp_neg(loadv(s + c) - m) : splat(0.f);
+    storev(s + c, p);
+    vsum += p;
+  }
+  return hsum(vsum);
+}
+
 // Scores of one query row against keys [0, n) of an fp32 tile ([bs, DV*kLanes]) into s. A
 // pass takes kLanes keys with one accumulator each, the query vector outermost: kLanes
 // independent FMA chains (the FMA latency hidden) and one query vector live, where a key at a
@@ -281,22 +299,8 @@ inline void attend_group(const float* q, const float* k, const float* v, int64_t
   for (int64_t r = 0; r < grp; ++r) {
     float* sr = s + r * bs;
     scores<DV>(q + r * D, k, n, sr);
-    // the softmax on whole vectors (scores() filled sr up to n rounded up to kLanes); lanes
-    // at or past n are masked: -inf-like for the max, 0 for the probabilities
-    vf vmax = splat(kNegBig);
-    for (int64_t c = 0; c < n; c += kLanes) {
-      const vfi live = kIota < static_cast<int32_t>(n - c);
-      vmax = vmax_of(vmax, live ? loadv(sr + c) : splat(kNegBig));
-    }
-    const float mn = std::max(m[r], hmax(vmax));
-    vf vsum = splat(0.f);
-    for (int64_t c = 0; c < n; c += kLanes) {
-      const vfi live = kIota < static_cast<int32_t>(n - c);
-      const vf p = live ? exp_neg(loadv(sr + c) - mn) : splat(0.f);
-      storev(sr + c, p);
-      vsum += p;
-    }
-    const float sum = hsum(vsum);
+    const float mn = std::max(m[r], row_max(sr, n));   // scores() filled sr up to n rounded up to kLanes
+    const float sum = row_exp(sr, n, mn);
     corr[r] = exp_neg(m[r] - mn);
     l[r] = l[r] * corr[r] + sum;
     m[r] = mn;
@@ -426,25 +430,6 @@ inline void prefetch_part(const char* p, int64_t bytes, int64_t part, int64_t pa
   for (int64_t o = lo; o < hi; o += 64) __builtin_prefetch(p + o);
 }
 
-// Row r's softmax over its `keys` scores in place (lanes past `keys` masked): m = the max,
-// s = exp(s - m), l = their sum.
-inline void softmax_row(float* s, int64_t keys, float& m, float& l) {
-  vf vmax = splat(kNegBig);
-  for (int64_t c = 0; c < keys; c += kLanes) {
-    const vfi live = kIota < static_cast<int32_t>(std::min<int64_t>(keys - c, kLanes));
-    vmax = vmax_of(vmax, live ? loadv(s + c) : splat(kNegBig));
-  }
-  m = hmax(vmax);
-  vf vsum = splat(0.f);
-  for (int64_t c = 0; c < keys; c += kLanes) {
-    const vfi live = kIota < static_cast<int32_t>(std::min<int64_t>(keys - c, kLanes));
-    const vf p = live ? exp_neg(loadv(s + c) - m) : splat(0.f);
-    storev(s + c, p);
-    vsum += p;
-  }
-  l = hsum(vsum);
-}
-
 // A decode (one query token) over context blocks [b0, b1), every kv head, in two passes over
 // the blocks: the scores of every query row against every key (each block's K half of its layer
 // slab, [kv_heads, block_size, head_dim], read in one pass), one softmax per row over the whole
@@ -480,7 +465,10 @@ void run_decode(const Item& it, const Geometry& g, const T* q, const T* pool, co
       for (int64_t r = h * grp; r < (h + 1) * grp; ++r) scores<DV>(qf + r * d, k, n, s + r * stride + (b - it.b0) * bs);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) softmax_row(s + r * stride, keys, m[r], l[r]);
+  for (int64_t r = 0; r < rows; ++r) {
+    m[r] = row_max(s + r * stride, keys);
+    l[r] = row_exp(s + r * stride, keys, m[r]);
+  }
   constexpr int RP = DV <= 4 ? 3 : 1;
   for (int64_t b = it.b0; b < b1; ++b) {
     const T* base = slab_of(b) + kvh * g.tile();
