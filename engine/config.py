@@ -101,6 +101,10 @@ class EngineConfig:
     step_trace_size: int = 0           # > 0: keep the last N steps' timings (engine/step_trace.py)
     tensor_parallel_size: int = 1      # ranks one model is split over (engine/parallel/)
     packed_weights: bool = True        # CPU: linear layers on oneDNN-packed weights (engine/model/packed_linear.py)
+    # CPU float32, packed: also keep the linear weights in 16-output panels, read by a kernel that
+    # streams them faster in steps of <= 8 rows (batch-1..8 decodes); costs the weights' memory
+    # again. "auto": on when that copy is at most 1/8 of physical memory (engine/model/panel_weights.py)
+    panel_weights: str = "auto"
     attention_backend: str = "auto"    # "auto" (cpu_paged where its kernel builds, else torch_paged) or a name
                                        # from engine.attention.available_backends()
     # > 1: a prefill_only request's last prompt chunk reports its layers in this many groups while
@@ -118,6 +122,8 @@ class EngineConfig:
             raise ValueError(f"step_trace_size must be >= 0 records (0 = off), got {self.step_trace_size}")
         if self.prompt_layer_groups < 1:
             raise ValueError(f"prompt_layer_groups must be >= 1 (1 = no layer progress), got {self.prompt_layer_groups}")
+        if self.panel_weights not in ("auto", "on", "off"):
+            raise ValueError(f"panel_weights must be 'auto', 'on' or 'off', got {self.panel_weights!r}")
         if not self.attention_backend:
             raise ValueError("attention_backend must be 'auto' or a backend name such as 'torch_paged'")
         from engine.thread_pinning import parse_bind

@@ -24,7 +24,7 @@ class LLM:
                  disk_kv_dir: str = "", disk_kv_bytes: int = 0, preemption_mode: str = "auto",
                  kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
                  packed_weights: bool = True, omp_threads_bind: str = "auto",
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", panel_weights: str = "auto") -> None:
         """``tensor_parallel_size`` N > 1 splits the model over N ranks: this process is rank 0
         and N - 1 processes are spawned (close() or the end of the program stops them).
         ``omp_threads_bind``: "auto" (default: when torch has one intra-op thread per core of the
@@ -32,10 +32,10 @@ class LLM:
         calls generate() one thread per core while it steps (engine/thread_pinning.py; EngineConfig
         keeps "off", so cluster workers are not pinned). "auto" is "off" with tensor_parallel_size > 1.
         ``attention_backend``: "auto" (engine/attention/backend.py says which one it picks here and
-        why), "cpu_paged" or "torch_paged"."""
+        why), "cpu_paged" or "torch_paged". ``panel_weights``: "auto", "on" or "off" (EngineConfig)."""
         config = EngineConfig(
             model=model or "", device=device, dtype=dtype, seed=seed, tensor_parallel_size=tensor_parallel_size,
-            packed_weights=packed_weights, attention_backend=attention_backend,
+            packed_weights=packed_weights, attention_backend=attention_backend, panel_weights=panel_weights,
             omp_threads_bind="off" if tensor_parallel_size > 1 and omp_threads_bind == "auto" else omp_threads_bind,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,

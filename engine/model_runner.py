@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import logging
+
 import torch
 
 from engine.attention.backend import AttentionShape, get_attention_backend
@@ -17,11 +19,16 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.kv_pool import KVPool
 from engine.kv_quant import KVCacheSpec
 from engine.model.llama import LlamaForCausalLM
+from engine.attention.kernels import cpu_kernel_available
 from engine.model.packed_linear import can_pack
+from engine.model.panel_weights import MAX_ROWS as PANEL_MAX_ROWS
+from engine.model.panel_weights import resolve_panel_weights
 from engine.parallel.sharded_model import TPShard
 from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.tiers.storage import TierStorage
 from engine.tiers.types import KVMove
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,11 +67,13 @@ class ModelRunner:
                  cache_config: CacheConfig | None = None, max_model_len: int | None = None,
                  device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32",
                  attention_backend: str = "auto", tp: TPShard | None = None,
-                 packed_weights: bool = True) -> None:
+                 packed_weights: bool = True, panel_weights: str = "auto") -> None:
         """``tp``: hold one tensor-parallel rank's shard (its heads, its KV pool) of the model;
         ``state_dict`` is then that rank's slices (engine/parallel/shard_loader.py).
         ``packed_weights``: linear layers on oneDNN-packed weights where the device and dtype
-        allow (engine/model/packed_linear.py); a tensor-parallel shard keeps plain weights."""
+        allow (engine/model/packed_linear.py); a tensor-parallel shard keeps plain weights.
+        ``panel_weights``: with packed float32 weights on CPU, also a copy in 16-output panels
+        for steps of a few rows ("auto", "on", "off"; engine/model/panel_weights.py)."""
         cache_config = cache_config or CacheConfig()
         self.model_config = model_config
         self.device = torch.device(device)
@@ -85,7 +94,7 @@ class ModelRunner:
                                               dtype=self.dtype, max_positions=self.max_model_len)
                 self.model.load_hf_state_dict(state_dict)
                 if packed_weights and can_pack(self.device, self.dtype):
-                    self.model.pack_weights()
+                    self.model.pack_weights(panels=self._use_panels(panel_weights))
             else:
                 self.model = tp.build_model(model_config, state_dict, self.attention, device=self.device,
                                             dtype=self.dtype, max_positions=self.max_model_len)
@@ -103,7 +112,17 @@ class ModelRunner:
         return cls(model_config, state, cache_config=config.cache,
                    max_model_len=config.scheduler.max_model_len, device=config.device,
                    dtype=config.dtype, attention_backend=attention_backend or config.attention_backend,
-                   packed_weights=config.packed_weights)
+                   packed_weights=config.packed_weights, panel_weights=config.panel_weights)
+
+    def _use_panels(self, mode: str) -> bool:
+        if self.dtype != torch.float32 or not cpu_kernel_available():
+            resolve_panel_weights(mode, 0)          # still reject a bad mode
+            return False
+        use = resolve_panel_weights(mode, self.model.linear_weight_bytes())
+        if use:
+            log.info("model: linear weights also in 16-output panels for steps of <= %d rows (%.0f MB more)",
+                     PANEL_MAX_ROWS, self.model.linear_weight_bytes() / 1e6)
+        return use
 
     @property
     def num_blocks(self) -> int:

@@ -4,7 +4,8 @@ The kernel is compiled with ``torch.utils.cpp_extension`` (g++, ninja, ``-O3 -ma
 -fopenmp``) into a cache directory keyed by the source, the torch version and the CPU's
 flags, so a process builds it once per machine and every later process (and test) just
 loads the shared library; it registers ``torch.ops.pdserve.paged_attention``,
-``torch.ops.pdserve.rotary_kv_write`` (RoPE + the K/V write into the pool), ``silu_mul`` and
+``torch.ops.pdserve.rotary_kv_write`` (RoPE + the K/V write into the pool), ``silu_mul``,
+``rms_norm``, ``panel_linear`` (linear layers for a few rows, engine/model/panel_weights.py) and
 ``pin_intra_op_threads`` (engine/thread_pinning.py).
 
 Cache directory: ``$PDSERVE_KERNEL_DIR`` or ``~/.cache/pdserve/kernels``.
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "rotary_kv.cpp", _CSRC / "silu_mul.cpp",
-            _CSRC / "thread_affinity.cpp")
+            _CSRC / "thread_affinity.cpp", _CSRC / "panel_linear.cpp", _CSRC / "rms_norm.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 

@@ -17,6 +17,7 @@ from engine.batch import BatchInput
 from engine.config import ModelConfig
 from engine.model.layers import FusedLinear, RMSNorm, SwiGLU, _param
 from engine.model.packed_linear import pack_weight, packed_linear
+from engine.model.panel_weights import MAX_ROWS, panel_linear, panels_on_huge_pages
 from engine.model.rope import RotaryEmbedding
 
 
@@ -70,6 +71,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_panels: torch.Tensor | None = None
         self.to(device=device, dtype=dtype)
         scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
@@ -105,16 +107,30 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Normed last hidden states ``[N, hidden]`` -> logits ``[N, vocab]``."""
+        if self.lm_head_panels is not None and h.shape[0] <= MAX_ROWS:
+            return panel_linear(h, self.lm_head_panels, None, self.config.vocab_size)
         if self.lm_head_packed is not None:
             return packed_linear(h, self.lm_head_packed, None)
         return F.linear(h, self.lm_head_weight)
 
-    def pack_weights(self) -> None:
+    def linear_weight_bytes(self) -> int:
+        """Bytes of every projection's weight and the LM head's (what a copy of them costs)."""
+        linears = sum(m.weight.numel() * m.weight.element_size() for m in self.modules()
+                      if isinstance(m, FusedLinear))
+        return linears + self.lm_head_weight.numel() * self.lm_head_weight.element_size()
+
+    def pack_weights(self, panels: bool = False) -> None:
         """oneDNN-packed weights for every projection and the LM head (call after loading;
-        a tied LM head gets its own packed copy, the embedding stays as it is)."""
-        for module in self.modules():
-            if isinstance(module, FusedLinear):
-                module.pack()
+        a tied LM head gets its own packed copy, the embedding stays as it is). ``panels``:
+        also a copy in 16-output panels for steps of a few rows (engine/model/panel_weights.py)."""
+        linears = [m for m in self.modules() if isinstance(m, FusedLinear)]
+        if panels:
+            *per_linear, self.lm_head_panels = panels_on_huge_pages(
+                [m.weight.data for m in linears] + [self.lm_head_weight.data])
+            for module, p in zip(linears, per_linear):
+                module.add_panels(p)
+        for module in linears:
+            module.pack()
         self.lm_head_packed = pack_weight(self.lm_head_weight.data)
         if self.lm_head is not None:
             self.lm_head.data = self.lm_head.data.new_empty(0)
@@ -135,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm.weight.data.copy_(sd["model.norm.weight"])
         if self.lm_head is not None:
             self.lm_head.data = sd["lm_head.weight"].to(self.embed_tokens.dtype).to(self.embed_tokens.device).clone()
-        self.lm_head_packed = None
+        self.lm_head_packed = self.lm_head_panels = None
         try:
             for i, layer in enumerate(self.layers):
                 cast(DecoderLayer, layer).load_hf(sd, f"model.layers.{i}.")
