@@ -123,6 +123,8 @@ class ServeConfig:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1_000_000
     max_worker_queue: int = 256           # requests a worker queues (not yet running) before refusing more
+    decode_rebalance_interval: float = 1.0   # s between moves of hand-offs waiting for room on one decode
+                                             # worker to decode workers with free batch slots (0 = off)
     step_trace_size: int = 0              # > 0: each worker keeps its last N engine steps' timings
     request_timeout: float = 600.0
     stream_write_timeout: float = 30.0    # a streaming client that accepts no response this long is dropped
@@ -197,6 +199,9 @@ class ServeConfig:
         if self.step_trace_size < 0:
             raise ValueError(f"step_trace_size must be >= 0 records (0 = off), got {self.step_trace_size}")
         make_queue_order(self.queue_order, self.queue_max_pass_s)
+        if self.decode_rebalance_interval < 0:
+            raise ValueError(f"decode_rebalance_interval must be >= 0 seconds (0 = off), "
+                             f"got {self.decode_rebalance_interval}")
         if self.max_worker_queue < 0:
             raise ValueError(f"max_worker_queue must be >= 0 (0 = no bound), got {self.max_worker_queue}")
         if self.stream_write_timeout < 0:

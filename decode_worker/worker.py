@@ -41,7 +41,7 @@ from kvtransfer.engine import PeerInfo, TransferEngine, TransferStatus
 from kvtransfer.handle import KVHandle
 from kvtransfer.settings import TransferSettings
 from worker_api.base import WorkerBase
-from worker_api.messages import PullFailure, ReadyInfo, SubmitResult, WorkerReport, WorkItem
+from worker_api.messages import GiveBack, PullFailure, ReadyInfo, SubmitResult, WorkerReport, WorkItem
 from worker_api.protocol import DecodeWorkerAPI
 
 log = logging.getLogger("pdserve.decode")
@@ -57,6 +57,8 @@ class DecodeWorker(WorkerBase):
             self.transfer.expect_reads(False)
         self.kv = KVPull(self.transfer, self.kv_heads, self.tp_actors, self.settings.timeout)   # the pulls
         self._awaiting_room = 0             # handed-off requests waiting here for KV room
+        self._waiting_ids: dict[str, None] = {}   # their ids, oldest first
+        self._give_back: set[str] = set()   # of those, to hand back: another worker has room (give_back)
         self._cancelled: set[str] = set()   # aborted while their submit() was still in progress
         self._submitting: set[str] = set()
         self._pulling: set[str] = set()     # blocks allocated and being written by a transfer
@@ -189,6 +191,20 @@ class DecodeWorker(WorkerBase):
         # the reserved ones' submits come back `moved` and are routed elsewhere
         return await self._stop_taking_work(abort_first=reserved)
 
+    async def give_back(self, *, request_ids: Sequence[str]) -> GiveBack:
+        """Hand back those of ``request_ids`` that have not started here, for a decode worker
+        with free slots (cluster/orchestration/rebalance.py): hand-offs still waiting for room
+        (nothing of them is in this engine: their submits return ``moved`` + ``given_back``,
+        the lease still good) and requests queued in the engine with nothing computed (a
+        hand-off that waited past ``timeout`` and was queued to recompute here), aborted."""
+        if self._draining:
+            return GiveBack()
+        waiting = tuple(rid for rid in request_ids if rid in self._waiting_ids and rid not in self._cancelled)
+        self._give_back.update(waiting)
+        rest = [rid for rid in request_ids if rid not in self._waiting_ids]
+        queued = tuple(await self.aengine.call(lambda e: e.give_back(rest))) if rest else ()
+        return GiveBack(waiting_for_room=waiting, queued=queued)
+
     async def _pull(self, item: WorkItem, handle: KVHandle, first_token: int,
                     on_pull_failure: PullFailure) -> SubmitResult:
         request_id, prompt_token_ids, params, cache_salt = (item.request_id, item.prompt_token_ids,
@@ -212,6 +228,9 @@ class DecodeWorker(WorkerBase):
                     return SubmitResult(local_prefill=False, error="aborted before its KV arrived")
                 if self._draining:   # still queued for KV room: nothing joined, the lease is still good
                     return SubmitResult(local_prefill=False, joined=False, moved=True, error="draining")
+                if request_id in self._give_back:   # likewise: another decode worker has room now
+                    return SubmitResult(local_prefill=False, joined=False, moved=True, given_back=True,
+                                        error="given back: another decode worker has room")
                 try:
                     alloc = await self.aengine.call(add)
                 except QueueFull as e:   # nothing joined, the lease is still good
@@ -221,6 +240,7 @@ class DecodeWorker(WorkerBase):
                 if first:
                     first = False
                     self._awaiting_room += 1
+                    self._waiting_ids[request_id] = None
                 if time.monotonic() > deadline:   # no room: queue as a local recompute instead
                     await self.aengine.call(lambda e: _add_with_first_token(
                         e, request_id, prompt_token_ids, params, cache_salt, first_token))
@@ -229,6 +249,8 @@ class DecodeWorker(WorkerBase):
         finally:
             if not first:
                 self._awaiting_room -= 1
+                self._waiting_ids.pop(request_id, None)
+                self._give_back.discard(request_id)
         t0 = time.monotonic()
         room_wait = t0 - t_arrived
         status, nbytes, ndesc, err = TransferStatus.DONE, 0, 0, ""

@@ -200,7 +200,14 @@ class LLMEngine:
         """Abort the single-sample requests still queued with nothing computed (no
         token produced, no block written here) and return their ids: a host that
         stops taking work hands these to another engine."""
-        ids = self.scheduler.unstarted_request_ids()
+        return self.give_back(self.scheduler.unstarted_request_ids())
+
+    def give_back(self, request_ids: Iterable[str]) -> list[str]:
+        """Of ``request_ids``, abort those still queued with nothing computed (as
+        ``abort_unstarted``) and return their ids: a decode pool moves queued work to a worker
+        with free slots (cluster/orchestration/rebalance.py)."""
+        wanted = set(request_ids)
+        ids = [rid for rid in self.scheduler.unstarted_request_ids() if rid in wanted]
         for rid in ids:
             self.abort_request(rid)
         return ids

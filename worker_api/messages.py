@@ -52,6 +52,16 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class GiveBack:
+    """What a decode worker handed back (`give_back`): hand-offs that were waiting there for
+    room (their submits return `moved` + `given_back`), and requests that were queued in its
+    engine with nothing computed, aborted there (their submits had returned: the caller
+    continues them elsewhere)."""
+    waiting_for_room: tuple[str, ...] = ()
+    queued: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class SubmitResult:
     """How the request joined a decode worker. `transferred_blocks` is 0 for a
     local prefill; `recomputed` is True when a pull failed and the prompt is
@@ -67,6 +77,7 @@ class SubmitResult:
     joined: bool = True      # False: not in this engine (pull failed with PullFailure.REPORT, or moved)
     moved: bool = False      # the worker is draining: submit it elsewhere (the handle is still good)
     busy: bool = False       # with `moved`: its queue was full (SchedulerConfig.max_waiting)
+    given_back: bool = False  # with `moved`: it waited for room and another worker has some (give_back)
     block_ids: tuple[int, ...] = ()   # the request's blocks here after the pull (for explaining it)
     room_wait_seconds: float = 0.0    # waiting here for free KV blocks before the pull
     reserved: bool = False            # its blocks were reserved ahead (`reserve`): no wait for room

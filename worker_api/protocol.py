@@ -17,14 +17,14 @@ A hand-off, in calls (P a prefill worker, D a decode worker):
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Protocol, Sequence, TypeVar
 
 from engine.kv_events import KVSnapshot
 from engine.outputs import StepDelta
 from kvtransfer.engine import PeerInfo
 from kvtransfer.handle import KVHandle
-from worker_api.messages import (IntegrityReport, LeaseCounters, PrefillResult, PullFailure, ReadyInfo,
-                                 SubmitResult, WorkerReport, WorkItem)
+from worker_api.messages import (GiveBack, IntegrityReport, LeaseCounters, PrefillResult, PullFailure,
+                                 ReadyInfo, SubmitResult, WorkerReport, WorkItem)
 
 R_co = TypeVar("R_co", covariant=True)
 
@@ -114,6 +114,12 @@ class DecodeWorkerAPI(WorkerAPI, ReadAheadTarget, Protocol):
         """Reserve KV blocks for a prompt being prefilled elsewhere. False: none reserved."""
         ...
 
+    async def give_back(self, *, request_ids: Sequence[str]) -> GiveBack:
+        """Of ``request_ids``, those not started here, handed back for a worker with room:
+        hand-offs waiting for room (their submits return ``moved`` + ``given_back``) and
+        requests queued in the engine with nothing computed (aborted here)."""
+        ...
+
     def output_stream(self) -> AsyncIterator[list[StepDelta]]:
         """Every engine step's deltas, one list per step; the first list is empty."""
         ...
@@ -158,4 +164,5 @@ class PrefillWorkerHandle(WorkerHandle, Protocol):
 class DecodeWorkerHandle(WorkerHandle, ReadAheadHandle, Protocol):
     submit: RemoteMethod[SubmitResult]
     reserve: RemoteMethod[bool]
+    give_back: RemoteMethod[GiveBack]
     output_stream: RemoteStream

@@ -104,6 +104,9 @@ HELP = {
     "max_queued_tokens": "prompt + output tokens admitted at once; more get RESOURCE_EXHAUSTED",
     "max_worker_queue": "requests one worker queues before refusing more (sent to another worker; "
                         "all full: RESOURCE_EXHAUSTED); 0 = no bound",
+    "decode_rebalance_interval": "seconds between checks that move hand-offs waiting for a batch slot on "
+                                 "one decode worker to decode workers with free slots (a pool that grew "
+                                 "under a backlog); 0 = off",
     "step_trace_size": "each worker keeps its last N engine steps' timings and shapes (0 = off; "
                        "read with the workers' step_trace method)",
     "request_timeout": "default deadline in seconds when the client sets none",

@@ -57,6 +57,8 @@ class Metrics:
         self.routing = C("pdserve_routing_decisions", "Routing decisions by kind", ["kind"], registry=r)
         self.migrations = C("pdserve_request_migrations", "Requests moved to another decode worker "
                             "after theirs died", registry=r)
+        self.decode_rebalanced = C("pdserve_decode_rebalanced", "Hand-offs that waited for a batch slot on one "
+                                   "decode worker and moved to one with free slots", registry=r)
         self.decode_reservations = _decode_reservations(r)
         self.transfer_failures = C("pdserve_transfer_failures", "KV transfers that failed", registry=r)
         self.frontend_queue = G("pdserve_frontend_queue_depth", "Requests admitted and not finished",

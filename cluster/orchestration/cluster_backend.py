@@ -23,6 +23,7 @@ from cluster.orchestration.handoff import Handoff, Hooks, Shared
 from cluster.orchestration.journal import Journal
 from cluster.orchestration.launcher import WorkerRef
 from cluster.orchestration.pool import WorkerPool
+from cluster.orchestration.rebalance import DecodeRebalancer
 from cluster.router.router import Router
 from engine.outputs import StepDelta
 
@@ -49,12 +50,17 @@ class ClusterBackend(GenerationBackend):
         self._by_wid: dict[str, Handoff] = {}      # worker-side id of each current attempt -> hand-off
         self.autoscaler: Autoscaler | None = None
         self._autoscaling: asyncio.Task | None = None
+        self.rebalancer = DecodeRebalancer(self.pool, self._by_wid, config.max_num_seqs,
+                                           config.decode_rebalance_interval)
+        self._rebalancing: asyncio.Task | None = None
         # each request's first token: (TTFT s, prompt tokens its prefill computed); the autoscaler's
         self._first_token: Callable[[float, int], None] = lambda ttft_s, computed_tokens: None
 
     # ---------------------------------------------------------------- life
     async def start(self) -> None:
         await self.pool.start()
+        if self.config.decode_rebalance_interval > 0:
+            self._rebalancing = asyncio.get_running_loop().create_task(self.rebalancer.run())
         if self.config.autoscale:
             self.autoscaler = Autoscaler(self, self.config, self.metrics)
             self._first_token = self.autoscaler.first_token
@@ -64,6 +70,8 @@ class ClusterBackend(GenerationBackend):
                 self.metrics.pool_target_workers.labels(pool=pool).set(len(self.pool.serving(pool)))
 
     async def stop(self) -> None:
+        if self._rebalancing is not None:
+            self._rebalancing.cancel()
         if self._autoscaling is not None and self.autoscaler is not None:
             self._autoscaling.cancel()
             self.autoscaler.stop()

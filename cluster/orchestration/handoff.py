@@ -127,6 +127,7 @@ class Handoff:
         self.reservation: Reservation | None = None
         self.hold: FirstTokenHold | None = None       # while the first token waits for the decode node's admission
         self.sent: tuple[str, str] | None = None      # (id, node) of the routed prefill not ended yet
+        self.rebalance_to: str | None = None          # where to submit if the decode node gives it back
         shared.by_wid[self.wid] = self
 
     def _to(self, stage: Stage) -> None:
@@ -181,9 +182,9 @@ class Handoff:
                 case WorkerLost(error=err):
                     await self._migrate_or_raise(err)
                     continue
-                case Moved(worker_id=wid):   # a draining decode worker gave it back unstarted
+                case Moved(worker_id=wid, rebalanced=rebalanced):   # given back unstarted
                     if wid == self.decode_id:
-                        self.s.journal.note(self.job.request_id, Recovery.MOVED)
+                        self._note_move(rebalanced)
                         await self._continue(ContinueMode.ROUTE)
                     continue
                 case Counted(delta=delta):   # re-prefilled elsewhere: already in `emitted`
@@ -334,7 +335,12 @@ class Handoff:
             except BackendError as e:
                 raise _CallFailed(e) from e
             if not sub.moved:
+                self.rebalance_to = None      # a give-back that came too late: it joined here
                 return sub
+            if sub.given_back:            # it waited for room there; another worker has some (rebalance.py)
+                self._note_move(True)
+                decode_id = self._rebalance_target() or decode_id
+                continue
             if sub.busy:                  # its queue is full: the least-loaded one not tried yet
                 self.s.journal.note(job.request_id, Recovery.BUSY)
                 full.append(decode_id)
@@ -346,6 +352,16 @@ class Handoff:
             if decode_id == moved_from:
                 raise BackendError("UNAVAILABLE", f"decode worker {decode_id} is draining and no other "
                                    "one is live; retry the request", retry_after_s=1.0)
+
+    def _note_move(self, rebalanced: bool) -> None:
+        self.s.journal.note(self.job.request_id, Recovery.REBALANCED if rebalanced else Recovery.MOVED)
+        if rebalanced:
+            self.s.metrics.decode_rebalanced.inc()
+
+    def _rebalance_target(self) -> str | None:
+        """The live decode worker a rebalance planned for this request, once (else None)."""
+        target, self.rebalance_to = self.rebalance_to, None
+        return target if self.s.pool.live(target) is not None else None
 
     def _other_decode_or_raise(self, full: list[str]) -> str:
         decode_id = self.s.pool.other_decode(full)
@@ -451,7 +467,7 @@ class Handoff:
             if result.first.finish_reason:
                 return
             handle = result.handle
-        await self._submit(cont, decision.decode_worker_id, handle,
+        await self._submit(cont, self._rebalance_target() or decision.decode_worker_id, handle,
                            first_token=result.first_token if result is not None else None)
 
     def _next_attempt(self) -> GenerateJob:
@@ -500,14 +516,20 @@ class Handoff:
             self._unhold("decode worker lost")
             self.queue.put_nowait(WorkerLost(error))
 
-    def moved(self, worker_id: str) -> None:
+    def moved(self, worker_id: str, rebalanced: bool = False) -> None:
         if worker_id == self.decode_id:
-            self._unhold("decode worker draining")
-            self.queue.put_nowait(Moved(worker_id))
+            self._unhold("decode worker rebalancing" if rebalanced else "decode worker draining")
+            self.queue.put_nowait(Moved(worker_id, rebalanced))
 
     def _unhold(self, reason: str) -> None:
         if self.hold is not None:
             self.hold.end(reason)
+
+    def may_wait_on(self, worker_id: str) -> bool:
+        """It may be waiting on decode worker ``worker_id`` for a slot: joining it (a hand-off
+        waiting for room) or joined (perhaps queued, not started); single-sample, no move planned."""
+        return self.stage in (Stage.HANDED_OFF, Stage.DECODING) and self.decode_id == worker_id \
+            and self.rebalance_to is None and self.job.sampling.n == 1
 
     def uses(self, worker_id: str) -> bool:
         return worker_id in (self.decode_id, self.prefill_id)

@@ -23,6 +23,7 @@ class Recovery(enum.Enum):
     REPREFILLED = "reprefilled"           # ... then prefilled again on another prefill node
     NO_KV_ROOM = "no_kv_room"             # no KV room on the decode node within transfer_timeout
     BUSY = "busy"                         # a worker's queue was full (max_worker_queue)
+    REBALANCED = "rebalanced"             # waited for room on a decode worker, moved to one with room
     LEASE_RENEWAL = "lease_renewals"      # the frontend renewed a prefill node's lease
 
 
@@ -37,6 +38,7 @@ class RecoveryCounters:
     reprefilled: int = 0
     no_kv_room: int = 0
     busy: int = 0
+    rebalanced: int = 0
     lease_renewals: int = 0
 
 

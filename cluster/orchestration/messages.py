@@ -28,8 +28,10 @@ class WorkerLost:
 
 @dataclass(frozen=True)
 class Moved:
-    """The draining worker `worker_id` gave the request back unstarted."""
+    """The worker `worker_id` gave the request back unstarted: it drains, or (`rebalanced`)
+    another decode worker has free slots (rebalance.py)."""
     worker_id: str
+    rebalanced: bool = False
 
 
 Message = Tokens | Counted | WorkerLost | Moved

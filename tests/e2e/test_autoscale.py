@@ -2,7 +2,9 @@
 the bench harness sends load one worker of a pool cannot hold (decode: streams long enough, at
 the speed measured on the cluster just before, to keep three workers' sequences busy; prefill:
 prompt tokens/s over the capacity the controller is given), the pool grows within its bound; the load stops, the pool shrinks back to its minimum. Every request finishes with
-the tokens of an undisturbed greedy run, and no KV block or lease is left behind.
+the tokens of an undisturbed greedy run, and no KV block or lease is left behind. The decode
+backlog queued on the first worker moves to free slots on the workers added under it
+(orchestration/rebalance.py).
 
 Bounds stated: with a decision every 0.5 s and a 3 s cool-down, a pool grows within 20 s
 of the load starting and is back at its minimum within 60 s of the load ending."""
@@ -215,6 +217,8 @@ def test_pool_grows_under_load_and_shrinks_back(cluster, hf, pool, n, distinct, 
         cluster.sample("pdserve_autoscale_decisions_total", pool=pool, direction="up", reason="queue")
     downs = cluster.sample("pdserve_autoscale_decisions_total", pool=pool, direction="down", reason="idle")
     assert ups >= 1 and downs >= 1
+    if pool == "decode":   # the backlog queued on the first worker moved to free slots on the added ones
+        assert cluster.sample("pdserve_decode_rebalanced_total") > 0
     assert cluster.sample("pdserve_pool_target_workers", pool=pool) == low
     assert cluster.backend.autoscaler.controller.max_total_workers == 4
     assert watch.fleet_peak() <= 4      # the cap held, in every interval of the run

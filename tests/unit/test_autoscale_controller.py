@@ -317,6 +317,11 @@ def test_no_prompts_for_the_idle_hold_drains_both_pools_to_min_at_once():
     assert all(d.prefill.reason is not Reason.IDLE and d.decode.reason is not Reason.IDLE for d in out)
     out = replay(cfg, [busy] + [({"rate": 0.0, "queued": 5000}, {"running": 40})] * 6, p0=8, d0=6)
     assert all(d.prefill.target == 8 and d.decode.target == 6 for d in out)
+    # hand-offs waiting for a decode slot: the decode pool keeps its workers (prefill still shrinks)
+    backlog = ({"rate": 0.0}, {"running": 40, "waiting": 90})
+    out = replay(cfg, [busy] * 4 + [backlog] * 4, p0=8, d0=6)
+    assert out[6].prefill.target == 2 and out[6].prefill.reason is Reason.IDLE
+    assert all(d.decode.target == 6 for d in out)
     # off (None): the ordinary hold and steps only
     out = replay(config(idle_hold_s=None), [busy] * 4 + [quiet] * 4, p0=8, d0=6)
     assert all(d.prefill.target == 8 and d.decode.target == 6 for d in out)

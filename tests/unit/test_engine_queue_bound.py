@@ -41,3 +41,13 @@ def test_no_bound_by_default_and_bad_bound_rejected(tiny_llama_dir):
     assert e.stats().waiting == 50
     with pytest.raises(ValueError, match="max_waiting"):
         SchedulerConfig(max_waiting=-1)
+
+
+def test_give_back_aborts_only_the_named_requests_not_started(engine):
+    p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for rid, last in (("a", 7), ("b", 8), ("c", 9)):
+        engine.add_request(rid, [5, 6, last], p, bounded=False)
+    engine.step()                                               # "a" runs (max_num_seqs 1)
+    assert engine.give_back(["a", "c", "unknown"]) == ["c"]     # "a" started; "b" not named
+    assert engine.stats().waiting == 1 and engine.stats().running == 1
+    engine.check_integrity()

@@ -98,9 +98,12 @@ first prompt at once). The start split has to be right for that long (the planne
 `split_at_cap`).
 
 **Idle**: no prompt tokens arrived and none queued for ``idle_hold_s``: neither pool
-gets new work, and more workers cannot speed up what is in flight (requests do not
+gets new work, and more workers cannot speed up what runs (a running sequence does not
 move), so both pools drain to their minimum at once instead of a step per cool-down;
-the drained workers finish what they hold. This is where an autoscaled fleet stops
+the drained workers finish what they hold. Not the decode pool while hand-offs wait
+there for a batch slot: a drain would send them to the workers that stay, behind their
+own queues, where more workers start them sooner (orchestration/rebalance.py moves them
+to free slots); it shrinks by the ordinary rules, or once nothing waits. This is where an autoscaled fleet stops
 paying for a fixed fleet's idle tail. With ``PrefillSignals.since_last_prompt_s`` the lull
 counts from the last prompt's arrival (a rate over a window would report it a window late).
 
@@ -512,7 +515,8 @@ def decide(config: AutoscaleConfig, signals: FleetSignals, state: ControllerStat
     idle_since = _idle_since(signals.prefill, state.idle_since, now)
     if config.idle_hold_s is not None and idle_since is not None and now - idle_since >= config.idle_hold_s:
         p, ps = _to_min(p, ps, config.prefill, now)
-        d, ds = _to_min(d, ds, config.decode, now)
+        if signals.decode.waiting == 0:   # hand-offs waiting for a slot start sooner on more workers
+            d, ds = _to_min(d, ds, config.decode, now)
     p2, d2 = _fleet_cap(p, d, config.max_total_workers, config.decode_first_under_cap, config.prefill.min_workers,
                         signals.draining)
     # a trimmed scale-out that ended at no change must not start the scale-out cool-down
