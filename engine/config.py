@@ -103,7 +103,8 @@ class EngineConfig:
     packed_weights: bool = True        # CPU: linear layers on oneDNN-packed weights (engine/model/packed_linear.py)
     # CPU float32, packed: also keep the linear weights in 16-output panels, read by a kernel that
     # streams them faster in steps of <= 8 rows (batch-1..8 decodes); costs the weights' memory
-    # again. "auto": on when that copy is at most 1/8 of physical memory (engine/model/panel_weights.py)
+    # again. "auto": on when that copy is at most 1/8 of the memory (a container's limit where lower;
+    # engine/model/panel_weights.py)
     panel_weights: str = "auto"
     attention_backend: str = "auto"    # "auto" (cpu_paged where its kernel builds, else torch_paged) or a name
                                        # from engine.attention.available_backends()

@@ -13,11 +13,12 @@ on 4 KiB pages the stream misses the TLB every 4 KiB (huge pages read them 6-8% 
 
 The panels are a second copy of the weights, next to the oneDNN-packed one: they cost the
 weights' memory again. ``EngineConfig.panel_weights`` decides ("auto": when that copy is at
-most an eighth of the machine's memory).
+most an eighth of the machine's memory, or of the container's limit where lower).
 """
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -26,7 +27,7 @@ from engine import huge_pages
 PANEL = 16
 MAX_ROWS = 8        # steps of at most this many rows use the panels: 1.25-1.4x oneDNN up to 8,
                     # level at 16, slower from 32 (benchmarks/small_linear.py)
-AUTO_MEMORY_SHARE = 8   # "auto": on when the copy is at most 1/8 of physical memory
+AUTO_MEMORY_SHARE = 8   # "auto": on when the copy is at most 1/8 of the process's memory
 
 
 def panel_shape(weight: torch.Tensor) -> tuple[int, int, int]:
@@ -65,19 +66,33 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.pdserve.panel_linear(x, panels, bias, n)
 
 
-def physical_memory_bytes() -> int:
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max",                      # cgroup v2
+                  "/sys/fs/cgroup/memory/memory.limit_in_bytes")     # cgroup v1
+
+
+def process_memory_bytes(cgroup_files: tuple[str, ...] = _CGROUP_LIMITS) -> int:
+    """This process's memory: the machine's physical memory, or its container's (cgroup)
+    limit when lower (a pod on a large node); 0 when unknown."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return 0
+        total = 0
+    for path in cgroup_files:
+        try:
+            text = Path(path).read_text().strip()      # "max" when unlimited
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < (total or int(text) + 1):
+            total = int(text)
+    return total
 
 
 def resolve_panel_weights(mode: str, weight_bytes: int, memory_bytes: int | None = None) -> bool:
     """``"on"``/``"off"`` as given; ``"auto"``: on when ``weight_bytes`` (the copy) is at most
-    1/8 of ``memory_bytes`` (default: this machine's physical memory)."""
+    1/8 of ``memory_bytes`` (default: ``process_memory_bytes()``, the container's limit where lower)."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"panel_weights must be 'auto', 'on' or 'off', got {mode!r}")
     if mode != "auto":
         return mode == "on"
-    memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
+    memory = process_memory_bytes() if memory_bytes is None else memory_bytes
     return 0 < weight_bytes * AUTO_MEMORY_SHARE <= memory

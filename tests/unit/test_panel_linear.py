@@ -116,3 +116,18 @@ def test_engine_greedy_tokens_same_with_and_without_panels(model, request):
         assert single == batched
         runs[mode] = single
     assert runs["on"] == runs["off"]
+
+
+def test_process_memory_is_the_container_limit_where_lower(tmp_path):
+    from engine.model.panel_weights import process_memory_bytes
+
+    machine = process_memory_bytes(())
+    assert machine > 0
+    v2, v1 = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    v2.write_text("max\n")                      # cgroup v2, unlimited
+    assert process_memory_bytes((str(v2),)) == machine
+    v1.write_text(f"{4 << 30}\n")               # a 4 GiB pod
+    assert process_memory_bytes((str(v2), str(v1))) == min(machine, 4 << 30)
+    v1.write_text(f"{machine * 4}\n")           # a limit above the machine's memory: the machine's
+    assert process_memory_bytes((str(v1),)) == machine
+    assert process_memory_bytes((str(tmp_path / "absent"),)) == machine
