@@ -20,7 +20,8 @@ slots (``give_back``), each planned for one target:
   prompt + streamed tokens (as a drained worker's are), decoding on the target; its prompt is
   computed once, as it would have been there.
 
-Requests of other frontends are left to them. Counted in ``pdserve_decode_rebalanced_total`` and,
+Requests of other frontends are left to them, and colocated workers' queues too (prompts routed
+where their prefix is cached). Counted in ``pdserve_decode_rebalanced_total`` and,
 per request, in its journal (``Recovery.REBALANCED``).
 """
 from __future__ import annotations
@@ -82,8 +83,11 @@ class DecodeRebalancer:
 
     async def tick(self) -> int:
         """One comparison of the decode workers; the number of hand-offs moved."""
+        # decode pools only: a colocated worker's queue is prompts routed to where their prefix is
+        # cached, which moving would compute again
         live = {v.worker_id: v.load for v in self.pool.router.view.decode
-                if self.pool.live(v.worker_id) is not None and v.worker_id not in self.pool.draining}
+                if v.pool == "decode" and self.pool.live(v.worker_id) is not None
+                and v.worker_id not in self.pool.draining}
         moves = plan_moves({w: (load.running, load.waiting) for w, load in live.items()}, self.max_num_seqs)
         moved = 0
         for move in moves:
