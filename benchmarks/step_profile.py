@@ -5,8 +5,12 @@ tokens, greedy, ignore_eos, and after the prefill times `--steps` pure decode st
 step is cut into parts by timing the engine's own calls (wrapped on the instance, nothing
 changed in the engine):
 
-- ``forward``: the model's forward (``model.forward``) less attention;
-- ``attention``: the attention backend's per-layer ``forward`` calls (K/V write + attend);
+- ``forward``: the model's forward (``model.forward``) less attention and the linear layers:
+  norms, activations, residual adds and the Python between them;
+- ``linear``: the linear layers (every ``FusedLinear`` and the LM head: oneDNN-packed weights,
+  or their 16-output panels for steps of <= 8 rows);
+- ``attention``: the attention backend's per-layer ``forward_qkv`` calls (RoPE + K/V write +
+  attend);
 - ``attention_plan``: the backend's per-step ``plan`` (index tensors shared by all layers);
 - ``sampling``: ``Sampler.sample``;
 - ``scheduling``: ``Scheduler.schedule``;
@@ -36,9 +40,10 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
+from engine.model.layers import FusedLinear
 from engine.sampling_params import SamplingParams
 
-PARTS = ("forward", "attention", "attention_plan", "sampling", "scheduling", "inputs", "output")
+PARTS = ("forward", "linear", "attention", "attention_plan", "sampling", "scheduling", "inputs", "output")
 
 
 class Timers:
@@ -93,7 +98,11 @@ def profile(args, batch: int) -> dict:
     timers.wrap(runner, "build_inputs", "inputs")
     timers.wrap(runner.model, "forward", "model")
     timers.wrap(runner.attention, "plan", "attention_plan")
-    timers.wrap(runner.attention, "forward", "attention")
+    timers.wrap(runner.attention, "forward_qkv", "attention")    # what the model calls (it may call forward)
+    for module in runner.model.modules():
+        if isinstance(module, FusedLinear):
+            timers.wrap(module, "forward", "linear")
+    timers.wrap(runner.model, "logits", "linear")
     timers.wrap(engine.sampler, "sample", "sampling")
     steps: list[dict[str, float]] = []
     for _ in range(args.steps):
@@ -104,7 +113,8 @@ def profile(args, batch: int) -> dict:
         model = acc.get("model", 0.0)
         attn = acc.get("attention")
         plan = acc.get("attention_plan", 0.0)
-        part = {"total": total, "forward": model - (attn or 0.0) - plan, "attention": attn,
+        linear = acc.get("linear", 0.0)
+        part = {"total": total, "forward": model - (attn or 0.0) - plan - linear, "linear": linear, "attention": attn,
                 "attention_plan": plan, "sampling": acc.get("sampling", 0.0),
                 "scheduling": acc.get("scheduling", 0.0), "inputs": acc.get("inputs", 0.0)}
         part["output"] = total - sum(v or 0.0 for k, v in part.items() if k != "total")
@@ -114,7 +124,7 @@ def profile(args, batch: int) -> dict:
             for k in ("total",) + PARTS}
     tot = mean["total"]
     share = {k: (round(v / tot, 4) if v is not None else None) for k, v in mean.items() if k != "total"}
-    non_forward = 1.0 - (share["forward"] or 0.0) - (share["attention"] or 0.0)
+    non_forward = 1.0 - (share["forward"] or 0.0) - share["linear"] - (share["attention"] or 0.0)
     return {"batch": batch, "ctx": args.ctx, "prefill_tok_per_s": round(batch * args.ctx / t_prefill, 1),
             "step_ms_median": round(med["total"] * 1e3, 2),
             "step_ms_mean": round(tot * 1e3, 2), "tok_per_s": round(batch / med["total"], 1),
