@@ -48,15 +48,14 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     weights = [torch.randn(*s) / 24 for _ in range(LAYERS) for s in SHAPES.values()] + [torch.randn(*LM_HEAD) / 24]
-    plain = weights
     onednn = [pack_weight(w) for w in weights]
     panels = panels_on_huge_pages(weights)      # as the engine keeps them
     nbytes = sum(w.numel() * 4 for w in weights)
     big = torch.randn(nbytes // 4)
     ways = {
-        "panel": lambda xs: [panel_linear(x, p, None, w.shape[0]) for x, p, w in zip(xs, panels, plain)],
+        "panel": lambda xs: [panel_linear(x, p, None, w.shape[0]) for x, p, w in zip(xs, panels, weights)],
         "onednn": lambda xs: [packed_linear(x, p, None) for x, p in zip(xs, onednn)],
-        "mkl": lambda xs: [F.linear(x, w) for x, w in zip(xs, plain)],
+        "mkl": lambda xs: [F.linear(x, w) for x, w in zip(xs, weights)],
     }
     out: dict = {"benchmark": "small_linear", "threads": args.threads, "weight_mb": round(nbytes / 1e6, 1),
                  "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": {}}

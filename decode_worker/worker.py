@@ -56,8 +56,7 @@ class DecodeWorker(WorkerBase):
         if self.transfer is not None:   # a reader only: nobody reads this pool, no passive side to progress
             self.transfer.expect_reads(False)
         self.kv = KVPull(self.transfer, self.kv_heads, self.tp_actors, self.settings.timeout)   # the pulls
-        self._awaiting_room = 0             # handed-off requests waiting here for KV room
-        self._waiting_ids: dict[str, None] = {}   # their ids, oldest first
+        self._waiting_ids: set[str] = set()   # handed-off requests waiting here for KV room
         self._give_back: set[str] = set()   # of those, to hand back: another worker has room (give_back)
         self._cancelled: set[str] = set()   # aborted while their submit() was still in progress
         self._submitting: set[str] = set()
@@ -65,6 +64,11 @@ class DecodeWorker(WorkerBase):
         self._reserved: dict[str, RemoteAllocation] = {}   # blocks reserved ahead of a submit
         self._reservation_expiries = 0      # reservations freed unclaimed (reported, cumulative)
         self._expiring: dict[str, asyncio.Event] = {}   # expiries still freeing their blocks
+
+    @property
+    def _awaiting_room(self) -> int:
+        """Handed-off requests waiting here for KV room."""
+        return len(self._waiting_ids)
 
     def _ready_info(self) -> ReadyInfo:
         info = super()._ready_info()
@@ -239,8 +243,7 @@ class DecodeWorker(WorkerBase):
                     break
                 if first:
                     first = False
-                    self._awaiting_room += 1
-                    self._waiting_ids[request_id] = None
+                    self._waiting_ids.add(request_id)
                 if time.monotonic() > deadline:   # no room: queue as a local recompute instead
                     await self.aengine.call(lambda e: _add_with_first_token(
                         e, request_id, prompt_token_ids, params, cache_salt, first_token))
@@ -248,8 +251,7 @@ class DecodeWorker(WorkerBase):
                 await asyncio.sleep(0.005)
         finally:
             if not first:
-                self._awaiting_room -= 1
-                self._waiting_ids.pop(request_id, None)
+                self._waiting_ids.discard(request_id)
                 self._give_back.discard(request_id)
         t0 = time.monotonic()
         room_wait = t0 - t_arrived

@@ -123,8 +123,9 @@ class EngineConfig:
             raise ValueError(f"step_trace_size must be >= 0 records (0 = off), got {self.step_trace_size}")
         if self.prompt_layer_groups < 1:
             raise ValueError(f"prompt_layer_groups must be >= 1 (1 = no layer progress), got {self.prompt_layer_groups}")
-        if self.panel_weights not in ("auto", "on", "off"):
-            raise ValueError(f"panel_weights must be 'auto', 'on' or 'off', got {self.panel_weights!r}")
+        from engine.model.panel_weights import check_panel_mode
+
+        check_panel_mode(self.panel_weights)
         if not self.attention_backend:
             raise ValueError("attention_backend must be 'auto' or a backend name such as 'torch_paged'")
         from engine.thread_pinning import parse_bind

@@ -6,20 +6,19 @@ decode hot path), prefill-like sequences first and decodes after.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
-
-import logging
 
 import torch
 
 from engine.attention.backend import AttentionShape, get_attention_backend
+from engine.attention.kernels import cpu_kernel_available
 from engine.batch import AttentionMetadata, BatchInput
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.kv_pool import KVPool
 from engine.kv_quant import KVCacheSpec
 from engine.model.llama import LlamaForCausalLM
-from engine.attention.kernels import cpu_kernel_available
 from engine.model.packed_linear import can_pack
 from engine.model.panel_weights import MAX_ROWS as PANEL_MAX_ROWS
 from engine.model.panel_weights import resolve_panel_weights
@@ -115,13 +114,11 @@ class ModelRunner:
                    packed_weights=config.packed_weights, panel_weights=config.panel_weights)
 
     def _use_panels(self, mode: str) -> bool:
-        if self.dtype != torch.float32 or not cpu_kernel_available():
-            resolve_panel_weights(mode, 0)          # still reject a bad mode
-            return False
-        use = resolve_panel_weights(mode, self.model.linear_weight_bytes())
+        nbytes = self.model.linear_weight_bytes()
+        use = resolve_panel_weights(mode, nbytes) and self.dtype == torch.float32 and cpu_kernel_available()
         if use:
             log.info("model: linear weights also in 16-output panels for steps of <= %d rows (%.0f MB more)",
-                     PANEL_MAX_ROWS, self.model.linear_weight_bytes() / 1e6)
+                     PANEL_MAX_ROWS, nbytes / 1e6)
         return use
 
     @property

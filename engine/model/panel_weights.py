@@ -87,11 +87,15 @@ def process_memory_bytes(cgroup_files: tuple[str, ...] = _CGROUP_LIMITS) -> int:
     return total
 
 
+def check_panel_mode(mode: str) -> None:
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"panel_weights must be 'auto', 'on' or 'off', got {mode!r}")
+
+
 def resolve_panel_weights(mode: str, weight_bytes: int, memory_bytes: int | None = None) -> bool:
     """``"on"``/``"off"`` as given; ``"auto"``: on when ``weight_bytes`` (the copy) is at most
     1/8 of ``memory_bytes`` (default: ``process_memory_bytes()``, the container's limit where lower)."""
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"panel_weights must be 'auto', 'on' or 'off', got {mode!r}")
+    check_panel_mode(mode)
     if mode != "auto":
         return mode == "on"
     memory = process_memory_bytes() if memory_bytes is None else memory_bytes
