@@ -177,7 +177,7 @@ def streams_one_worker_cannot_hold(cluster: Cluster, rate: float) -> int:
 
 
 @pytest.mark.parametrize("pool, n, distinct, prompt_len, output_len, rate", [
-    ("decode", 180, 8, 24, None, 12.0),   # 15 s of 12 streams/s, long enough to need 3 workers' sequences
+    ("decode", 120, 8, 24, None, 12.0),   # 10 s of 12 streams/s, long enough to need 3 workers' sequences
     ("prefill", 150, 150, 480, 2, 10.0),  # 15 s of 10 x 480 prompt tokens/s against 1500 per worker
 ])
 def test_pool_grows_under_load_and_shrinks_back(cluster, hf, pool, n, distinct, prompt_len, output_len, rate):

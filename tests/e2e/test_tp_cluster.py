@@ -1,6 +1,6 @@
 """Tensor-parallel workers in a real cluster (local Ray, gRPC on loopback, tcp KV hand-off):
-prefill TP 2 -> decode TP 1, 1 -> 2 and 2 -> 2 on a tiny Llama with 2 KV heads (2 -> 2 on a tiny
-Qwen2 too), and on a Llama with 1 KV head (replicated on both ranks of a TP 2 worker); each decode rank reads exactly its KV heads from the prefill ranks that hold them.
+prefill TP 2 -> decode TP 1 and 1 -> 2 on a tiny Llama with 2 KV heads, 2 -> 2 on a tiny Qwen2 with
+the same KV layout, and all three on a Llama with 1 KV head (replicated on both ranks of a TP 2 worker); each decode rank reads exactly its KV heads from the prefill ranks that hold them.
 Greedy tokens equal transformers `generate`; the bytes moved are the model's KV once per
 replica; the prefill node's leases all end (every rank's read done, then rank 0 notified);
 and a rank that dies (of a decode or a prefill worker) takes its worker down, which comes
@@ -87,10 +87,10 @@ def _serve_and_compare(cluster: Cluster, model_dir, kv_heads: int, decode_tp: in
     cluster.wait_idle()                   # leases all ended: every decode rank read, then rank 0 notified
 
 
-# every mix on the Llamas (2 KV heads, split; 1 KV head, replicated); Qwen2's hand-off is the same
-# KV layout, so it runs the 2 -> 2 mix here (its sharded projections' biases: test_tensor_parallel.py)
-@pytest.mark.parametrize("model,prefill_tp,decode_tp", [("llama", 2, 1), ("llama", 1, 2), ("llama", 2, 2),
-                                                        ("qwen2", 2, 2),
+# every mix: 2 KV heads split (2 -> 1 and 1 -> 2 on the Llama, 2 -> 2 on Qwen2, whose hand-off has the
+# Llama's KV layout: one 2 -> 2 run covers both; its sharded projections' biases: test_tensor_parallel.py)
+# and 1 KV head replicated on every rank (the Llama, all three mixes)
+@pytest.mark.parametrize("model,prefill_tp,decode_tp", [("llama", 2, 1), ("llama", 1, 2), ("qwen2", 2, 2),
                                                         ("llama-1kv", 1, 2), ("llama-1kv", 2, 1),
                                                         ("llama-1kv", 2, 2)])
 def test_tp_mix_hands_off_and_matches_transformers(request, tmp_path_factory, model, prefill_tp, decode_tp):
