@@ -18,6 +18,11 @@ changed in the engine):
 - ``output``: the rest of ``step()``: scheduler update, stop checks, detokenisation, deltas,
   KV moves, logits cast.
 
+With the layers in one C++ call (engine/model/layer_stack.py: steps of <= 8 rows, the default where
+the panels are kept) the per-layer parts are inside it: ``forward`` is then the whole stack (its
+linear layers and attention included) and ``linear`` the LM head only. ``--layer-stack on off``
+profiles both ways (``off``: the model's Python loop over the layers, which the parts above cut up).
+
 ``--plain-weights`` runs the linear layers on plain weights (``F.linear``, MKL) instead of
 oneDNN-packed ones (the default, engine/model/packed_linear.py). Shares are of the median step; the goal (issue 26)
 is everything but forward+attention under 10% at batch 1 and under 5% at batch 32.
@@ -25,6 +30,7 @@ Prints one JSON line.
 
   python benchmarks/step_profile.py                      # batch 1 and 32, fp32, eager
   python benchmarks/step_profile.py --plain-weights      # linear layers on plain weights
+  python benchmarks/step_profile.py --batch 1 4 --layer-stack on off   # the layer stack against the loop
 """
 from __future__ import annotations
 
@@ -78,8 +84,11 @@ def build_engine(args, batch: int) -> LLMEngine:
     return LLMEngine(config)
 
 
-def profile(args, batch: int) -> dict:
+def profile(args, batch: int, layer_stack: str = "on") -> dict:
     engine = build_engine(args, batch)
+    stacked = engine.runner.model.layer_stack is not None and layer_stack == "on"
+    if not stacked:
+        engine.runner.model.layer_stack = None
     rng = random.Random(0)
     vocab = engine.vocab_size
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
@@ -125,7 +134,7 @@ def profile(args, batch: int) -> dict:
     tot = mean["total"]
     share = {k: (round(v / tot, 4) if v is not None else None) for k, v in mean.items() if k != "total"}
     non_forward = 1.0 - (share["forward"] or 0.0) - share["linear"] - (share["attention"] or 0.0)
-    return {"batch": batch, "ctx": args.ctx, "prefill_tok_per_s": round(batch * args.ctx / t_prefill, 1),
+    return {"batch": batch, "ctx": args.ctx, "layer_stack": stacked, "prefill_tok_per_s": round(batch * args.ctx / t_prefill, 1),
             "step_ms_median": round(med["total"] * 1e3, 2),
             "step_ms_mean": round(tot * 1e3, 2), "tok_per_s": round(batch / med["total"], 1),
             "ms_mean": {k: (round(v * 1e3, 3) if v is not None else None) for k, v in mean.items() if k != "total"},
@@ -145,8 +154,11 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--attention-backend", default="auto", help="auto, torch_paged or cpu_paged")
     ap.add_argument("--plain-weights", action="store_true", help="F.linear on plain weights (packed_weights=False)")
+    ap.add_argument("--layer-stack", nargs="+", default=["on"], choices=("on", "off"),
+                    help="steps of <= 8 rows through the C++ layer stack (on, where the panels are kept) or "
+                         "the model's Python loop (off); both: each batch profiled both ways")
     args = ap.parse_args()
-    rows = [profile(args, b) for b in args.batch]
+    rows = [profile(args, b, mode) for b in args.batch for mode in args.layer_stack]
     print(json.dumps({"benchmark": "step_profile", "dtype": args.dtype, "packed_weights": not args.plain_weights,
                       "attention_backend": args.attention_backend,
                       "threads": torch.get_num_threads(), "isa": torch.backends.cpu.get_cpu_capability(),

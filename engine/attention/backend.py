@@ -9,7 +9,10 @@ head_dim]`` for the torch backend) and two steps:
 - ``forward(plan, layer, q, k, v)``: write this layer's new K/V into the pool
   at ``slot_mapping`` and return the attention output ``[T, heads*head_dim]``;
   ``forward_qkv(plan, layer, qkv, rope)`` is what the model calls: RoPE on the fused
-  projection's q and k, then ``forward`` (``cpu_paged`` does both in one op).
+  projection's q and k, then ``forward`` (``cpu_paged`` does both in one op);
+- ``kernel_step_args(plan)``: the plan's tensors for the C++ decoder-layer stack
+  (engine/model/layer_stack.py), where the backend's kernels can run a step's layers
+  without Python between them (``cpu_paged``, float32); ``None`` elsewhere.
 
 With a quantized cache (``kv_spec.quantized``) the backend quantizes K/V as
 it writes them and dequantizes what it reads (:mod:`engine.kv_quant`).
@@ -58,6 +61,18 @@ class AttentionShape:
 PlanT = TypeVar("PlanT")      # a backend's per-step plan
 
 
+@dataclass(frozen=True)
+class KernelStepArgs:
+    """What ``torch.ops.pdserve.decoder_layers`` needs of a step's plan: the K/V write's slots
+    and the paged attention's tables (csrc/decoder_layers.cpp)."""
+    pool: torch.Tensor             # [blocks, layers, 2, kv_heads, block_size, head_dim], float32
+    slot_mapping: torch.Tensor     # int64 [T]
+    block_tables: torch.Tensor     # int64 [S, MB]
+    query_start_loc: torch.Tensor  # int64 [S+1]
+    context_lens: torch.Tensor     # int64 [S]
+    scale: float
+
+
 class AttentionBackend(ABC, Generic[PlanT]):
     name: str = "abstract"
 
@@ -84,6 +99,11 @@ class AttentionBackend(ABC, Generic[PlanT]):
         qk = apply_rotary(qkv[:, :(nh + nkv) * hd].view(t, nh + nkv, hd), *rope)
         v = qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
         return self.forward(plan, layer, qk[:, :nh], qk[:, nh:], v)
+
+    def kernel_step_args(self, plan: PlanT) -> KernelStepArgs | None:
+        """The plan's tensors when this step's layers can run in the C++ layer stack (the
+        cpu_paged kernel's float32 plans); ``None``: the model's Python loop runs them."""
+        return None
 
 
 # name -> "module:Class"; imported lazily so optional backends cost nothing

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backend import AttentionShape
+from engine.attention.backend import AttentionShape, KernelStepArgs
 from engine.attention.kernels import load_cpu_kernel
 from engine.attention.pool_views import PlainPoolView
 from engine.attention.torch_paged import TorchPagedAttention, TorchPagedPlan
@@ -105,6 +105,13 @@ class CpuPagedAttention(TorchPagedAttention):
         plan.writer.write(tiles[0], plan.write_slots, k)
         plan.writer.write(tiles[1], plan.write_slots, v)
         return self._attend(plan, layer, q)
+
+    def kernel_step_args(self, plan: CpuPagedPlan | TorchPagedPlan) -> KernelStepArgs | None:
+        if not isinstance(plan, CpuPagedPlan) or plan.pool.dtype != torch.float32:
+            return None
+        return KernelStepArgs(pool=plan.pool, slot_mapping=plan.slot_mapping, block_tables=plan.block_tables,
+                              query_start_loc=plan.query_start_loc, context_lens=plan.context_lens,
+                              scale=self.shape.scale)
 
     def _attend(self, plan: CpuPagedPlan, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention once this layer's K/V are in the pool; q may have strided rows."""

@@ -5,7 +5,8 @@ The kernel is compiled with ``torch.utils.cpp_extension`` (g++, ninja, ``-O3 -ma
 flags, so a process builds it once per machine and every later process (and test) just
 loads the shared library; it registers ``torch.ops.pdserve.paged_attention``,
 ``torch.ops.pdserve.rotary_kv_write`` (RoPE + the K/V write into the pool), ``silu_mul``,
-``rms_norm``, ``panel_linear`` (linear layers for a few rows, engine/model/panel_weights.py) and
+``rms_norm``, ``panel_linear`` (linear layers for a few rows, engine/model/panel_weights.py),
+``decoder_layers`` (a few-row step's decoder layers in one call, engine/model/layer_stack.py) and
 ``pin_intra_op_threads`` (engine/thread_pinning.py).
 
 Cache directory: ``$PDSERVE_KERNEL_DIR`` or ``~/.cache/pdserve/kernels``.
@@ -26,7 +27,9 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "rotary_kv.cpp", _CSRC / "silu_mul.cpp",
-            _CSRC / "thread_affinity.cpp", _CSRC / "panel_linear.cpp", _CSRC / "rms_norm.cpp")
+            _CSRC / "thread_affinity.cpp", _CSRC / "panel_linear.cpp", _CSRC / "rms_norm.cpp",
+            _CSRC / "decoder_layers.cpp")
+_HEADERS = (_CSRC / "ops.h",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 
@@ -45,7 +48,7 @@ def _cpu_flags() -> str:
 
 def _build_key() -> str:
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in _SOURCES), torch.__version__.encode(), " ".join(_FLAGS).encode(),
+    for part in (*(src.read_bytes() for src in _SOURCES + _HEADERS), torch.__version__.encode(), " ".join(_FLAGS).encode(),
                  _cpu_flags().encode()):
         h.update(part)
     return h.hexdigest()[:16]

@@ -15,6 +15,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.batch import BatchInput
 from engine.config import ModelConfig
+from engine.model.layer_stack import LayerStack
 from engine.model.layers import FusedLinear, RMSNorm, SwiGLU, _param
 from engine.model.packed_linear import pack_weight, packed_linear
 from engine.model.panel_weights import MAX_ROWS, panel_linear, panels_on_huge_pages
@@ -72,6 +73,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_panels: torch.Tensor | None = None
+        self.layer_stack: LayerStack | None = None   # the layers in one C++ call, once they have panels
         self.to(device=device, dtype=dtype)
         scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
@@ -89,6 +91,10 @@ class LlamaForCausalLM(nn.Module):
         plan = self.attention.plan(batch.attn, kv_pool)
         rope = self.rope.tables(batch.positions)
         h = self.embed(batch.input_ids)
+        if self.layer_stack is not None and on_layer is None and h.shape[0] <= MAX_ROWS:
+            step = self.attention.kernel_step_args(plan)
+            if step is not None:   # a few rows on the cpu_paged kernel: every layer in one C++ call
+                return self.layer_stack.run(h, rope, step)
         for i, layer in enumerate(self.layers):
             h = layer(i, h, rope, self.attention, plan)
             if on_layer is not None:
@@ -129,6 +135,8 @@ class LlamaForCausalLM(nn.Module):
                 [m.weight.data for m in linears] + [self.lm_head_weight.data])
             for module, p in zip(linears, per_linear):
                 module.add_panels(p)
+            if all(cast(DecoderLayer, layer).reduce is _identity for layer in self.layers):
+                self.layer_stack = LayerStack.of(list(self.layers))
         for module in linears:
             module.pack()
         self.lm_head_packed = pack_weight(self.lm_head_weight.data)
@@ -151,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm.weight.data.copy_(sd["model.norm.weight"])
         if self.lm_head is not None:
             self.lm_head.data = sd["lm_head.weight"].to(self.embed_tokens.dtype).to(self.embed_tokens.device).clone()
-        self.lm_head_packed = self.lm_head_panels = None
+        self.lm_head_packed = self.lm_head_panels = self.layer_stack = None
         try:
             for i, layer in enumerate(self.layers):
                 cast(DecoderLayer, layer).load_hf(sd, f"model.layers.{i}.")

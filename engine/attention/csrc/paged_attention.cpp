@@ -17,6 +17,7 @@
 // sequences split the context (flash-decoding) and a
 // second pass merges the partial softmaxes. Items are handed out costliest first from a shared
 // counter.
+#include "ops.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -612,6 +613,8 @@ void launch(const at::Tensor& q, const at::Tensor& pool, const Geometry& g, cons
   });
 }
 
+}  // namespace
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, int64_t layer,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& context_lens, double scale) {
@@ -644,7 +647,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, int64_t 
   return out;
 }
 
-}  // namespace
 }  // namespace pdserve
 
 TORCH_LIBRARY(pdserve, m) {

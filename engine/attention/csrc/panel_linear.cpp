@@ -13,6 +13,7 @@
 //
 // The sum over k runs in k order per output (one or two partial sums per output, added at the
 // end): the result differs from oneDNN's and MKL's in rounding only.
+#include "ops.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -96,6 +97,8 @@ void rows_of_panel(const float* x, int64_t M, int64_t K, const float* panel, flo
   }
 }
 
+}  // namespace
+
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                         int64_t n) {
   TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel,
@@ -121,7 +124,6 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const 
   return y;
 }
 
-}  // namespace
 }  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {

@@ -9,6 +9,7 @@
 // Here a row is read twice (sum of squares, then scale) on one thread; rows are split over the
 // team only when there are enough of them to pay for the fork. The sum of squares is taken in
 // eight partial sums, so results differ from torch's in rounding only.
+#include "ops.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -33,6 +34,8 @@ void norm_row(const float* x, const float* w, float* y, int64_t H, float eps) {
   for (int64_t j = 0; j < H; ++j) y[j] = w[j] * (x[j] * inv);
 }
 
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "rms_norm: float32 only");
@@ -51,7 +54,6 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
   return y;
 }
 
-}  // namespace
 }  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }

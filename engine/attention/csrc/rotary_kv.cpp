@@ -11,6 +11,7 @@
 // region); a decode step's tokens go on one thread (no fork/join), long prefills in chunks.
 // float32 only. The two products and their sum are rounded one by one (compiled without
 // contraction: no fused multiply-add), as torch's separate ops round them in transformers.
+#include "ops.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -57,6 +58,8 @@ void run(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& ssin, const a
   });
 }
 
+}  // namespace
+
 void rotary_kv_write(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& ssin,
                      const at::Tensor& slot_mapping, at::Tensor pool, int64_t layer, int64_t num_heads) {
   TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous(),
@@ -77,7 +80,6 @@ void rotary_kv_write(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& ss
   run(qkv, cos, ssin, slot_mapping, pool, layer, num_heads);
 }
 
-}  // namespace
 }  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {

@@ -8,12 +8,12 @@
 // from opening an OpenMP region), so a decode step does not fork and join the thread team
 // twice per layer for ~0.1 MB of work. On a shared, busy host each fork/join waits for the
 // slowest thread's time slice; a small serial op does not.
+#include "ops.h"
 #include <ATen/ATen.h>
 #include <c10/util/ParallelGuard.h>
 #include <torch/library.h>
 
 namespace pdserve {
-namespace {
 
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t max_serial_numel) {
   TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "gate_up must end in an even [.., 2N] dimension");
@@ -24,7 +24,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t max_serial_numel) {
   return at::silu(gate).mul_(up);
 }
 
-}  // namespace
 }  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) { m.def("silu_mul(Tensor gate_up, int max_serial_numel) -> Tensor"); }
