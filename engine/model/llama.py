@@ -73,7 +73,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_panels: torch.Tensor | None = None
-        self.layer_stack: LayerStack | None = None   # the layers in one C++ call, once they have panels
+        self.layer_stack: LayerStack | None = None   # the layers in one C++ call, once packed (float32)
         self.to(device=device, dtype=dtype)
         scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
@@ -91,9 +91,9 @@ class LlamaForCausalLM(nn.Module):
         plan = self.attention.plan(batch.attn, kv_pool)
         rope = self.rope.tables(batch.positions)
         h = self.embed(batch.input_ids)
-        if self.layer_stack is not None and on_layer is None and h.shape[0] <= MAX_ROWS:
+        if self.layer_stack is not None and on_layer is None:
             step = self.attention.kernel_step_args(plan)
-            if step is not None:   # a few rows on the cpu_paged kernel: every layer in one C++ call
+            if step is not None:   # a cpu_paged float32 plan: every layer in one C++ call
                 return self.layer_stack.run(h, rope, step)
         for i, layer in enumerate(self.layers):
             h = layer(i, h, rope, self.attention, plan)
@@ -128,17 +128,20 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, panels: bool = False) -> None:
         """oneDNN-packed weights for every projection and the LM head (call after loading;
         a tied LM head gets its own packed copy, the embedding stays as it is). ``panels``:
-        also a copy in 16-output panels for steps of a few rows (engine/model/panel_weights.py)."""
+        also a copy in 16-output panels for steps of a few rows (engine/model/panel_weights.py).
+        Float32 layers on CPU without tensor parallelism then also get their :class:`LayerStack`
+        (every layer of a step in one C++ call)."""
         linears = [m for m in self.modules() if isinstance(m, FusedLinear)]
         if panels:
             *per_linear, self.lm_head_panels = panels_on_huge_pages(
                 [m.weight.data for m in linears] + [self.lm_head_weight.data])
             for module, p in zip(linears, per_linear):
                 module.add_panels(p)
-            if all(cast(DecoderLayer, layer).reduce is _identity for layer in self.layers):
-                self.layer_stack = LayerStack.of(list(self.layers))
         for module in linears:
             module.pack()
+        if self.embed_tokens.dtype == torch.float32 and self.embed_tokens.device.type == "cpu" and \
+                all(cast(DecoderLayer, layer).reduce is _identity for layer in self.layers):
+            self.layer_stack = LayerStack.of(list(self.layers))
         self.lm_head_packed = pack_weight(self.lm_head_weight.data)
         if self.lm_head is not None:
             self.lm_head.data = self.lm_head.data.new_empty(0)
