@@ -18,8 +18,8 @@ changed in the engine):
 - ``output``: the rest of ``step()``: scheduler update, stop checks, detokenisation, deltas,
   KV moves, logits cast.
 
-With the layers in one C++ call (engine/model/layer_stack.py: steps of <= 8 rows, the default where
-the panels are kept) the per-layer parts are inside it: ``forward`` is then the whole stack (its
+With the layers in one C++ call (engine/model/layer_stack.py: the default for float32 weights packed
+on CPU with the cpu_paged kernel) the per-layer parts are inside it: ``forward`` is then the whole stack (its
 linear layers and attention included) and ``linear`` the LM head only. ``--layer-stack on off``
 profiles both ways (``off``: the model's Python loop over the layers, which the parts above cut up).
 
@@ -155,7 +155,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", help="auto, torch_paged or cpu_paged")
     ap.add_argument("--plain-weights", action="store_true", help="F.linear on plain weights (packed_weights=False)")
     ap.add_argument("--layer-stack", nargs="+", default=["on"], choices=("on", "off"),
-                    help="steps of <= 8 rows through the C++ layer stack (on, where the panels are kept) or "
+                    help="the layers through the C++ layer stack (on, where the model has one) or "
                          "the model's Python loop (off); both: each batch profiled both ways")
     args = ap.parse_args()
     rows = [profile(args, b, mode) for b in args.batch for mode in args.layer_stack]

@@ -6,7 +6,7 @@ flags, so a process builds it once per machine and every later process (and test
 loads the shared library; it registers ``torch.ops.pdserve.paged_attention``,
 ``torch.ops.pdserve.rotary_kv_write`` (RoPE + the K/V write into the pool), ``silu_mul``,
 ``rms_norm``, ``panel_linear`` (linear layers for a few rows, engine/model/panel_weights.py),
-``decoder_layers`` (a few-row step's decoder layers in one call, engine/model/layer_stack.py) and
+``decoder_layers`` (a step's decoder layers in one call, engine/model/layer_stack.py) and
 ``pin_intra_op_threads`` (engine/thread_pinning.py).
 
 Cache directory: ``$PDSERVE_KERNEL_DIR`` or ``~/.cache/pdserve/kernels``.
