@@ -23,6 +23,11 @@ on CPU with the cpu_paged kernel) the per-layer parts are inside it: ``forward``
 linear layers and attention included) and ``linear`` the LM head only. ``--layer-stack on off``
 profiles both ways (``off``: the model's Python loop over the layers, which the parts above cut up).
 
+Each row also has ``step_ms_unwrapped_median``: ``--steps`` steps timed before any call is wrapped
+(the wrappers' own Python adds to the parts' totals, most in the loop's ~300 wrapped calls a step).
+``--op-table N`` adds ``ops_self_ms_per_step``: torch.profiler over ``--steps`` more unwrapped
+steps, the N ops with the most self CPU time and all ops together, in ms a step.
+
 ``--plain-weights`` runs the linear layers on plain weights (``F.linear``, MKL) instead of
 oneDNN-packed ones (the default, engine/model/packed_linear.py). Shares are of the median step; the goal (issue 26)
 is everything but forward+attention under 10% at batch 1 and under 5% at batch 32.
@@ -31,6 +36,7 @@ Prints one JSON line.
   python benchmarks/step_profile.py                      # batch 1 and 32, fp32, eager
   python benchmarks/step_profile.py --plain-weights      # linear layers on plain weights
   python benchmarks/step_profile.py --batch 1 4 --layer-stack on off   # the layer stack against the loop
+  python benchmarks/step_profile.py --batch 1 --layer-stack off --op-table 8   # the ops a step spends its time in
 """
 from __future__ import annotations
 
@@ -91,7 +97,7 @@ def profile(args, batch: int, layer_stack: str = "on") -> dict:
         engine.runner.model.layer_stack = None
     rng = random.Random(0)
     vocab = engine.vocab_size
-    params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=3 * args.steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"p{i}", [rng.randrange(100, vocab) for _ in range(args.ctx)], params)
     t_prefill = time.perf_counter()
@@ -101,6 +107,12 @@ def profile(args, batch: int, layer_stack: str = "on") -> dict:
     t_prefill = time.perf_counter() - t_prefill
     for _ in range(3):
         engine.step()                                   # warm-up decode steps
+    plain = []
+    for _ in range(args.steps):                         # as served: no wrapper around any call
+        t0 = time.perf_counter()
+        engine.step()
+        plain.append(time.perf_counter() - t0)
+    ops = op_table(engine, args.steps, args.op_table) if args.op_table else None
     timers = Timers()
     runner = engine.runner
     timers.wrap(engine.scheduler, "schedule", "scheduling")
@@ -135,11 +147,27 @@ def profile(args, batch: int, layer_stack: str = "on") -> dict:
     share = {k: (round(v / tot, 4) if v is not None else None) for k, v in mean.items() if k != "total"}
     non_forward = 1.0 - (share["forward"] or 0.0) - share["linear"] - (share["attention"] or 0.0)
     return {"batch": batch, "ctx": args.ctx, "layer_stack": stacked, "prefill_tok_per_s": round(batch * args.ctx / t_prefill, 1),
+            "step_ms_unwrapped_median": round(statistics.median(plain) * 1e3, 2),
             "step_ms_median": round(med["total"] * 1e3, 2),
             "step_ms_mean": round(tot * 1e3, 2), "tok_per_s": round(batch / med["total"], 1),
             "ms_mean": {k: (round(v * 1e3, 3) if v is not None else None) for k, v in mean.items() if k != "total"},
             "share": share, "non_forward_share": round(non_forward, 4),
-            "goal": 0.10 if batch == 1 else 0.05, "goal_met": non_forward < (0.10 if batch == 1 else 0.05)}
+            "goal": 0.10 if batch == 1 else 0.05, "goal_met": non_forward < (0.10 if batch == 1 else 0.05),
+            **({"ops_self_ms_per_step": ops} if ops is not None else {})}
+
+
+def op_table(engine: LLMEngine, steps: int, top: int) -> dict[str, float]:
+    """torch.profiler over ``steps`` unwrapped steps: the ``top`` ops by self CPU time, ms a step
+    (a C++ op's own callees that skip the dispatcher count as its self time), and ``all_ops``."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    table = {e.key: round(e.self_cpu_time_total / 1e3 / steps, 3) for e in rows[:top]}
+    table["all_ops"] = round(sum(e.self_cpu_time_total for e in rows) / 1e3 / steps, 3)
+    return table
 
 
 def main() -> None:
@@ -157,6 +185,9 @@ def main() -> None:
     ap.add_argument("--layer-stack", nargs="+", default=["on"], choices=("on", "off"),
                     help="the layers through the C++ layer stack (on, where the model has one) or "
                          "the model's Python loop (off); both: each batch profiled both ways")
+    ap.add_argument("--op-table", type=int, default=0, metavar="N",
+                    help="also run torch.profiler over --steps unwrapped steps and report the N ops with the most "
+                         "self CPU time (ms a step) and all ops together")
     args = ap.parse_args()
     rows = [profile(args, b, mode) for b in args.batch for mode in args.layer_stack]
     print(json.dumps({"benchmark": "step_profile", "dtype": args.dtype, "packed_weights": not args.plain_weights,

@@ -1,7 +1,8 @@
 """A step's decoder layers in one C++ call (``torch.ops.pdserve.decoder_layers``).
 
-At batch 1 a decode step's kernels take ~23 ms on SmolLM2 and the Python around them (30
-layers, ~10 module calls and dispatches each) another ~7 ms. The op runs the same kernels in
+At batch 1 a SmolLM2 decode step of ~30 ms spent ~25 ms in its ops and the rest in the Python
+between them (30 layers, ~10 module calls and dispatches each; benchmarks/step_profile.py
+--op-table). The op runs the same kernels in
 the same order as :class:`engine.model.llama.DecoderLayer` (RMSNorm, the qkv projection, RoPE +
 the K/V write, paged attention, o_proj, residual, RMSNorm, gate_up, SwiGLU, down, residual), each
 projection on its panels for steps of at most ``MAX_ROWS`` rows and on its oneDNN-packed weight

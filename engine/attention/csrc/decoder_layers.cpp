@@ -14,8 +14,9 @@
 // (RoPE + K/V into the pool), paged_attention, o_proj + the residual add, rms_norm, gate_up,
 // silu_mul, down + the residual add. So its results are bit-identical to the Python loop's. What it
 // removes is the Python between the ops: at batch 1 a SmolLM2 step ran 30 layers x ~10 module calls,
-// ~7 ms of a ~30 ms step (torch.profiler: the kernels' own time was ~23 ms). No tensor parallelism
-// (no all-reduce between layers) and no per-layer callback: the model keeps its Python loop for those.
+// ~5 ms of a ~30 ms step (benchmarks/step_profile.py --op-table: the ops' own time ~25 ms). No
+// tensor parallelism (no all-reduce between layers) and no per-layer callback: the model keeps its
+// Python loop for those.
 #include "ops.h"
 
 #include <ATen/ATen.h>
