@@ -10,6 +10,9 @@ turns), lengths scaled by --trace-block-len / 512 and times by --trace-time-scal
 (benchmarks/routing_workloads.py). Conditional disaggregation is off for both
 (local_prefill_threshold=0, local_prefill_hit_ratio=1.0), so every prompt is
 prefilled by a prefill worker and the policies differ only in which one.
+--prefill-queue-limit N gives prefix_aware the prefill gate (ServeConfig.prefill_queue_limit:
+arrivals held at the frontend while every prefill node has more than N prompt tokens
+queued, each routed when a report shows room; round_robin routes on arrival either way).
 The router counts prefixes it has sent before their KV events arrive
 (--no-track-in-flight: only reported ones); the JSON records that and the
 cost weights. benchmarks/routing_sim.py runs the same workloads in the
@@ -115,7 +118,8 @@ def workload(args, vocab_size: int) -> tuple[list[ds.BenchRequest], list[float]]
 
 async def run_policy(policy: str, base: dict, args) -> dict:
     t0 = time.monotonic()
-    stack = await start_stack(ServeConfig(**base, router_policy=policy))
+    gate = args.prefill_queue_limit if policy == "prefix_aware" else -1     # round-robin: routed on arrival
+    stack = await start_stack(ServeConfig(**base, router_policy=policy, prefill_queue_limit=gate))
     try:
         pinned = await pin_prefill_workers(stack)
         info = stack.backend.model_info()
@@ -234,6 +238,7 @@ def workload_info(args, n: int) -> dict:
              "router_track_in_flight": args.track_in_flight, "cost_weights": asdict(CostWeights()),
              "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
              "final_chunk_unpadded": args.final_chunk_unpadded,
+             "prefix_aware_prefill_queue_limit": args.prefill_queue_limit,
              "kv_blocks_per_worker": args.kv_blocks, "output_len": args.output_len}
     if args.workload == "mooncake":
         return {"name": "mooncake", "trace": Path(args.trace_path).name, "conversations": args.conversations,
@@ -272,6 +277,10 @@ def main() -> None:
     p.add_argument("--queue-max-pass-s", type=float, default=20.0, help="ServeConfig.queue_max_pass_s")
     p.add_argument("--final-chunk-unpadded", action=argparse.BooleanOptionalAction, default=False,
                    help="ServeConfig.final_chunk_unpadded on every worker, the same for both policies")
+    p.add_argument("--prefill-queue-limit", type=int, default=-1,
+                   help="prefix_aware's ServeConfig.prefill_queue_limit (the prefill gate: arrivals held at the "
+                        "frontend while every prefill node has more prompt tokens queued; -1: routed on arrival); "
+                        "round_robin routes on arrival either way")
     args = p.parse_args()
     if args.prefill_workers < 1:
         p.error("--prefill-workers must be >= 1")

@@ -39,9 +39,11 @@ import random
 import statistics
 from dataclasses import replace
 
+import numpy as np
+
 from cluster.router import CostWeights, PolicyConfig
 from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig
-from cluster.tools.sim.cost_model import ScaledCost, load_cost_model
+from cluster.tools.sim.cost_model import ScaledCost, load_cost_model, prefill_alone_s
 from cluster.tools.sim.split_prefill import SplitPrefill
 from cluster.tools.sim.workload import PromptBuilder, TraceRequest
 from routing_workloads import DEFAULT_TRACE, pick_conversations, read_rows
@@ -132,49 +134,111 @@ def split_header(args) -> dict:
                                           "split_prefill_chunk_tokens", "split_link_gbps")}
 
 
-def simulate(reqs: list[TraceRequest], policy: str, weight: float, args, busy: float | None = None) -> dict:
-    """busy: CostWeights.busy_pool_miss (None: its default)."""
+def simulate(reqs: list[TraceRequest], policy: str, weight: float, args, busy: float | None = None,
+             pooled: int = 0) -> dict:
+    """busy: CostWeights.busy_pool_miss (None: its default). pooled > 0: instead of
+    --prefill-workers nodes, the pooled bound of ``pooled`` of them (see pooled_bound)."""
     w = CostWeights(uncached_token=weight)
     pc = PolicyConfig(0.0, 0, 1.0, weights=w if busy is None else replace(w, busy_pool_miss=busy))
-    cfg = SimConfig(args.prefill_workers, 1, policy=policy, policy_config=pc, block_size=BLOCK,
-                    num_blocks=args.kv_blocks, max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 512),
-                    max_num_seqs=64, queue_order=getattr(args, "queue_order", "fcfs"),
+    step_tokens = getattr(args, "max_num_batched_tokens", 512)
+    nodes, blocks, seqs = args.prefill_workers, args.kv_blocks, 64
+    if pooled:
+        nodes, step_tokens, seqs = 1, step_tokens * pooled, seqs * pooled
+        blocks = sum(-(-r.input_length // BLOCK) for r in reqs) + 64      # every prompt's blocks at once
+    cfg = SimConfig(nodes, 1, policy=policy, policy_config=pc, block_size=BLOCK,
+                    num_blocks=blocks, max_num_batched_tokens=step_tokens,
+                    max_num_seqs=seqs, queue_order=getattr(args, "queue_order", "fcfs"),
                     queue_max_pass_s=getattr(args, "queue_max_pass_s", 20.0),
                     final_chunk_unpadded=getattr(args, "final_chunk_unpadded", False),
-                    split_prefill=split_config(args))
+                    split_prefill=None if pooled else split_config(args),
+                    prefill_queue_limit=-1 if pooled or policy != "prefix_aware"
+                    else getattr(args, "prefill_queue_limit", -1))
     builder = PromptBuilder(BLOCK, getattr(args, "trace_block_len", BLOCK))
     cost = load_cost_model("cpu")
     add_s = getattr(args, "step_add_s", 0.0)
-    s = ClusterSim(cfg, ScaledCost(cost, 1.0, add_s) if add_s else cost, reqs, builder).run()
+    if pooled or add_s:
+        cost = ScaledCost(cost, 1.0 / (pooled or 1), add_s / (pooled or 1))
+    s = ClusterSim(cfg, cost, reqs, builder).run()
     return {"hit_rate": round(s["hit_rate_tokens"], 4),
             **{f"ttft_{q}_s": round(s["ttft_s"][q], 3) for q in ("p50", "p90", "mean")}}
 
 
-def sweep(name: str, make, args, block_len: int = BLOCK) -> tuple[list[dict], dict]:
-    """Summary per (uncached_token, busy_pool_miss), keyed "w" (one busy value) or "w/busy"."""
+def service_floor(reqs: list[TraceRequest], args, block_len: int = BLOCK) -> dict:
+    """A floor under every request's TTFT for any router over nodes of this speed: its prefill
+    alone on an idle node (chunks of --max-num-batched-tokens, the cost profile), computing only
+    what an infinite cache in arrival order would lack (ideal_cached_tokens). No wait, no sharing
+    of steps, no eviction; so each quantile of it is under that of any real routing, and round-robin's
+    TTFT over it bounds the ratio any router can reach (a request's prefill is not split over nodes)."""
+    pure = load_cost_model("cpu").pure_prefill
+    chunk = getattr(args, "max_num_batched_tokens", 512)
+    add_s = getattr(args, "step_add_s", 0.0)
+    floor = np.array([prefill_alone_s(pure, chunk, r.input_length, c)
+                      + add_s * -(-(r.input_length - c) // chunk)
+                      for r, c in zip(reqs, ideal_cached_tokens(reqs, block_len))])
+    return {"hit_rate": round(ideal_hit_rate(reqs, block_len), 4),
+            **{f"ttft_{q}_s": round(float(v), 3) for q, v in (("p50", np.percentile(floor, 50)),
+                                                               ("p90", np.percentile(floor, 90)),
+                                                               ("mean", floor.mean()))}}
+
+
+def pooled_bound(reqs: list[TraceRequest], args) -> dict:
+    """What no router over --prefill-workers nodes is expected to beat: the same nodes pooled into
+    one, N times as fast (each step 1/N as long, N times the step's token budget and sequences),
+    whose cache holds every block any request computed (no eviction: the ideal hit rate, as a free
+    global KV pool would give), one queue (no request waits while a node idles). Simulated on the
+    same cost profile and decode node; a reference for the TTFT ratios, not a policy."""
+    return simulate(reqs, "prefix_aware", 1.0, args, pooled=args.prefill_workers)
+
+
+def sweep(name: str, make, args, block_len: int = BLOCK) -> tuple[list[dict], dict, dict]:
+    """Summary per (uncached_token, busy_pool_miss), keyed "w" (one busy value) or "w/busy", and per
+    load: each arm's medians over the samples (ratios round-robin / arm; the pooled bound's too)."""
     grid = [(w, b) for w in args.weights for b in getattr(args, "busy_pool_miss", [CostWeights().busy_pool_miss])]
     runs: list[dict] = []
     by_weight: dict[tuple[float, float], list[tuple[float, float, float]]] = {k: [] for k in grid}
+    by_load: dict[float, dict[str, list[dict]]] = {}
     for load in args.loads:
         for seed in args.seeds:
             reqs = [replace(r, arrival_s=r.arrival_s / load) for r in make(seed)]
             ideal, rr = ideal_hit_rate(reqs, block_len), simulate(reqs, "round_robin", 1.0, args)
             runs.append({"workload": name, "load": load, "seed": seed, "ideal_hit_rate": round(ideal, 4),
                          "policy": "round_robin", **rr})
+            arms = by_load.setdefault(load, {})
             for w, b in grid:
                 pa = simulate(reqs, "prefix_aware", w, args, b)
                 runs.append({"workload": name, "load": load, "seed": seed, "policy": "prefix_aware",
                              "uncached_token": w, "busy_pool_miss": b, **pa})
                 by_weight[w, b].append((pa["hit_rate"] / ideal, rr["ttft_p90_s"] / pa["ttft_p90_s"],
                                         pa["ttft_mean_s"]))
-    one_busy = len({b for _, b in grid}) == 1
-    summary = {(str(w) if one_busy else f"{w}/{b}"): {
+                arms.setdefault(f"prefix_aware {w}" if one_busy(grid) else f"prefix_aware {w}/{b}",
+                                []).append(ratios(rr, pa, ideal))
+            floor = service_floor(reqs, args, block_len)
+            runs.append({"workload": name, "load": load, "seed": seed, "policy": "service_floor", **floor})
+            arms.setdefault("service_floor", []).append(ratios(rr, floor, ideal))
+            if getattr(args, "pooled_bound", False):
+                bound = pooled_bound(reqs, args)
+                runs.append({"workload": name, "load": load, "seed": seed, "policy": "pooled_bound", **bound})
+                arms.setdefault("pooled_bound", []).append(ratios(rr, bound, ideal))
+    one = one_busy(grid)
+    summary = {(str(w) if one else f"{w}/{b}"): {
         "hit_over_ideal_mean": round(statistics.mean(h for h, _, _ in v), 3),
         "hit_over_ideal_min": round(min(h for h, _, _ in v), 3),
         "ttft_p90_ratio_median": round(statistics.median(r for _, r, _ in v), 2),
         "ttft_mean_s_mean": round(statistics.mean(m for _, _, m in v), 2)}
         for (w, b), v in by_weight.items()}
-    return runs, summary
+    per_load = {str(load): {arm: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]}
+                            for arm, rs in arms.items()} for load, arms in by_load.items()}
+    return runs, summary, per_load
+
+
+def one_busy(grid: list[tuple[float, float]]) -> bool:
+    return len({b for _, b in grid}) == 1
+
+
+def ratios(rr: dict, arm: dict, ideal: float) -> dict[str, float]:
+    """Round-robin's TTFT over ``arm``'s at p50, p90 and the mean, and ``arm``'s hit rate over the ideal."""
+    return {"hit_over_ideal": arm["hit_rate"] / ideal, "ttft_p90_s": arm["ttft_p90_s"],
+            **{f"ratio_{q}": rr[f"ttft_{q}_s"] / arm[f"ttft_{q}_s"] for q in ("p50", "p90", "mean")}}
 
 
 def main() -> None:
@@ -203,6 +267,11 @@ def main() -> None:
                    help="every node's SchedulerConfig.final_chunk_unpadded (both policies)")
     p.add_argument("--step-add-s", type=float, default=0.0,
                    help="seconds added to every simulated step (a fixed per-step cost the CPU profile lacks)")
+    p.add_argument("--prefill-queue-limit", type=int, default=-1,
+                   help="prefix_aware only: ServeConfig.prefill_queue_limit (hold arrivals at the router while "
+                        "every prefill node has more prompt tokens than this queued; -1: off)")
+    p.add_argument("--pooled-bound", action="store_true",
+                   help="also simulate the pooled bound for each load and sample (see pooled_bound)")
     add_split_args(p)
     args = p.parse_args()
     out: dict = {"benchmark": "routing_sim", "simulated": True, "profile": "cpu",
@@ -211,6 +280,7 @@ def main() -> None:
                  "seeds": args.seeds, "min_turns": args.min_turns, "queue_order": args.queue_order,
                  "queue_max_pass_s": args.queue_max_pass_s,
                  "final_chunk_unpadded": args.final_chunk_unpadded, "step_add_s": args.step_add_s,
+                 "pooled_bound": args.pooled_bound, "prefill_queue_limit": args.prefill_queue_limit,
                  **split_header(args), "runs": [], "summary": {}}
     kv = args.kv_blocks
     if args.trace_block_len % BLOCK:
@@ -226,9 +296,9 @@ def main() -> None:
             continue
         args.kv_blocks = blocks
         args.trace_block_len = per_id
-        runs, summary = sweep(name, make, args, per_id)
+        runs, summary, per_load = sweep(name, make, args, per_id)
         out["runs"] += runs
-        out["summary"][name] = {"kv_blocks": blocks, "by_uncached_token": summary}
+        out["summary"][name] = {"kv_blocks": blocks, "by_uncached_token": summary, "by_load": per_load}
     print(json.dumps(out))
 
 

@@ -63,6 +63,11 @@ class Metrics:
         self.transfer_failures = C("pdserve_transfer_failures", "KV transfers that failed", registry=r)
         self.frontend_queue = G("pdserve_frontend_queue_depth", "Requests admitted and not finished",
                                 registry=r)
+        self.prefill_gate_held = G("pdserve_prefill_gate_held", "Requests the prefill gate holds at the "
+                                   "frontend while every prefill node is busy (prefill_queue_limit)", registry=r)
+        self.prefill_gate_wait = H("pdserve_prefill_gate_wait_seconds", "Time a request was held by the prefill "
+                                   "gate before it was routed (0 when it was not)", registry=r,
+                                   buckets=(0.0, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self.pool_workers = G("pdserve_pool_workers", "Workers serving in each pool (ready and routed)",
                               ["pool"], registry=r)
         self.pool_target_workers = G("pdserve_pool_target_workers", "Workers the autoscaler wants in each "

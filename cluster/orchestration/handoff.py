@@ -140,7 +140,7 @@ class Handoff:
         job, done, joining = self.job, False, None
         remaining = job.sampling.n
         try:
-            decision = self._route(job)
+            decision = await self._route_on_arrival(job)
             self.s.journal.trace(job.request_id, describe_decision(decision))
             self.s.metrics.routing.labels(kind=decision.kind.value).inc()
             result = None
@@ -232,9 +232,18 @@ class Handoff:
                 self.s.journal.trace(self.job.request_id, line)
             self.clock = None
 
+    async def _route_on_arrival(self, job: GenerateJob):
+        """The first routing: through the prefill gate (held while every prefill node is busy,
+        with ``prefill_queue_limit`` set; prefill_gate.py). Continuations route at once."""
+        self._prefill_ended(False)
+        return self._sent(job, await self.s.pool.route_gated(job.request_id, len(job.prompt_token_ids),
+                                                              job.block_hashes))
+
     def _route(self, job: GenerateJob):
         self._prefill_ended(False)
-        decision = self.s.pool.route(job.request_id, len(job.prompt_token_ids), job.block_hashes)
+        return self._sent(job, self.s.pool.route(job.request_id, len(job.prompt_token_ids), job.block_hashes))
+
+    def _sent(self, job: GenerateJob, decision: RoutingDecision) -> RoutingDecision:
         self.sent = (job.request_id, decision.prefill_worker_id or decision.decode_worker_id)
         return decision
 

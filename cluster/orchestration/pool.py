@@ -22,6 +22,7 @@ from cluster.config import ServeConfig
 from cluster.observability.metrics import Metrics, TierStats, WorkerStats
 from cluster.orchestration.backend import BackendError
 from cluster.orchestration.launcher import WorkerLauncher, WorkerRef, launch_workers
+from cluster.orchestration.prefill_gate import PrefillGate
 from cluster.orchestration.router_config import router_config
 from cluster.router.policy import NoWorkerAvailable, RoutingDecision, RoutingRequest
 from cluster.router.router import Router
@@ -70,6 +71,10 @@ class WorkerPool:
         self._poll_wait = report_interval
         self._wake = asyncio.Event()    # set by route(): poll at full rate again at once
         self._stopping = False
+        # arrivals held while every prefill node is busy (prefill_queue_limit; prefill_gate.py)
+        self.gate = PrefillGate(config.prefill_queue_limit, self.router.prefill_room,
+                                on_wait=metrics.prefill_gate_wait.observe, on_depth=metrics.prefill_gate_held.set,
+                                on_abandoned=lambda d: self.router.on_prefill_end(d.request_id, False))
 
     # ---------------------------------------------------------------- life
     async def start(self) -> None:
@@ -128,6 +133,7 @@ class WorkerPool:
 
     async def stop(self) -> None:
         self._stopping = True
+        self.gate.release_all()
         for t in [*self._tasks, *self._consumers.values()]:
             t.cancel()
         await self._shutdown_check()
@@ -156,6 +162,14 @@ class WorkerPool:
             return self.router.route(RoutingRequest(request_id, prompt_len, tuple(hashes), self.config.block_size))
         except NoWorkerAvailable as e:
             raise BackendError("UNAVAILABLE", f"no worker available: {e}", retry_after_s=1.0) from e
+
+    async def route_gated(self, request_id: str, prompt_len: int, hashes: Iterable[int]) -> RoutingDecision:
+        """`route`, once a prefill node has room for the request (the prefill gate: at once when
+        it is off, ``prefill_queue_limit`` -1)."""
+        if self.gate.enabled:
+            self._wake.set()              # reports at full rate: they release the held requests
+        hashes = tuple(hashes)
+        return await self.gate.route(lambda: self.route(request_id, prompt_len, hashes))
 
     def prefill_ended(self, request_id: str, computed: bool) -> None:
         """A routed request's prefill ended: the router's in-flight record of it ends (Router.on_prefill_end)."""
@@ -223,6 +237,7 @@ class WorkerPool:
         ref.alive = False
         self.router.on_worker_dead(ref.worker_id)
         self.metrics.forget_worker(ref.worker_id, ref.pool)
+        self.gate.release()          # the last prefill node gone: held requests are routed (decode prefills)
         self.on_lost(ref.worker_id, BackendError(
             "UNAVAILABLE", f"worker {ref.worker_id} died mid-request; retry the request"))
 
@@ -250,6 +265,7 @@ class WorkerPool:
         while not self._stopping:
             self._wake.clear()
             quiet = await asyncio.gather(*[self._poll_one(ref) for ref in list(self.workers.values())])
+            self.gate.release()      # the loads just reported: held requests go where there is room
             for pool in ("prefill", "decode"):
                 self.metrics.pool_workers.labels(pool=pool).set(len(self.serving(pool)))
             self._poll_wait = next_report_interval(self._poll_wait, all(quiet), self._report_interval,

@@ -29,6 +29,7 @@ import random
 import resource
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,6 +90,10 @@ class SimConfig:
     # a long cold prefill spread over idle prefill nodes (a what-if of Mooncake's chunked pipeline
     # parallelism: cluster/tools/sim/split_prefill.py); None: off
     split_prefill: SplitPrefill | None = None
+    # as ServeConfig.prefill_queue_limit: >= 0 holds an arriving request in one FIFO at the router
+    # while every prefill node has more prompt tokens than this queued (as the router sees them),
+    # routing it when a report shows one with room (cluster/orchestration/prefill_gate.py); -1: off
+    prefill_queue_limit: int = -1
 
     def __post_init__(self) -> None:
         if self.decode_nodes < 1 or self.prefill_nodes < 0:
@@ -194,6 +199,7 @@ class ClusterSim:
         self.fallbacks = 0
         self.reservations = Reservations(self.loop, RESERVATION_TTL_FACTOR * config.transfer_timeout_s,
                                          lambda live: self._request(live, live.tokens, live.trace.output_length))
+        self.held: deque[tuple[TraceRequest, float]] = deque()   # arrivals the prefill gate holds, oldest first
 
     # ---- pool membership (fixed, or changed by the autoscaler) ----------------
     def _init_pools(self, config: SimConfig, colocated: bool) -> None:
@@ -258,7 +264,7 @@ class ClusterSim:
         return sum(1 for nid in self.draining if self.nodes[nid].role == role)
 
     def has_work(self) -> bool:
-        return bool(self.live) or self._next < len(self.workload)
+        return bool(self.live) or bool(self.held) or self._next < len(self.workload)
 
     def provision(self, role: str, startup_s: float) -> str:
         """A new node of ``role``: paid for from now, taking requests ``startup_s`` later; under the
@@ -396,7 +402,7 @@ class ClusterSim:
                                        "arrived": len(self.records), "finished": done, "live": len(self.live),
                                        "of": len(self.workload), "peak_rss_gb": round(rss, 2)}}),
               file=sys.stderr, flush=True)
-        if self.live or self._next < len(self.workload):
+        if self.live or self.held or self._next < len(self.workload):
             self.loop.after(self.config.progress_s, self._progress, t0)
 
     def summary(self) -> dict:
@@ -429,10 +435,25 @@ class ClusterSim:
         if self._next < len(self.workload):
             self.loop.at(max(self.workload[self._next].arrival_s, self.loop.now), self._arrive)
         self._frontend_work(self.loop.now, 1, 0)
+        if self._gated() and (self.held or not self.router.prefill_room(self.config.prefill_queue_limit)):
+            self.held.append((tr, self.loop.now))
+            return
+        self._route(tr, self.loop.now)
+
+    def _gated(self) -> bool:
+        return self.config.prefill_queue_limit >= 0 and bool(self.ready_nodes("prefill"))
+
+    def _release_held(self) -> None:
+        """The prefill gate: route held arrivals, oldest first, while a prefill node has room."""
+        limit = self.config.prefill_queue_limit
+        while self.held and (not self._gated() or self.router.prefill_room(limit)):
+            self._route(*self.held.popleft())
+
+    def _route(self, tr: TraceRequest, arrived: float) -> None:
         prompt = self.builder.prompt(tr)
         tokens, rid = prompt.tokens, tr.request_id
         d = self.router.route(RoutingRequest(rid, len(tokens), tuple(prompt.hashes), self.config.block_size))
-        rec = RequestRecord(rid, self.loop.now, len(tokens), tr.output_length, d.kind.value,
+        rec = RequestRecord(rid, arrived, len(tokens), tr.output_length, d.kind.value,
                             d.prefill_worker_id or d.decode_worker_id, d.decode_worker_id)
         self.records.append(rec)
         live = self.live[rid] = _Live(rec, tr, prompt)
@@ -591,7 +612,7 @@ class ClusterSim:
             batch.append((nid, load, s.kv.drain_events()))
         if batch:
             self.loop.after(self.config.report_lag_s, self._deliver, batch)
-        if self.live or self._next < len(self.workload):
+        if self.live or self.held or self._next < len(self.workload):
             self.loop.after(self.config.report_interval_s, self._tick)
 
     def _deliver(self, batch: list) -> None:
@@ -601,3 +622,5 @@ class ClusterSim:
             if events and self.router.on_events(nid, events).needs_resync:
                 self.router.on_snapshot(nid, self.nodes[nid].scheduler.kv.snapshot())
             self.router.update_load(nid, load)
+        if self.held:
+            self._release_held()
