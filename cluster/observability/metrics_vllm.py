@@ -10,7 +10,8 @@ labels give the KV capacity). A pdserve head is one such pod for the whole
 cluster behind it, so these are cluster-wide:
 
 - waiting: requests queued at a worker and not yet scheduled, summed over the
-  workers (their latest reports), at most the requests the frontend holds;
+  workers (their latest reports), and those the prefill gate holds at the frontend
+  (prefill_queue_limit), at most the requests the frontend holds;
 - running: the other requests the frontend holds (admitted, not finished);
 - KV usage and capacity: device blocks used / total, summed over the workers.
 
@@ -57,7 +58,7 @@ class VllmNames:
         m, name = self.metrics, self.model_name
         workers = m.workers.snapshot()
         in_flight = _value(m.frontend_queue)
-        waiting = min(in_flight, sum(s.waiting for s in workers))
+        waiting = min(in_flight, sum(s.waiting for s in workers) + _value(m.prefill_gate_held))
         used = sum(s.kv_blocks_used for s in workers)
         total = sum(s.kv_blocks_total for s in workers)
 

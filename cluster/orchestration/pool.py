@@ -72,9 +72,9 @@ class WorkerPool:
         self._wake = asyncio.Event()    # set by route(): poll at full rate again at once
         self._stopping = False
         # arrivals held while every prefill node is busy (prefill_queue_limit; prefill_gate.py)
-        self.gate = PrefillGate(config.prefill_queue_limit, self.router.prefill_room,
+        self.gate = PrefillGate(config.prefill_queue_limit, lambda: self.serving("prefill"),
                                 on_wait=metrics.prefill_gate_wait.observe, on_depth=metrics.prefill_gate_held.set,
-                                on_abandoned=lambda d: self.router.on_prefill_end(d.request_id, False))
+                                on_abandoned=lambda d: self.prefill_ended(d.request_id, False))
 
     # ---------------------------------------------------------------- life
     async def start(self) -> None:
@@ -165,15 +165,17 @@ class WorkerPool:
 
     async def route_gated(self, request_id: str, prompt_len: int, hashes: Iterable[int]) -> RoutingDecision:
         """`route`, once a prefill node has room for the request (the prefill gate: at once when
-        it is off, ``prefill_queue_limit`` -1)."""
-        if self.gate.enabled:
-            self._wake.set()              # reports at full rate: they release the held requests
+        it is off, ``prefill_queue_limit`` -1, or for a prompt the decode node prefills itself
+        by its length, ``local_prefill_threshold``)."""
         hashes = tuple(hashes)
-        return await self.gate.route(lambda: self.route(request_id, prompt_len, hashes))
+        return await self.gate.route(lambda: self.route(request_id, prompt_len, hashes), prompt_len,
+                                     may_hold=prompt_len > self.config.local_prefill_threshold)
 
     def prefill_ended(self, request_id: str, computed: bool) -> None:
-        """A routed request's prefill ended: the router's in-flight record of it ends (Router.on_prefill_end)."""
+        """A routed request's prefill ended: the router's in-flight record of it ends (Router.on_prefill_end),
+        and the prefill gate counts its tokens off its node (held requests may go there now)."""
         self.router.on_prefill_end(request_id, computed)
+        self.gate.ended(request_id)
 
     def live(self, worker_id: str | None) -> WorkerRef | None:
         ref = self.workers.get(worker_id or "")
@@ -265,7 +267,7 @@ class WorkerPool:
         while not self._stopping:
             self._wake.clear()
             quiet = await asyncio.gather(*[self._poll_one(ref) for ref in list(self.workers.values())])
-            self.gate.release()      # the loads just reported: held requests go where there is room
+            self.gate.release()      # a prefill node back or grown: held requests may go there
             for pool in ("prefill", "decode"):
                 self.metrics.pool_workers.labels(pool=pool).set(len(self.serving(pool)))
             self._poll_wait = next_report_interval(self._poll_wait, all(quiet), self._report_interval,

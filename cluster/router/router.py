@@ -166,15 +166,6 @@ class Router:
         """Routed requests whose prefill end has not reached the router (their prefixes kept in flight)."""
         return 0 if self._sends is None else len(self._sends)
 
-    def prefill_room(self, max_queued_tokens: int) -> bool:
-        """Whether some live prefill node has at most ``max_queued_tokens`` prompt tokens queued
-        (its last report plus what was routed there since, its own prefill in progress included):
-        a request routed now could start there without waiting. True when no prefill node is
-        live (route() then decides: the decode pool prefills, or no worker is available). The
-        cluster's prefill gate (cluster/orchestration/prefill_gate.py) routes while this holds."""
-        prefill = self.view.prefill
-        return not prefill or any(v.load.queued_prefill_tokens <= max_queued_tokens for v in prefill)
-
     def route(self, request: RoutingRequest) -> RoutingDecision:
         now = self._clock()
         sends = self._sends

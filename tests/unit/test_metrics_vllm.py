@@ -68,6 +68,10 @@ def test_gateway_series_have_vllm_names_types_and_cluster_wide_values(loaded):
     assert value(f, "vllm:num_preemptions", "vllm:num_preemptions_total") == 5
     assert value(f, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 540
     assert value(f, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 128
+    loaded.prefill_gate_held.set(2)                    # two of the six wait at the prefill gate
+    f = scrape(loaded)
+    assert value(f, "vllm:num_requests_waiting", model_name="tiny-llama") == 5
+    assert value(f, "vllm:num_requests_running", model_name="tiny-llama") == 1
 
 
 def test_request_level_series_carry_model_name_and_equal_pdserve_own(loaded):

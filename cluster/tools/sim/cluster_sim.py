@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.router import DecisionKind, PolicyConfig, Router, RouterConfig, RoutingRequest, WorkerLoad
+from cluster.router.outstanding import OutstandingPrefills
 from cluster.router.reserve import reserve_at_routing
 from cluster.tools.sim.autoscale import SimAutoscale, SimAutoscaler, worker_hours
 from cluster.tools.sim.cost_model import CostModel
@@ -91,8 +92,9 @@ class SimConfig:
     # parallelism: cluster/tools/sim/split_prefill.py); None: off
     split_prefill: SplitPrefill | None = None
     # as ServeConfig.prefill_queue_limit: >= 0 holds an arriving request in one FIFO at the router
-    # while every prefill node has more prompt tokens than this queued (as the router sees them),
-    # routing it when a report shows one with room (cluster/orchestration/prefill_gate.py); -1: off
+    # while every prefill node has more prompt tokens than this outstanding (routed there, prefill
+    # not ended: cluster/router/outstanding.py), routing it when a prefill ends and leaves room
+    # (cluster/orchestration/prefill_gate.py); -1: off
     prefill_queue_limit: int = -1
 
     def __post_init__(self) -> None:
@@ -200,6 +202,8 @@ class ClusterSim:
         self.reservations = Reservations(self.loop, RESERVATION_TTL_FACTOR * config.transfer_timeout_s,
                                          lambda live: self._request(live, live.tokens, live.trace.output_length))
         self.held: deque[tuple[TraceRequest, float]] = deque()   # arrivals the prefill gate holds, oldest first
+        self.gate_held = 0                     # arrivals the prefill gate has held, in all
+        self.outstanding = OutstandingPrefills()   # the gate's count of prefill tokens sent, not ended
 
     # ---- pool membership (fixed, or changed by the autoscaler) ----------------
     def _init_pools(self, config: SimConfig, colocated: bool) -> None:
@@ -421,7 +425,7 @@ class ClusterSim:
                  "sim": {"events": self.loop.events_run, "node_runs": sum(n.events for n in every),
                          "engine_steps": sum(n.steps for n in every), "wall_s": self.wall_s,
                          "sim_s_per_wall_s": (end - start) / self.wall_s if self.wall_s else None,
-                         "local_recompute_fallbacks": self.fallbacks,
+                         "local_recompute_fallbacks": self.fallbacks, "prefill_gate_held": self.gate_held,
                          "decode_reservations": dict(self.reservations.counts)}}
         if self.autoscaler is not None:
             extra["autoscale"] = self.autoscaler.summary()
@@ -435,18 +439,22 @@ class ClusterSim:
         if self._next < len(self.workload):
             self.loop.at(max(self.workload[self._next].arrival_s, self.loop.now), self._arrive)
         self._frontend_work(self.loop.now, 1, 0)
-        if self._gated() and (self.held or not self.router.prefill_room(self.config.prefill_queue_limit)):
+        if self._gated() and (self.held or not self._prefill_room()):
             self.held.append((tr, self.loop.now))
+            self.gate_held += 1
             return
         self._route(tr, self.loop.now)
 
     def _gated(self) -> bool:
         return self.config.prefill_queue_limit >= 0 and bool(self.ready_nodes("prefill"))
 
+    def _prefill_room(self) -> bool:
+        return self.outstanding.room([n.node_id for n in self.ready_nodes("prefill")],
+                                     self.config.prefill_queue_limit)
+
     def _release_held(self) -> None:
         """The prefill gate: route held arrivals, oldest first, while a prefill node has room."""
-        limit = self.config.prefill_queue_limit
-        while self.held and (not self._gated() or self.router.prefill_room(limit)):
+        while self.held and (not self._gated() or self._prefill_room()):
             self._route(*self.held.popleft())
 
     def _route(self, tr: TraceRequest, arrived: float) -> None:
@@ -455,6 +463,8 @@ class ClusterSim:
         d = self.router.route(RoutingRequest(rid, len(tokens), tuple(prompt.hashes), self.config.block_size))
         rec = RequestRecord(rid, arrived, len(tokens), tr.output_length, d.kind.value,
                             d.prefill_worker_id or d.decode_worker_id, d.decode_worker_id)
+        if self.config.prefill_queue_limit >= 0 and d.kind is DecisionKind.REMOTE_PREFILL:
+            self.outstanding.sent(rid, d.prefill_worker_id, len(tokens) - d.prefill_cached_tokens)
         self.records.append(rec)
         live = self.live[rid] = _Live(rec, tr, prompt)
         self._hold(d.decode_worker_id)
@@ -490,6 +500,8 @@ class ClusterSim:
                 rec.first_token_s = first
                 rec.cached_tokens = r.num_cached_tokens or 0
                 self.router.on_prefill_end(r.request_id)     # as handoff.py: its in-flight record ends
+                if self.outstanding.ended(r.request_id) and self.held:
+                    self._release_held()                     # as the prefill gate: room on its node
                 if self.split is not None:
                     self.split.prefill_ended(r.request_id)
                 if self.autoscaler is not None:
@@ -622,5 +634,3 @@ class ClusterSim:
             if events and self.router.on_events(nid, events).needs_resync:
                 self.router.on_snapshot(nid, self.nodes[nid].scheduler.kv.snapshot())
             self.router.update_load(nid, load)
-        if self.held:
-            self._release_held()
