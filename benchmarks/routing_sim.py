@@ -27,9 +27,20 @@ SchedulerConfig.final_chunk_unpadded (a step finishing a prefill takes no partia
 Mooncake's chunked pipeline parallelism; --split-prefill-chunk-tokens, --split-link-gbps: its
 pipeline chunk and link, 0 = the optimistic bound), for both policies alike.
 
-Prints one JSON line: every run (simulated), and per workload and weight the
+--prefill-queue-limit N gives prefix_aware the prefill gate (ServeConfig.prefill_queue_limit:
+arrivals held at the router while every prefill node has more than N prompt tokens outstanding;
+round_robin routes on arrival either way).
+
+Two references run beside the policies: service_floor (every sample: each request's prefill alone
+on an idle node, computing only what an infinite cache in arrival order lacks; each TTFT quantile
+of any routing over these nodes is at least the floor's) and, with --pooled-bound, pooled_bound
+(the nodes pooled into one N times as fast whose cache holds everything).
+
+Prints one JSON line: every run (simulated), per workload and weight the
 mean and minimum prefix-aware hit rate over the ideal and the median TTFT p90
-ratio round-robin / prefix-aware. Simulated figures, not measurements.
+ratio round-robin / prefix-aware, and per load (``by_load``) each arm's medians over the
+samples: hit rate over the ideal, TTFT p90, and round-robin's TTFT over the arm's at p50, p90
+and the mean. Simulated figures, not measurements.
 """
 from __future__ import annotations
 

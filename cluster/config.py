@@ -112,8 +112,8 @@ class ServeConfig:
     local_prefill_hit_ratio: float = 0.8  # decode holds >= this share of the prefix: prefill locally
     router_track_in_flight: bool = True   # count prefixes sent to a node before it reports them
     # >= 0: hold arriving requests at the frontend, in one FIFO, while every prefill node has more
-    # prompt tokens than this queued, and route each when a report shows one with room (late
-    # binding: cluster/orchestration/prefill_gate.py); -1 = route on arrival
+    # prompt tokens than this outstanding (sent, prefill not ended), and route each when a prefill
+    # ends and leaves room (late binding: cluster/orchestration/prefill_gate.py); -1 = route on arrival
     prefill_queue_limit: int = -1
     # transfer and leases
     transfer_backend: str = "auto"
@@ -183,7 +183,7 @@ class ServeConfig:
             raise ValueError(f"prefill_failure_policy must be one of {', '.join(PREFILL_FAILURE_POLICIES)}, "
                              f"got {self.prefill_failure_policy!r}")
         if self.prefill_queue_limit < -1:
-            raise ValueError(f"prefill_queue_limit must be -1 (route on arrival) or >= 0 prompt tokens queued "
+            raise ValueError(f"prefill_queue_limit must be -1 (route on arrival) or >= 0 prompt tokens outstanding "
                              f"on every prefill node before arrivals are held, got {self.prefill_queue_limit}")
 
     def _check_pools(self) -> None:

@@ -87,9 +87,10 @@ HELP = {
     "local_prefill_hit_ratio": "share of the prompt the decode node holds above which it prefills itself",
     "router_track_in_flight": "count prefixes already sent to a node before its KV events arrive (--no-router-track-in-flight: only reported ones)",
     "prefill_queue_limit": "hold arriving requests at the frontend (one FIFO) while every prefill node has more "
-                           "than this many prompt tokens queued, routing each when one has room: late binding, "
-                           "which keeps a burst off nodes busy with long prompts (0: only to a node with nothing "
-                           "queued; -1 = route on arrival; docs/benchmarks.md)",
+                           "than this many prompt tokens outstanding (sent, prefill not ended), routing each "
+                           "when a prefill ends and leaves room: late binding, which keeps a burst off nodes "
+                           "busy with long prompts (0: one prompt per node at a time; -1 = route on arrival; "
+                           "docs/http.md)",
     "transfer_backend": "KV transfer backend: auto, nixl, ucxx or tcp",
     "lease_ttl": "seconds a prefill node keeps handed-off blocks pinned for the reader",
     "transfer_timeout": "seconds a KV pull may take before the decode node recomputes",

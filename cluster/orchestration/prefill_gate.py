@@ -79,8 +79,8 @@ class PrefillGate:
                     may_hold: bool = True) -> RoutingDecision:
         """``route()``'s decision, called now if the gate is off, the request may not be held
         (``may_hold`` False: one the decode node prefills itself), or a prefill node has room
-        and nobody is held before this request; else when a report shows room (``release``).
-        Its exception (no worker available) is raised here."""
+        and nobody is held before this request; else when a prefill ends and leaves room
+        (``ended`` -> ``release``). Its exception (no worker available) is raised here."""
         if not self.enabled or not may_hold or (not self._held and self.room()):
             self._on_wait(0.0)
             return self._counted(route(), prompt_tokens)
@@ -98,8 +98,8 @@ class PrefillGate:
             raise
 
     def release(self) -> int:
-        """Route held requests, oldest first, while a prefill node has room (each routing adds
-        its tokens to that node's queue, so a burst is spread, not poured on one node).
+        """Route held requests, oldest first, while a prefill node has room (each routing counts
+        its tokens outstanding on its node, so a burst is spread, not poured on one node).
         Returns how many were routed."""
         routed = 0
         while self._held and self.room():
@@ -113,7 +113,7 @@ class PrefillGate:
         return routed
 
     def release_all(self) -> None:
-        """Route every held request now, room or not (the pool stops, or no report can come)."""
+        """Route every held request now, room or not (the pool stops)."""
         while self._held:
             held = self._held.popleft()
             if not held.future.done():
