@@ -63,21 +63,8 @@ class Metrics:
         self.transfer_failures = C("pdserve_transfer_failures", "KV transfers that failed", registry=r)
         self.frontend_queue = G("pdserve_frontend_queue_depth", "Requests admitted and not finished",
                                 registry=r)
-        self.prefill_gate_held = G("pdserve_prefill_gate_held", "Requests the prefill gate holds at the "
-                                   "frontend while every prefill node is busy (prefill_queue_limit)", registry=r)
-        self.prefill_gate_wait = H("pdserve_prefill_gate_wait_seconds", "Time a request was held by the prefill "
-                                   "gate before it was routed (0 when it was not)", registry=r,
-                                   buckets=(0.0, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.pool_workers = G("pdserve_pool_workers", "Workers serving in each pool (ready and routed)",
-                              ["pool"], registry=r)
-        self.pool_target_workers = G("pdserve_pool_target_workers", "Workers the autoscaler wants in each "
-                                     "pool (the configured size without --autoscale)", ["pool"], registry=r)
-        self.autoscale_decisions = C("pdserve_autoscale_decisions", "Autoscaling decisions by pool, "
-                                     "direction (up, down, hold) and reason", ["pool", "direction", "reason"],
-                                     registry=r)
-        self.ttft_wait_miss = G("pdserve_autoscale_ttft_wait_miss_fraction", "Of the requests whose prefill "
-                                "alone fits the TTFT target, the part that missed it by waiting, over the "
-                                "autoscaler's window (NaN: none counted; --autoscale)", registry=r)
+        self.prefill_gate_held, self.prefill_gate_wait = _prefill_gate(r)
+        self.pool_workers, self.pool_target_workers, self.autoscale_decisions, self.ttft_wait_miss = _pools(r)
         self.workers = WorkerSeries()
         r.register(self.workers)
         self._vllm: VllmNames | None = None
@@ -100,6 +87,28 @@ class Metrics:
 
     def forget_worker(self, worker_id: str, pool: str) -> None:
         self.workers.forget(worker_id)
+
+
+def _pools(r: CollectorRegistry) -> tuple[Gauge, Gauge, Counter, Gauge]:
+    """The pools' sizes and the autoscaler's series."""
+    return (Gauge("pdserve_pool_workers", "Workers serving in each pool (ready and routed)", ["pool"], registry=r),
+            Gauge("pdserve_pool_target_workers", "Workers the autoscaler wants in each pool (the configured "
+                  "size without --autoscale)", ["pool"], registry=r),
+            Counter("pdserve_autoscale_decisions", "Autoscaling decisions by pool, direction (up, down, hold) "
+                    "and reason", ["pool", "direction", "reason"], registry=r),
+            Gauge("pdserve_autoscale_ttft_wait_miss_fraction", "Of the requests whose prefill alone fits the "
+                  "TTFT target, the part that missed it by waiting, over the autoscaler's window (NaN: none "
+                  "counted; --autoscale)", registry=r))
+
+
+def _prefill_gate(r: CollectorRegistry) -> tuple[Gauge, Histogram]:
+    """The prefill gate's series (prefill_queue_limit; cluster/orchestration/prefill_gate.py)."""
+    held = Gauge("pdserve_prefill_gate_held", "Requests the prefill gate holds at the frontend while every "
+                 "prefill node is busy (prefill_queue_limit)", registry=r)
+    wait = Histogram("pdserve_prefill_gate_wait_seconds", "Time a request was held by the prefill gate before "
+                     "it was routed (0 when it was not)", registry=r,
+                     buckets=(0.0, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+    return held, wait
 
 
 def _decode_reservations(r: CollectorRegistry) -> Counter:
