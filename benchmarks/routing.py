@@ -12,7 +12,7 @@ turns), lengths scaled by --trace-block-len / 512 and times by --trace-time-scal
 prefilled by a prefill worker and the policies differ only in which one.
 --prefill-queue-limit N gives prefix_aware the prefill gate (ServeConfig.prefill_queue_limit:
 arrivals held at the frontend while every prefill node has more than N prompt tokens
-queued, each routed when a report shows room; round_robin routes on arrival either way).
+outstanding, each routed when a prefill ends and leaves room; round_robin routes on arrival either way).
 The router counts prefixes it has sent before their KV events arrive
 (--no-track-in-flight: only reported ones); the JSON records that and the
 cost weights. benchmarks/routing_sim.py runs the same workloads in the
@@ -279,7 +279,7 @@ def main() -> None:
                    help="ServeConfig.final_chunk_unpadded on every worker, the same for both policies")
     p.add_argument("--prefill-queue-limit", type=int, default=-1,
                    help="prefix_aware's ServeConfig.prefill_queue_limit (the prefill gate: arrivals held at the "
-                        "frontend while every prefill node has more prompt tokens queued; -1: routed on arrival); "
+                        "frontend while every prefill node has more prompt tokens outstanding; -1: routed on arrival); "
                         "round_robin routes on arrival either way")
     args = p.parse_args()
     if args.prefill_workers < 1:

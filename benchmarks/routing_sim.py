@@ -280,7 +280,7 @@ def main() -> None:
                    help="seconds added to every simulated step (a fixed per-step cost the CPU profile lacks)")
     p.add_argument("--prefill-queue-limit", type=int, default=-1,
                    help="prefix_aware only: ServeConfig.prefill_queue_limit (hold arrivals at the router while "
-                        "every prefill node has more prompt tokens than this queued; -1: off)")
+                        "every prefill node has more prompt tokens than this outstanding; -1: off)")
     p.add_argument("--pooled-bound", action="store_true",
                    help="also simulate the pooled bound for each load and sample (see pooled_bound)")
     add_split_args(p)

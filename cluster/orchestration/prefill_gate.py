@@ -101,6 +101,8 @@ class PrefillGate:
         """Route held requests, oldest first, while a prefill node has room (each routing counts
         its tokens outstanding on its node, so a burst is spread, not poured on one node).
         Returns how many were routed."""
+        if not self._held:
+            return 0
         routed = 0
         while self._held and self.room():
             held = self._held.popleft()

@@ -439,7 +439,9 @@ class ClusterSim:
         if self._next < len(self.workload):
             self.loop.at(max(self.workload[self._next].arrival_s, self.loop.now), self._arrive)
         self._frontend_work(self.loop.now, 1, 0)
-        if self._gated() and (self.held or not self._prefill_room()):
+        # as the live gate: a prompt short enough for the decode node to prefill is never held
+        if (self._gated() and tr.input_length > self.config.policy_config.local_prefill_threshold
+                and (self.held or not self._prefill_room())):
             self.held.append((tr, self.loop.now))
             self.gate_held += 1
             return
