@@ -13,6 +13,8 @@ prefilled by a prefill worker and the policies differ only in which one.
 --prefill-queue-limit N gives prefix_aware the prefill gate (ServeConfig.prefill_queue_limit:
 arrivals held at the frontend while every prefill node has more than N prompt tokens
 outstanding, each routed when a prefill ends and leaves room; round_robin routes on arrival either way).
+--gated-arm-limit N adds a third arm, prefix_aware_gated (prefix_aware with the gate at N), run
+between the two, so the gate is compared with and without in one run.
 The router counts prefixes it has sent before their KV events arrive
 (--no-track-in-flight: only reported ones); the JSON records that and the
 cost weights. benchmarks/routing_sim.py runs the same workloads in the
@@ -116,9 +118,19 @@ def workload(args, vocab_size: int) -> tuple[list[ds.BenchRequest], list[float]]
     return reqs, arrivals.schedule(arrivals.ArrivalSpec(args.rate), len(reqs), args.seed)
 
 
-async def run_policy(policy: str, base: dict, args) -> dict:
+def arms(args) -> dict[str, tuple[str, int]]:
+    """Each arm's (router policy, prefill gate limit), in the order they run: prefix_aware with
+    --prefill-queue-limit, then (with --gated-arm-limit L >= 0) prefix_aware with the gate at L, then
+    round_robin, routed on arrival."""
+    out = {"prefix_aware": ("prefix_aware", args.prefill_queue_limit)}
+    if args.gated_arm_limit >= 0:
+        out["prefix_aware_gated"] = ("prefix_aware", args.gated_arm_limit)
+    out["round_robin"] = ("round_robin", -1)
+    return out
+
+
+async def run_policy(policy: str, gate: int, base: dict, args) -> dict:
     t0 = time.monotonic()
-    gate = args.prefill_queue_limit if policy == "prefix_aware" else -1     # round-robin: routed on arrival
     stack = await start_stack(ServeConfig(**base, router_policy=policy, prefill_queue_limit=gate))
     try:
         pinned = await pin_prefill_workers(stack)
@@ -210,26 +222,27 @@ async def main_async(args) -> dict:
                 ray_temp_dir=tempfile.mkdtemp(prefix="pdserve-bench-ray-"))
     out: dict = {}
     try:
-        for policy in ("prefix_aware", "round_robin"):
-            out[policy] = await run_policy(policy, base, args)
+        for arm, (policy, gate) in arms(args).items():
+            out[arm] = await run_policy(policy, gate, base, args)
     finally:
         ray.shutdown()
-    ideal = out["prefix_aware"].pop("ideal_hit_rate")
-    out["round_robin"].pop("ideal_hit_rate")
-    n = out["prefix_aware"].pop("requests")
-    out["round_robin"].pop("requests")
+    ideal = out["prefix_aware"]["ideal_hit_rate"]
+    n = out["prefix_aware"]["requests"]
     for r in out.values():
+        r.pop("ideal_hit_rate")
+        r.pop("requests")
         r["prefill_hit_rate_over_ideal"] = round(r["prefill_hit_rate"] / ideal, 3) if r["prefill_hit_rate"] else None
         offered = r.pop("offered_rate_per_s")
         r["finished_over_offered"] = round(r["request_throughput"] / offered, 3) if offered else None
+    rr = out["round_robin"]
+    ratios = {f"ttft_round_robin_over_{arm}": {k: round(rr["ttft_ms"][k] / r["ttft_ms"][k], 3)
+                                               if r["ttft_ms"][k] and rr["ttft_ms"][k] else None
+                                               for k in ("p50", "p90", "mean")}
+              for arm, r in out.items() if arm != "round_robin"}
     out["offered_rate_per_s"] = offered
-    pa, rr = out["prefix_aware"], out["round_robin"]
     return {"benchmark": "routing", "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)",
             "machine": machine(), "workload": workload_info(args, n),
-            "ideal_hit_rate": ideal, **out,
-            "ttft_round_robin_over_prefix_aware": {k: round(rr["ttft_ms"][k] / pa["ttft_ms"][k], 3)
-                                                   if pa["ttft_ms"][k] and rr["ttft_ms"][k] else None
-                                                   for k in ("p50", "p90", "mean")},
+            "ideal_hit_rate": ideal, **out, **ratios,
             "targets": "prefix_aware hit rate >= 0.95 x ideal; TTFT >= 3x better than round_robin"}
 
 
@@ -239,6 +252,7 @@ def workload_info(args, n: int) -> dict:
              "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
              "final_chunk_unpadded": args.final_chunk_unpadded,
              "prefix_aware_prefill_queue_limit": args.prefill_queue_limit,
+             "prefix_aware_gated_prefill_queue_limit": args.gated_arm_limit if args.gated_arm_limit >= 0 else None,
              "kv_blocks_per_worker": args.kv_blocks, "output_len": args.output_len}
     if args.workload == "mooncake":
         return {"name": "mooncake", "trace": Path(args.trace_path).name, "conversations": args.conversations,
@@ -281,6 +295,9 @@ def main() -> None:
                    help="prefix_aware's ServeConfig.prefill_queue_limit (the prefill gate: arrivals held at the "
                         "frontend while every prefill node has more prompt tokens outstanding; -1: routed on arrival); "
                         "round_robin routes on arrival either way")
+    p.add_argument("--gated-arm-limit", type=int, default=-1,
+                   help="also run prefix_aware with the prefill gate at this limit (arm prefix_aware_gated, between "
+                        "prefix_aware and round_robin), so one run compares both; -1: no third arm")
     args = p.parse_args()
     if args.prefill_workers < 1:
         p.error("--prefill-workers must be >= 1")
