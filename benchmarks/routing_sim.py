@@ -22,6 +22,8 @@ fewest_uncached (with --queue-max-pass-s) sets every node's waiting-queue order
 (engine/queue_order.py) for both policies alike; --final-chunk-unpadded sets every node's
 SchedulerConfig.final_chunk_unpadded (a step finishing a prefill takes no partial chunk);
 --step-add-s adds a fixed cost to every simulated step (sensitivity to a per-step overhead).
+--profile FILE uses a cost profile measured on this host (python -m cluster.tools.sim.measure) instead
+of the committed cpu profile, e.g. to put the service floor in this host's seconds.
 --split-prefill-min-tokens N spreads a prefill of N or more uncached tokens over
 --split-prefill-nodes idle prefill nodes (cluster/tools/sim/split_prefill.py: the what-if of
 Mooncake's chunked pipeline parallelism; --split-prefill-chunk-tokens, --split-link-gbps: its
@@ -165,7 +167,7 @@ def simulate(reqs: list[TraceRequest], policy: str, weight: float, args, busy: f
                     prefill_queue_limit=-1 if pooled or policy != "prefix_aware"
                     else getattr(args, "prefill_queue_limit", -1))
     builder = PromptBuilder(BLOCK, getattr(args, "trace_block_len", BLOCK))
-    cost = load_cost_model("cpu")
+    cost = load_cost_model(getattr(args, "profile", "cpu"))
     add_s = getattr(args, "step_add_s", 0.0)
     if pooled or add_s:
         cost = ScaledCost(cost, 1.0 / (pooled or 1), add_s / (pooled or 1))
@@ -180,7 +182,7 @@ def service_floor(reqs: list[TraceRequest], args, block_len: int = BLOCK) -> dic
     what an infinite cache in arrival order would lack (ideal_cached_tokens). No wait, no sharing
     of steps, no eviction; so each quantile of it is under that of any real routing, and round-robin's
     TTFT over it bounds the ratio any router can reach (a request's prefill is not split over nodes)."""
-    pure = load_cost_model("cpu").pure_prefill
+    pure = load_cost_model(getattr(args, "profile", "cpu")).pure_prefill
     chunk = getattr(args, "max_num_batched_tokens", 512)
     add_s = getattr(args, "step_add_s", 0.0)
     floor = np.array([prefill_alone_s(pure, chunk, r.input_length, c)
@@ -281,11 +283,14 @@ def main() -> None:
     p.add_argument("--prefill-queue-limit", type=int, default=-1,
                    help="prefix_aware only: ServeConfig.prefill_queue_limit (hold arrivals at the router while "
                         "every prefill node has more prompt tokens than this outstanding; -1: off)")
+    p.add_argument("--profile", default="cpu",
+                   help="cost profile: a name in cluster/tools/sim/profiles/ or a JSON file measured on this host "
+                        "(python -m cluster.tools.sim.measure --output FILE); default cpu")
     p.add_argument("--pooled-bound", action="store_true",
                    help="also simulate the pooled bound for each load and sample (see pooled_bound)")
     add_split_args(p)
     args = p.parse_args()
-    out: dict = {"benchmark": "routing_sim", "simulated": True, "profile": "cpu",
+    out: dict = {"benchmark": "routing_sim", "simulated": True, "profile": args.profile,
                  "prefill_workers": args.prefill_workers, "weights": args.weights,
                  "busy_pool_miss": args.busy_pool_miss, "loads": args.loads,
                  "seeds": args.seeds, "min_turns": args.min_turns, "queue_order": args.queue_order,

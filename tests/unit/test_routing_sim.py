@@ -83,3 +83,21 @@ def test_the_prefill_gate_holds_arrivals_and_loses_none(rs):
     assert out[-1]["sim"]["prefill_gate_held"] == 0
     assert out[0]["sim"]["prefill_gate_held"] > len(reqs) // 4       # under this load the gate holds many
     assert out[0]["hit_rate_tokens"] >= 0.9 * rs.ideal_hit_rate(reqs, 64)
+
+
+def test_a_measured_profile_file_sets_the_floor_in_its_own_seconds(rs, tmp_path):
+    import json
+
+    from cluster.tools.sim.cost_model import PROFILE_DIR
+
+    data = json.loads((PROFILE_DIR / "cpu.json").read_text())
+    data["prefill"]["seconds"] = [[2 * s for s in row] for row in data["prefill"]["seconds"]]
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(data))
+    reqs = _mooncake(rs)
+    base = rs.service_floor(reqs, _args(), 64)
+    twice = rs.service_floor(reqs, _args(profile=str(slow)), 64)
+    for q in ("p50", "p90", "mean"):
+        assert twice[f"ttft_{q}_s"] == pytest.approx(2 * base[f"ttft_{q}_s"], rel=1e-3), q
+    with pytest.raises(ValueError, match="no cost profile"):
+        rs.service_floor(reqs, _args(profile=str(tmp_path / "missing.json")), 64)

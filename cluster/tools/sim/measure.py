@@ -303,8 +303,24 @@ def main() -> None:
     ap.add_argument("--model", help="HF directory or .gguf (default: SmolLM2-135M)")
     ap.add_argument("--repeats", type=int, default=3, help="timings per cell and round (the fastest counts)")
     ap.add_argument("--rounds", type=int, default=2, help="shuffled passes over the cells")
+    g = Grid()
+    for name in ("prefill_new", "prefill_cached", "decode_batch", "decode_context"):
+        ap.add_argument("--" + name.replace("_", "-"), type=_ints, default=getattr(g, name),
+                        help=f"the grid's {name} (comma-separated token counts; default {getattr(g, name)})")
     args = ap.parse_args()
-    measure_profile(args.output, args.model, Grid(repeats=args.repeats, rounds=args.rounds))
+    grid = Grid(prefill_new=args.prefill_new, prefill_cached=args.prefill_cached, decode_batch=args.decode_batch,
+                decode_context=args.decode_context, repeats=args.repeats, rounds=args.rounds)
+    measure_profile(args.output, args.model, grid)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give comma-separated positive integers, e.g. 16,64,256; got {text!r}")
+    if not out or min(out) < 0 or list(out) != sorted(set(out)):
+        raise argparse.ArgumentTypeError(f"give distinct non-negative integers in increasing order; got {text!r}")
+    return out
 
 
 if __name__ == "__main__":
