@@ -51,3 +51,16 @@ def test_pick_takes_the_fastest_or_the_median_rounds_fastest():
         pick(rounds, "mean")
     with pytest.raises(ValueError, match="no timings"):
         pick([])
+
+
+def test_a_grid_axis_on_the_command_line_is_distinct_increasing_counts():
+    import argparse
+
+    import pytest
+
+    from cluster.tools.sim.measure import grid_axis
+
+    assert grid_axis("0,1024,2048") == (0, 1024, 2048)
+    for bad in ("1024,16", "16,16", "16,x", "", "-1,4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="increasing order"):
+            grid_axis(bad)

@@ -305,7 +305,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="shuffled passes over the cells")
     g = Grid()
     for name in ("prefill_new", "prefill_cached", "decode_batch", "decode_context"):
-        ap.add_argument("--" + name.replace("_", "-"), type=_ints, default=getattr(g, name),
+        ap.add_argument("--" + name.replace("_", "-"), type=grid_axis, default=getattr(g, name),
                         help=f"the grid's {name} (comma-separated token counts; default {getattr(g, name)})")
     args = ap.parse_args()
     grid = Grid(prefill_new=args.prefill_new, prefill_cached=args.prefill_cached, decode_batch=args.decode_batch,
@@ -313,13 +313,15 @@ def main() -> None:
     measure_profile(args.output, args.model, grid)
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def grid_axis(text: str) -> tuple[int, ...]:
+    """A grid axis from the command line: comma-separated token counts, distinct, increasing."""
     try:
         out = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"give comma-separated positive integers, e.g. 16,64,256; got {text!r}")
+        out = ()
     if not out or min(out) < 0 or list(out) != sorted(set(out)):
-        raise argparse.ArgumentTypeError(f"give distinct non-negative integers in increasing order; got {text!r}")
+        raise argparse.ArgumentTypeError(f"give distinct non-negative integers in increasing order, "
+                                         f"comma-separated (e.g. 16,64,256); got {text!r}")
     return out
 
 
