@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
+from decode_worker.early_notices import EarlyNotices, Notice
 from decode_worker.kv_pull import KVPull
 from decode_worker.read_ahead import LayerRange
 from engine.config import EngineConfig
@@ -64,6 +65,7 @@ class DecodeWorker(WorkerBase):
         self._reserved: dict[str, RemoteAllocation] = {}   # blocks reserved ahead of a submit
         self._reservation_expiries = 0      # reservations freed unclaimed (reported, cumulative)
         self._expiring: dict[str, asyncio.Event] = {}   # expiries still freeing their blocks
+        self._early = EarlyNotices(self.settings.timeout)   # read-ahead notices ahead of their reservation
 
     @property
     def _awaiting_room(self) -> int:
@@ -110,6 +112,7 @@ class DecodeWorker(WorkerBase):
         """No hand-off (after all): queue the prompt to be prefilled by this engine."""
         rid = item.request_id
         reserved = self._reserved.pop(rid, None) is not None   # its reservation goes unused
+        self._early.drop(rid)
         await self.kv.settle(rid)
 
         def add(e: LLMEngine) -> None:
@@ -130,8 +133,10 @@ class DecodeWorker(WorkerBase):
         request_id = item.request_id
         await self._expired(request_id)   # a retry reserving the id again while its old reservation expires
         if self._draining or self.transfer is None or request_id in self._reserved:
+            self._early.drop(request_id)
             return False
         self._submitting.add(request_id)
+        reserved = False
         try:
             def add(e: LLMEngine) -> RemoteAllocation | None:
                 e.check_room(self._awaiting_room)
@@ -148,8 +153,13 @@ class DecodeWorker(WorkerBase):
             self._reserved[request_id] = alloc
             ttl = RESERVATION_TTL_FACTOR * self.settings.timeout
             asyncio.get_running_loop().call_later(ttl, lambda: asyncio.ensure_future(self._expire(request_id, alloc)))
+            for n in self._early.take(request_id):   # blocks completed while this call was on its way
+                self.kv.read_ahead(request_id, alloc, n.peer, n.first_index, n.block_ids, n.preemptions, n.layers)
+            reserved = True
             return True
         finally:
+            if not reserved:
+                self._early.drop(request_id)
             self._submitting.discard(request_id)
             self._cancelled.discard(request_id)
 
@@ -157,11 +167,14 @@ class DecodeWorker(WorkerBase):
                          block_ids: tuple[int, ...], preemptions: int, layers: LayerRange | None = None) -> None:
         """The prefill node completed prompt blocks `first_index`.. (its `block_ids`), or
         only their `layers` [l0, l1) (the last chunk, while it computes): read them now into
-        the reservation. Ignored without one (not made yet, or already claimed), or for layers
-        this transfer backend cannot read apart: the submit then reads them."""
+        the reservation. Without one yet (its reserve call still on its way) the notice is
+        kept a while and read once it is made (early_notices.py); ignored for layers this
+        transfer backend cannot read apart: the submit then reads them."""
         alloc = self._reserved.get(request_id)
         if alloc is not None:
             self.kv.read_ahead(request_id, alloc, peer, first_index, block_ids, preemptions, layers)
+        elif self.transfer is not None and not self._draining:
+            self._early.keep(request_id, Notice(peer, first_index, tuple(block_ids), preemptions, layers))
 
     async def _expire(self, request_id: str, alloc: RemoteAllocation) -> None:
         if self._reserved.get(request_id) is alloc:   # never claimed: its frontend is gone (or slow)
@@ -218,6 +231,7 @@ class DecodeWorker(WorkerBase):
         first = True
         await self._expired(request_id)   # a late submit: its expired reservation may still be freeing
         alloc = self._reserved.pop(request_id, None)
+        self._early.drop(request_id)   # no reservation reads them now (the claim reads the rest)
         # the first token reaches the engine with the allocation, or (reserved ahead) with the KV
         late_token = first_token if alloc is not None else None
 
@@ -294,6 +308,7 @@ class DecodeWorker(WorkerBase):
         if request_id in self._pulling:   # a transfer still writes into its blocks: _pull frees them after
             return True
         self._reserved.pop(request_id, None)
+        self._early.drop(request_id)
         await self.kv.settle(request_id)   # reads ahead into its blocks end first
         return await self.aengine.call(lambda e: e.abort_request(request_id))
 

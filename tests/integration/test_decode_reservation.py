@@ -110,6 +110,38 @@ def test_a_pipelined_hand_off_reads_earlier_chunks_ahead_and_the_last_one_after(
     assert used == 0
 
 
+def test_blocks_told_before_the_reservation_is_made_are_read_once_it_is(workers):
+    """The reserve call and the prefill run at once and nothing orders them: every chunk's
+    notice may reach the decode node before its reservation. They are kept and read when
+    the reservation is made, so the submit still reads only the last chunk's blocks. A
+    request no reservation follows keeps nothing once its submit comes."""
+    pw, dw = workers
+
+    async def go():
+        prompt = list(range(13, 173))   # 160 tokens: 10 blocks, 5 chunks of 2 blocks
+        pre = await pw.prefill(item=_item("late", prompt), read_ahead=dw)   # every notice before the reserve
+        kept = len(dw._early)
+        assert await dw.reserve(item=_item("late", prompt))
+        decoded = asyncio.ensure_future(_decode(dw, "late"))
+        sub = await dw.submit(item=_item("late", prompt), handle=pre.handle, first_token=pre.first_token)
+        tokens = list(pre.first.new_token_ids) + await decoded
+        never = await pw.prefill(item=_item("never", [t + 2 for t in prompt]), read_ahead=dw)
+        unreserved = asyncio.ensure_future(_decode(dw, "never"))
+        plain = await dw.submit(item=_item("never", [t + 2 for t in prompt]), handle=never.handle,
+                                first_token=never.first_token)
+        await unreserved
+        _, want = await _hand_off(pw, dw, "late-ref", prompt, reserve=False)
+        return kept, sub, tokens, plain, want, len(dw._early), await _used(dw)
+
+    kept, sub, tokens, plain, want, left, used = asyncio.run(go())
+    assert kept == 1, "the notices ahead of the reservation were not kept"
+    assert (sub.reserved, sub.read_ahead_blocks, sub.transferred_blocks) == (True, 8, 10), sub
+    assert tokens == want
+    assert (plain.reserved, plain.read_ahead_blocks, plain.transferred_blocks) == (False, 0, 10), plain
+    assert left == 0, "notices of a request submitted without a reservation were kept"
+    assert used == 0
+
+
 def test_blocks_read_ahead_from_what_is_no_longer_their_source_are_read_again(workers):
     """The prefill node recomputed the prompt (a preemption) or another node
     prefilled it: what was read ahead is stale, and the submit must not trust it."""
