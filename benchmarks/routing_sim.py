@@ -29,6 +29,10 @@ of the committed cpu profile, e.g. to put the service floor in this host's secon
 Mooncake's chunked pipeline parallelism; --split-prefill-chunk-tokens, --split-link-gbps: its
 pipeline chunk and link, 0 = the optimistic bound), for both policies alike.
 
+--prefill-cores C pins the prefill nodes round-robin to C shared cores, as routing.py pins its workers
+(4 workers on this 2-core host: 2); a step then runs at 1/k of its speed while k of its core's nodes are
+mid-step. Without it each node has a core to itself, twice this host's capacity for 4 workers.
+
 --prefill-queue-limit N gives prefix_aware the prefill gate (ServeConfig.prefill_queue_limit:
 arrivals held at the router while every prefill node has more than N prompt tokens outstanding;
 round_robin routes on arrival either way).
@@ -165,7 +169,8 @@ def simulate(reqs: list[TraceRequest], policy: str, weight: float, args, busy: f
                     final_chunk_unpadded=getattr(args, "final_chunk_unpadded", False),
                     split_prefill=None if pooled else split_config(args),
                     prefill_queue_limit=-1 if pooled or policy != "prefix_aware"
-                    else getattr(args, "prefill_queue_limit", -1))
+                    else getattr(args, "prefill_queue_limit", -1),
+                    prefill_cores=0 if pooled else getattr(args, "prefill_cores", 0))
     builder = PromptBuilder(BLOCK, getattr(args, "trace_block_len", BLOCK))
     cost = load_cost_model(getattr(args, "profile", "cpu"))
     add_s = getattr(args, "step_add_s", 0.0)
@@ -286,6 +291,9 @@ def main() -> None:
     p.add_argument("--profile", default="cpu",
                    help="cost profile: a name in cluster/tools/sim/profiles/ or a JSON file measured on this host "
                         "(python -m cluster.tools.sim.measure --output FILE); default cpu")
+    p.add_argument("--prefill-cores", type=int, default=0,
+                   help="the prefill nodes share this many cores, pinned round-robin as routing.py pins its workers "
+                        "(a step at 1/k speed while k of its core's nodes are mid-step); 0: a core each")
     p.add_argument("--pooled-bound", action="store_true",
                    help="also simulate the pooled bound for each load and sample (see pooled_bound)")
     add_split_args(p)
@@ -297,6 +305,7 @@ def main() -> None:
                  "queue_max_pass_s": args.queue_max_pass_s,
                  "final_chunk_unpadded": args.final_chunk_unpadded, "step_add_s": args.step_add_s,
                  "pooled_bound": args.pooled_bound, "prefill_queue_limit": args.prefill_queue_limit,
+                 "prefill_cores": args.prefill_cores,
                  **split_header(args), "runs": [], "summary": {}}
     kv = args.kv_blocks
     if args.trace_block_len % BLOCK:

@@ -4,7 +4,7 @@ import pytest
 from cluster.tools.sim.cli import without_wall
 from cluster.tools.sim.cluster_sim import ClusterSim, SimConfig, descriptor_runs
 from cluster.tools.sim.cost_model import Table2D, TableCostModel, TransferCost
-from cluster.tools.sim.workload import PromptBuilder, synthetic_shared_prefix
+from cluster.tools.sim.workload import PromptBuilder, TraceRequest, synthetic_shared_prefix
 
 BS = 16
 
@@ -198,3 +198,29 @@ def test_progress_lines_change_no_result(capsys):
     assert without_wall(loud) == without_wall(quiet)
     with pytest.raises(ValueError, match="progress_s"):
         SimConfig(1, 1, progress_s=-1)
+
+
+def _cold(rid: str, at: float, first_id: int) -> TraceRequest:
+    return TraceRequest(rid, at, 256, 2, tuple(range(first_id, first_id + 16)))
+
+
+@pytest.mark.parametrize("cores, together, want", [
+    (0, True, (1.0, 1.0)),     # a core each
+    (2, True, (1.0, 1.0)),     # two cores, one node on each
+    (1, True, (2.0, 2.0)),     # one core: both prefills run at half speed
+    (1, False, (1.0, 1.0)),    # one core, one prefill at a time: the partner idle costs nothing
+])
+def test_prefill_nodes_pinned_to_shared_cores_share_their_speed(cores, together, want):
+    """prefill_cores: round-robin sends two cold 256-token prompts to the two prefill nodes; on
+    one core the two steps, in flight together, each take twice the profile's time."""
+    reqs = [_cold("a", 0.0, 100), _cold("b", 0.0 if together else 1.0, 200)]
+    sim, s = _run("round_robin", p=2, d=1, reqs=reqs, prefill_cores=cores)
+    assert s["finished"] == 2
+    ttft = sorted((r.request_id, r.ttft) for r in sim.records)
+    base = _run("round_robin", p=2, d=1, reqs=[_cold("a", 0.0, 100)])[0].records[0].ttft   # alone
+    assert [round(t / base, 2) for _, t in ttft] == list(want), ttft
+
+
+def test_prefill_cores_is_checked():
+    with pytest.raises(ValueError, match="prefill_cores must be >= 0"):
+        SimConfig(2, 1, prefill_cores=-1)

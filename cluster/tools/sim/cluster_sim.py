@@ -96,6 +96,11 @@ class SimConfig:
     # not ended: cluster/router/outstanding.py), routing it when a prefill ends and leaves room
     # (cluster/orchestration/prefill_gate.py); -1: off
     prefill_queue_limit: int = -1
+    # > 0: the prefill nodes share this many cores, node i pinned to core i % prefill_cores (as
+    # benchmarks/routing.py pins its prefill workers), and a prefill node's step runs at 1 / k of its
+    # isolated speed while k of its core's nodes are mid-step (processor sharing); decode nodes keep
+    # their own hardware. 0: every node has its own
+    prefill_cores: int = 0
 
     def __post_init__(self) -> None:
         if self.decode_nodes < 1 or self.prefill_nodes < 0:
@@ -109,6 +114,12 @@ class SimConfig:
         if self.progress_s < 0:
             raise ValueError(f"progress_s must be >= 0 simulated seconds (0 = no progress lines), "
                              f"got {self.progress_s}")
+        if self.prefill_cores < 0:
+            raise ValueError(f"prefill_cores must be >= 0 (0 = every node on its own hardware), got {self.prefill_cores}")
+        if self.prefill_cores and (self.interference is not None or self.autoscale is not None
+                                   or self.split_prefill is not None):
+            raise ValueError("prefill_cores models a fixed prefill pool pinned to shared cores: leave interference, "
+                             "autoscale and split_prefill None with it")
         if self.split_prefill is not None:
             if self.prefill_nodes < self.split_prefill.nodes:
                 raise ValueError(f"split_prefill spreads a prefill over {self.split_prefill.nodes} prefill "
@@ -208,6 +219,7 @@ class ClusterSim:
     # ---- pool membership (fixed, or changed by the autoscaler) ----------------
     def _init_pools(self, config: SimConfig, colocated: bool) -> None:
         self.nodes: dict[str, SimNode] = {}
+        self._core: dict[str, int] = {}               # prefill_cores: prefill node id -> its core
         self.nic_free: dict[str, float] = {}
         # pool membership over time: node id -> [role, joined, left]; live requests holding each node
         self.spans: dict[str, list] = {}
@@ -240,9 +252,12 @@ class ClusterSim:
                           CacheConfig(block_size=c.block_size, num_blocks=self.num_blocks), self.num_blocks,
                           c.max_model_len, clock=self.loop.clock)
         shared = c.interference is not None
+        pinned = bool(c.prefill_cores) and role == "prefill"
+        if pinned:
+            self._core[nid] = len(self._core) % c.prefill_cores
         node = self.nodes[nid] = SimNode(nid, role, sched, self.cost, self.loop, self, collapse=c.collapse,
-                                         slowdown=self._slowdown if shared else None,
-                                         on_busy_change=self._host_changed if shared else None,
+                                         slowdown=self._slowdown if shared else self._core_share if pinned else None,
+                                         on_busy_change=self._host_changed if shared or pinned else None,
                                          jitter=self._jitter if shared and c.interference.jitter else None,
                                          step_cost=self.split.step_seconds if self.split is not None else None)
         self.nic_free[nid] = 0.0
@@ -366,6 +381,12 @@ class ClusterSim:
 
     def _jitter(self, node: SimNode, sched) -> float:
         return self.config.interference.jitter_at(node.role, step_kind(StepShape.of(sched)), self._rng.random())
+
+    def _core_share(self, node: SimNode, sched) -> float:
+        """prefill_cores: the step runs at 1 / k of its speed, k = its core's nodes mid-step (itself too)."""
+        core = self._core[node.node_id]
+        return float(1 + sum(self.nodes[nid].busy for nid, c in self._core.items()
+                             if c == core and nid != node.node_id))
 
     def _slowdown(self, node: SimNode, sched) -> float:
         busy = sum(n.busy for n in self.nodes.values()) - node.busy + (self._frontend_until > self.loop.now)
