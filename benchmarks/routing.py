@@ -10,6 +10,9 @@ turns), lengths scaled by --trace-block-len / 512 and times by --trace-time-scal
 (benchmarks/routing_workloads.py). Conditional disaggregation is off for both
 (local_prefill_threshold=0, local_prefill_hit_ratio=1.0), so every prompt is
 prefilled by a prefill worker and the policies differ only in which one.
+--min-hit-share F sets ServeConfig.router_min_hit_share (prefix_aware: a prefill node's cached
+prefix under F of the prompt counts as no hit; cluster/router/cost.py).
+
 --prefill-queue-limit N gives prefix_aware the prefill gate (ServeConfig.prefill_queue_limit:
 arrivals held at the frontend while every prefill node has more than N prompt tokens
 outstanding, each routed when a prefill ends and leaves room; round_robin routes on arrival either way).
@@ -219,6 +222,7 @@ async def main_async(args) -> dict:
                 local_prefill_threshold=0, local_prefill_hit_ratio=1.0, log_level="WARNING",
                 router_track_in_flight=args.track_in_flight, queue_order=args.queue_order,
                 queue_max_pass_s=args.queue_max_pass_s, final_chunk_unpadded=args.final_chunk_unpadded,
+                router_min_hit_share=args.min_hit_share,
                 ray_temp_dir=tempfile.mkdtemp(prefix="pdserve-bench-ray-"))
     out: dict = {}
     try:
@@ -252,6 +256,7 @@ def workload_info(args, n: int) -> dict:
              "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
              "final_chunk_unpadded": args.final_chunk_unpadded,
              "prefix_aware_prefill_queue_limit": args.prefill_queue_limit,
+             "router_min_hit_share": args.min_hit_share,
              "prefix_aware_gated_prefill_queue_limit": args.gated_arm_limit if args.gated_arm_limit >= 0 else None,
              "kv_blocks_per_worker": args.kv_blocks, "output_len": args.output_len}
     if args.workload == "mooncake":
@@ -291,6 +296,9 @@ def main() -> None:
     p.add_argument("--queue-max-pass-s", type=float, default=20.0, help="ServeConfig.queue_max_pass_s")
     p.add_argument("--final-chunk-unpadded", action=argparse.BooleanOptionalAction, default=False,
                    help="ServeConfig.final_chunk_unpadded on every worker, the same for both policies")
+    p.add_argument("--min-hit-share", type=float, default=0.0,
+                   help="ServeConfig.router_min_hit_share (prefix_aware: a node's hit under this share of the "
+                        "prompt counts as none; round_robin ignores it)")
     p.add_argument("--prefill-queue-limit", type=int, default=-1,
                    help="prefix_aware's ServeConfig.prefill_queue_limit (the prefill gate: arrivals held at the "
                         "frontend while every prefill node has more prompt tokens outstanding; -1: routed on arrival); "

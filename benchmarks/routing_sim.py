@@ -33,6 +33,9 @@ pipeline chunk and link, 0 = the optimistic bound), for both policies alike.
 (4 workers on this 2-core host: 2); a step then runs at 1/k of its speed while k of its core's nodes are
 mid-step. Without it each node has a core to itself, twice this host's capacity for 4 workers.
 
+--min-hit-share F sets CostWeights.min_hit_share for prefix_aware (cluster/router/cost.py): a prefill
+node's hit under F of the prompt counts as none (placed by queue and the tie rule instead).
+
 --prefill-queue-limit N gives prefix_aware the prefill gate (ServeConfig.prefill_queue_limit:
 arrivals held at the router while every prefill node has more than N prompt tokens outstanding;
 round_robin routes on arrival either way).
@@ -155,7 +158,7 @@ def simulate(reqs: list[TraceRequest], policy: str, weight: float, args, busy: f
              pooled: int = 0) -> dict:
     """busy: CostWeights.busy_pool_miss (None: its default). pooled > 0: instead of
     --prefill-workers nodes, the pooled bound of ``pooled`` of them (see pooled_bound)."""
-    w = CostWeights(uncached_token=weight)
+    w = CostWeights(uncached_token=weight, min_hit_share=getattr(args, "min_hit_share", 0.0))
     pc = PolicyConfig(0.0, 0, 1.0, weights=w if busy is None else replace(w, busy_pool_miss=busy))
     step_tokens = getattr(args, "max_num_batched_tokens", 512)
     nodes, blocks, seqs = args.prefill_workers, args.kv_blocks, 64
@@ -291,6 +294,9 @@ def main() -> None:
     p.add_argument("--profile", default="cpu",
                    help="cost profile: a name in cluster/tools/sim/profiles/ or a JSON file measured on this host "
                         "(python -m cluster.tools.sim.measure --output FILE); default cpu")
+    p.add_argument("--min-hit-share", type=float, default=0.0,
+                   help="CostWeights.min_hit_share for prefix_aware: a prefill node's hit under this share of the "
+                        "prompt counts as none; 0: every hit counts")
     p.add_argument("--prefill-cores", type=int, default=0,
                    help="the prefill nodes share this many cores, pinned round-robin as routing.py pins its workers "
                         "(a step at 1/k speed while k of its core's nodes are mid-step); 0: a core each")
@@ -305,7 +311,7 @@ def main() -> None:
                  "queue_max_pass_s": args.queue_max_pass_s,
                  "final_chunk_unpadded": args.final_chunk_unpadded, "step_add_s": args.step_add_s,
                  "pooled_bound": args.pooled_bound, "prefill_queue_limit": args.prefill_queue_limit,
-                 "prefill_cores": args.prefill_cores,
+                 "prefill_cores": args.prefill_cores, "min_hit_share": args.min_hit_share,
                  **split_header(args), "runs": [], "summary": {}}
     kv = args.kv_blocks
     if args.trace_block_len % BLOCK:

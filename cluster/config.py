@@ -111,6 +111,9 @@ class ServeConfig:
     local_prefill_threshold: int = 64     # uncached prompt tokens at or below: decode prefills itself
     local_prefill_hit_ratio: float = 0.8  # decode holds >= this share of the prefix: prefill locally
     router_track_in_flight: bool = True   # count prefixes sent to a node before it reports them
+    # a prefill node's cached prefix under this share of the prompt counts as no hit (a short preamble
+    # every conversation shares then places nothing; cluster/router/cost.py); 0 = every hit counts
+    router_min_hit_share: float = 0.0
     # >= 0: hold arriving requests at the frontend, in one FIFO, while every prefill node has more
     # prompt tokens than this outstanding (sent, prefill not ended), and route each when a prefill
     # ends and leaves room (late binding: cluster/orchestration/prefill_gate.py); -1 = route on arrival
@@ -182,6 +185,10 @@ class ServeConfig:
         if self.prefill_failure_policy not in PREFILL_FAILURE_POLICIES:
             raise ValueError(f"prefill_failure_policy must be one of {', '.join(PREFILL_FAILURE_POLICIES)}, "
                              f"got {self.prefill_failure_policy!r}")
+        if not 0.0 <= self.router_min_hit_share < 1.0:
+            raise ValueError(f"router_min_hit_share is the share of a prompt a prefill node's cached prefix must cover "
+                             f"to count for routing: give a value in [0, 1) (0: every hit counts), "
+                             f"got {self.router_min_hit_share}")
         if self.prefill_queue_limit < -1:
             raise ValueError(f"prefill_queue_limit must be -1 (route on arrival) or >= 0 prompt tokens outstanding "
                              f"on every prefill node before arrivals are held, got {self.prefill_queue_limit}")

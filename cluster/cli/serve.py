@@ -86,6 +86,9 @@ HELP = {
     "local_prefill_threshold": "uncached prompt tokens at or below which the decode node prefills itself",
     "local_prefill_hit_ratio": "share of the prompt the decode node holds above which it prefills itself",
     "router_track_in_flight": "count prefixes already sent to a node before its KV events arrive (--no-router-track-in-flight: only reported ones)",
+    "router_min_hit_share": "a prefill node's cached prefix under this share of the prompt counts as no hit "
+                            "(a short preamble every conversation shares then does not place new ones; 0 = "
+                            "every hit counts)",
     "prefill_queue_limit": "hold arriving requests at the frontend (one FIFO) while every prefill node has more "
                            "than this many prompt tokens outstanding (sent, prefill not ended), routing each "
                            "when a prefill ends and leaves room: late binding, which keeps a burst off nodes "

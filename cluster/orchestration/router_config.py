@@ -13,7 +13,8 @@ def policy_config(cfg: ServeConfig, weights: CostWeights | None = None) -> Polic
     return PolicyConfig(temperature=cfg.router_temperature,
                         local_prefill_threshold=cfg.local_prefill_threshold,
                         local_prefill_hit_ratio=cfg.local_prefill_hit_ratio,
-                        colocated=cfg.colocated, weights=weights or CostWeights())
+                        colocated=cfg.colocated,
+                        weights=weights or CostWeights(min_hit_share=cfg.router_min_hit_share))
 
 
 def router_config(cfg: ServeConfig) -> RouterConfig:

@@ -31,6 +31,17 @@ prefill and decode terms can be added (colocated mode) and compared:
 - a decode node costs its running sequences and KV usage, each scaled to
   token-equivalents by a weight, plus the blocks it would have to pull.
 
+Placing a new conversation by a short shared prefix feeds one node. Most prompts
+of a trace may share a block or two (a common system preamble): the nodes that
+computed it first are then cheaper for every later new conversation by that
+block's miss, however idle the others are, and the conversations' later turns
+follow them home; in the simulator (docs/benchmarks.md, seeds46) one of four
+prefill nodes got no request at all on two samples of ten. With ``min_hit_share``
+> 0 a prefill node's hit under that share of the prompt counts as none (SGLang's
+cache-aware router has the same kind of threshold): such a conversation is placed
+by queue and the tie rule, while a later turn, whose hit is most of its prompt,
+still goes home. Off by default (0): measured in the simulator only.
+
 A block cached on the host or disk tier counts as a fraction of a device hit
 (``host_hit`` / ``disk_hit``): reading it back is cheaper than recomputing but
 not free. Selection is argmin at temperature 0 (ties go to the first
@@ -56,6 +67,7 @@ class CostWeights:
     disk_hit: float = 0.5          # a disk-tier hit is worth this share of a device hit
     in_flight_hit: float = 0.9     # a block sent to the node, not yet reported, is worth this share
     busy_pool_miss: float = 4.0    # uncached_token x this when every prefill node has a queue
+    min_hit_share: float = 0.0     # a prefill node's hit under this share of the prompt counts as none (0: off)
 
     def __post_init__(self) -> None:
         for name in ("uncached_token", "queued_token", "running", "kv_usage", "transfer_block"):
@@ -65,6 +77,9 @@ class CostWeights:
         if not self.busy_pool_miss >= 1.0:
             raise ValueError(f"CostWeights.busy_pool_miss multiplies the miss weight on a pool busy "
                              f"everywhere: give a value >= 1 (1 turns it off), got {self.busy_pool_miss}")
+        if not 0.0 <= self.min_hit_share < 1.0:
+            raise ValueError(f"CostWeights.min_hit_share is the share of a prompt a prefill node's cached prefix must "
+                             f"cover to count: give a value in [0, 1) (0: every hit counts), got {self.min_hit_share}")
         for name in ("host_hit", "disk_hit", "in_flight_hit"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"CostWeights.{name} is a share of a device hit: give a value "

@@ -388,6 +388,8 @@ class PrefixAwarePolicy(RoutingPolicy):
         rc, start = self._vector(workers, "prefill", matches), _tie_start(req, workers, matches)
         busy = C.busy_pool(x.load.queued_prefill_tokens for x in workers)
         w = self._busy_weights if busy else self.config.weights
+        if w.min_hit_share:   # short hits count as none (cost.py); the per-worker path, Python only
+            rc, matches = None, _long_hits(req, matches, w)
         if rc is None:
             costs: list[float] | np.ndarray = self._prefill_costs(req, workers, matches, w)
         elif len(rc) <= LIST_MAX:
@@ -427,6 +429,17 @@ class PrefixAwarePolicy(RoutingPolicy):
         costs = self._prefill_costs(req, workers, matches, w)
         costs = [c + C.decode_cost(x.load.running, x.load.kv_usage, w) for c, x in zip(costs, workers)]
         return self._select(workers, costs)
+
+
+def _long_hits(req: RoutingRequest, matches: Mapping[str, MatchInfo], w: C.CostWeights) -> dict[str, MatchInfo]:
+    """The matches that cover at least ``min_hit_share`` of the prompt (CostWeights.min_hit_share)."""
+    floor = w.min_hit_share * req.prompt_tokens / req.block_size
+    return {wid: m for wid, m in _items(matches)
+            if C.effective_cached_blocks(m.device_blocks, m.host_blocks, m.disk_blocks, w, m.in_flight_blocks) >= floor}
+
+
+def _items(matches: Mapping[str, MatchInfo]):
+    return (matches.as_dict() if isinstance(matches, Matches) else matches).items()
 
 
 def least_assigned(workers: Sequence[WorkerView], costs: list[float] | np.ndarray, start: int) -> int:
