@@ -50,9 +50,6 @@ class EarlyNotices:
         self.keep_seconds, self.max_requests, self.max_per_request = keep_seconds, max_requests, max_per_request
         self._clock = clock
         self._kept: dict[str, _Kept] = {}   # insertion order: oldest first
-        self.kept_total = 0       # notices kept (cumulative)
-        self.replayed_total = 0   # of those, read once their reservation was made
-        self.dropped_total = 0    # dropped: too old, too many, or no reservation followed
 
     def keep(self, request_id: str, notice: Notice) -> None:
         """`notice` came before `request_id`'s reservation: keep it for a while."""
@@ -62,26 +59,18 @@ class EarlyNotices:
             if len(self._kept) >= self.max_requests:
                 self.drop(next(iter(self._kept)))
             kept = self._kept[request_id] = _Kept(self._clock())
-        if len(kept.notices) >= self.max_per_request:
-            self.dropped_total += 1
-            return
-        kept.notices.append(notice)
-        self.kept_total += 1
+        if len(kept.notices) < self.max_per_request:
+            kept.notices.append(notice)
 
     def take(self, request_id: str) -> list[Notice]:
         """`request_id` is reserved now: its kept notices, oldest first (then forgotten)."""
         self._prune()
         kept = self._kept.pop(request_id, None)
-        if kept is None:
-            return []
-        self.replayed_total += len(kept.notices)
-        return kept.notices
+        return [] if kept is None else kept.notices
 
     def drop(self, request_id: str) -> None:
         """No reservation will read these (refused, aborted, claimed, prefilled here)."""
-        kept = self._kept.pop(request_id, None)
-        if kept is not None:
-            self.dropped_total += len(kept.notices)
+        self._kept.pop(request_id, None)
 
     def __len__(self) -> int:
         return len(self._kept)

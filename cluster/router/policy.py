@@ -141,10 +141,14 @@ class PolicyConfig:
 Pick = tuple[WorkerView, float]            # chosen worker and its cost
 
 
+def _as_dict(matches: Mapping[str, MatchInfo]) -> Mapping[str, MatchInfo]:
+    """A plain mapping for a per-worker scan (one lookup, not a walk over ``Matches`` groups per worker)."""
+    return matches.as_dict() if isinstance(matches, Matches) else matches
+
+
 def _getter(matches: Mapping[str, MatchInfo]) -> Callable[[str], MatchInfo | None]:
-    """``matches.get`` for a per-worker scan: a plain dict's (one lookup, not a
-    walk over ``Matches`` groups per worker)."""
-    return (matches.as_dict() if isinstance(matches, Matches) else matches).get
+    """``matches.get`` for a per-worker scan."""
+    return _as_dict(matches).get
 
 
 def with_in_flight(matches: Matches | MutableMapping[str, MatchInfo], in_flight: InFlightMatch) -> None:
@@ -434,12 +438,8 @@ class PrefixAwarePolicy(RoutingPolicy):
 def _long_hits(req: RoutingRequest, matches: Mapping[str, MatchInfo], w: C.CostWeights) -> dict[str, MatchInfo]:
     """The matches that cover at least ``min_hit_share`` of the prompt (CostWeights.min_hit_share)."""
     floor = w.min_hit_share * req.prompt_tokens / req.block_size
-    return {wid: m for wid, m in _items(matches)
+    return {wid: m for wid, m in _as_dict(matches).items()
             if C.effective_cached_blocks(m.device_blocks, m.host_blocks, m.disk_blocks, w, m.in_flight_blocks) >= floor}
-
-
-def _items(matches: Mapping[str, MatchInfo]):
-    return (matches.as_dict() if isinstance(matches, Matches) else matches).items()
 
 
 def least_assigned(workers: Sequence[WorkerView], costs: list[float] | np.ndarray, start: int) -> int:
