@@ -18,6 +18,13 @@ arrivals held at the frontend while every prefill node has more than N prompt to
 outstanding, each routed when a prefill ends and leaves room; round_robin routes on arrival either way).
 --gated-arm-limit N adds a third arm, prefix_aware_gated (prefix_aware with the gate at N), run
 between the two, so the gate is compared with and without in one run.
+--floor-arm adds a first arm, service_floor: the same requests, prefix_aware, sent one at a time
+(each when the one before has finished), so every TTFT is that request's service alone on an idle
+pool with the cache prefix-aware routing builds: no wait, no shared steps. A router that does not
+split a prefill over nodes cannot bring a request's TTFT under it by much (only by more hits than
+prefix_aware gets), so round_robin's TTFT over this floor (``ttft_round_robin_over_service_floor``)
+bounds the ratio routing can reach on the sample at this rate, and prefix_aware's over it
+(``ttft_prefix_aware_over_service_floor``) is what queueing and shared steps cost it.
 The router counts prefixes it has sent before their KV events arrive
 (--no-track-in-flight: only reported ones); the JSON records that and the
 cost weights. benchmarks/routing_sim.py runs the same workloads in the
@@ -59,7 +66,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -121,20 +128,35 @@ def workload(args, vocab_size: int) -> tuple[list[ds.BenchRequest], list[float]]
     return reqs, arrivals.schedule(arrivals.ArrivalSpec(args.rate), len(reqs), args.seed)
 
 
-def arms(args) -> dict[str, tuple[str, int]]:
-    """Each arm's (router policy, prefill gate limit), in the order they run: prefix_aware with
-    --prefill-queue-limit, then (with --gated-arm-limit L >= 0) prefix_aware with the gate at L, then
-    round_robin, routed on arrival."""
-    out = {"prefix_aware": ("prefix_aware", args.prefill_queue_limit)}
+@dataclass(frozen=True)
+class Arm:
+    policy: str                   # ServeConfig.router_policy
+    gate: int                     # ServeConfig.prefill_queue_limit (-1: routed on arrival)
+    one_at_a_time: bool = False   # each request sent when the one before has finished (the service floor)
+
+
+def arms(args) -> dict[str, Arm]:
+    """The arms in the order they run: (with --floor-arm) the service floor, prefix_aware one
+    request at a time; prefix_aware with --prefill-queue-limit; (with --gated-arm-limit L >= 0)
+    prefix_aware with the gate at L; round_robin, routed on arrival."""
+    out = {"service_floor": Arm("prefix_aware", -1, one_at_a_time=True)} if args.floor_arm else {}
+    out["prefix_aware"] = Arm("prefix_aware", args.prefill_queue_limit)
     if args.gated_arm_limit >= 0:
-        out["prefix_aware_gated"] = ("prefix_aware", args.gated_arm_limit)
-    out["round_robin"] = ("round_robin", -1)
+        out["prefix_aware_gated"] = Arm("prefix_aware", args.gated_arm_limit)
+    out["round_robin"] = Arm("round_robin", -1)
     return out
 
 
-async def run_policy(policy: str, gate: int, base: dict, args) -> dict:
+def send_plan(offsets: list[float], arm: Arm) -> tuple[list[float], int]:
+    """The send offsets and concurrency cap the arm's run uses: the workload's own, or
+    (one_at_a_time) every request due at once behind a cap of one, so each is sent, in order,
+    when the one before has finished."""
+    return ([0.0] * len(offsets), 1) if arm.one_at_a_time else (list(offsets), 0)
+
+
+async def run_policy(arm: Arm, base: dict, args) -> dict:
     t0 = time.monotonic()
-    stack = await start_stack(ServeConfig(**base, router_policy=policy, prefill_queue_limit=gate))
+    stack = await start_stack(ServeConfig(**base, router_policy=arm.policy, prefill_queue_limit=arm.gate))
     try:
         pinned = await pin_prefill_workers(stack)
         info = stack.backend.model_info()
@@ -146,7 +168,9 @@ async def run_policy(policy: str, gate: int, base: dict, args) -> dict:
         idle0 = snapshot(pids)
         hit0, q0, c0 = await settled_counters(stack, wait_s=3.0)
         cpu0 = snapshot(pids)
-        run = await run_load(stack.grpc.target, reqs, offsets, RunnerConfig(progress=False, drain_timeout_s=240))
+        sends, cap = send_plan(offsets, arm)
+        run = await run_load(stack.grpc.target, reqs, sends,
+                             RunnerConfig(progress=False, drain_timeout_s=240, max_concurrency=cap))
         cpu1 = snapshot(pids)
         hit1, q1, c1 = await settled_counters(stack)
         waits = prefill_waits(stack)          # the warm-up's 4 distinct prompts never wait
@@ -164,7 +188,7 @@ async def run_policy(policy: str, gate: int, base: dict, args) -> dict:
             "request_throughput": s["request_throughput"], "total_token_throughput": s["total_token_throughput"],
             "finished": s["requests"]["finished"], "failures": s["failures"], "prefill_prefix_waits": waits,
             "recovery": recovery,
-            "offered_rate_per_s": round(len(reqs) / max(offsets), 3) if max(offsets) > 0 else None,
+            "offered_rate_per_s": round(len(reqs) / max(sends), 3) if max(sends) > 0 else None,
             **backlog(run, s["elapsed_s"]),
             "computed_tokens_per_worker": {w: round(c1[w] - c0.get(w, 0.0)) for w in sorted(c1)},
             "cpu_s": cpu_split(cpu0, cpu1), "cpu_s_idle": cpu_split(idle0, cpu0)}
@@ -226,28 +250,34 @@ async def main_async(args) -> dict:
                 ray_temp_dir=tempfile.mkdtemp(prefix="pdserve-bench-ray-"))
     out: dict = {}
     try:
-        for arm, (policy, gate) in arms(args).items():
-            out[arm] = await run_policy(policy, gate, base, args)
+        for name, arm in arms(args).items():
+            out[name] = await run_policy(arm, base, args)
     finally:
         ray.shutdown()
     ideal = out["prefix_aware"]["ideal_hit_rate"]
     n = out["prefix_aware"]["requests"]
-    for r in out.values():
+    offered_by_arm = {}
+    for name, r in out.items():
         r.pop("ideal_hit_rate")
         r.pop("requests")
         r["prefill_hit_rate_over_ideal"] = round(r["prefill_hit_rate"] / ideal, 3) if r["prefill_hit_rate"] else None
-        offered = r.pop("offered_rate_per_s")
+        offered = offered_by_arm[name] = r.pop("offered_rate_per_s")
         r["finished_over_offered"] = round(r["request_throughput"] / offered, 3) if offered else None
-    rr = out["round_robin"]
-    ratios = {f"ttft_round_robin_over_{arm}": {k: round(rr["ttft_ms"][k] / r["ttft_ms"][k], 3)
-                                               if r["ttft_ms"][k] and rr["ttft_ms"][k] else None
-                                               for k in ("p50", "p90", "mean")}
+    ratios = {f"ttft_round_robin_over_{arm}": ttft_ratio(out["round_robin"], r)
               for arm, r in out.items() if arm != "round_robin"}
-    out["offered_rate_per_s"] = offered
+    if "service_floor" in out:
+        ratios["ttft_prefix_aware_over_service_floor"] = ttft_ratio(out["prefix_aware"], out["service_floor"])
+    out["offered_rate_per_s"] = offered_by_arm["prefix_aware"]
     return {"benchmark": "routing", "model": args.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)",
             "machine": machine(), "workload": workload_info(args, n),
             "ideal_hit_rate": ideal, **out, **ratios,
             "targets": "prefix_aware hit rate >= 0.95 x ideal; TTFT >= 3x better than round_robin"}
+
+
+def ttft_ratio(num: dict, den: dict) -> dict[str, float | None]:
+    """``num``'s TTFT p50 / p90 / mean over ``den``'s (None where either is missing)."""
+    a, b = num["ttft_ms"], den["ttft_ms"]
+    return {k: round(a[k] / b[k], 3) if a[k] and b[k] else None for k in ("p50", "p90", "mean")}
 
 
 def workload_info(args, n: int) -> dict:
@@ -256,7 +286,7 @@ def workload_info(args, n: int) -> dict:
              "queue_order": args.queue_order, "queue_max_pass_s": args.queue_max_pass_s,
              "final_chunk_unpadded": args.final_chunk_unpadded,
              "prefix_aware_prefill_queue_limit": args.prefill_queue_limit,
-             "router_min_hit_share": args.min_hit_share,
+             "router_min_hit_share": args.min_hit_share, "service_floor_arm": args.floor_arm,
              "prefix_aware_gated_prefill_queue_limit": args.gated_arm_limit if args.gated_arm_limit >= 0 else None,
              "kv_blocks_per_worker": args.kv_blocks, "output_len": args.output_len}
     if args.workload == "mooncake":
@@ -303,6 +333,9 @@ def main() -> None:
                    help="prefix_aware's ServeConfig.prefill_queue_limit (the prefill gate: arrivals held at the "
                         "frontend while every prefill node has more prompt tokens outstanding; -1: routed on arrival); "
                         "round_robin routes on arrival either way")
+    p.add_argument("--floor-arm", action="store_true",
+                   help="first run the service floor: prefix_aware with each request sent when the one before has "
+                        "finished (arm service_floor; round_robin over it bounds the ratio routing can reach)")
     p.add_argument("--gated-arm-limit", type=int, default=-1,
                    help="also run prefix_aware with the prefill gate at this limit (arm prefix_aware_gated, between "
                         "prefix_aware and round_robin), so one run compares both; -1: no third arm")
