@@ -11,7 +11,9 @@ turns), lengths scaled by --trace-block-len / 512 and times by --trace-time-scal
 (local_prefill_threshold=0, local_prefill_hit_ratio=1.0), so every prompt is
 prefilled by a prefill worker and the policies differ only in which one.
 --min-hit-share F sets ServeConfig.router_min_hit_share (prefix_aware: a prefill node's cached
-prefix under F of the prompt counts as no hit; cluster/router/cost.py).
+prefix under F of the prompt counts as no hit; cluster/router/cost.py). --min-hit-share-arm F adds
+an arm prefix_aware_min_hit (prefix_aware with router_min_hit_share F) right after prefix_aware,
+so one run compares the two settings.
 
 --prefill-queue-limit N gives prefix_aware the prefill gate (ServeConfig.prefill_queue_limit:
 arrivals held at the frontend while every prefill node has more than N prompt tokens
@@ -133,14 +135,19 @@ class Arm:
     policy: str                   # ServeConfig.router_policy
     gate: int                     # ServeConfig.prefill_queue_limit (-1: routed on arrival)
     one_at_a_time: bool = False   # each request sent when the one before has finished (the service floor)
+    min_hit_share: float | None = None   # ServeConfig.router_min_hit_share (None: --min-hit-share's)
 
 
 def arms(args) -> dict[str, Arm]:
     """The arms in the order they run: (with --floor-arm) the service floor, prefix_aware one
     request at a time; prefix_aware with --prefill-queue-limit; (with --gated-arm-limit L >= 0)
-    prefix_aware with the gate at L; round_robin, routed on arrival."""
+    prefix_aware with the gate at L; (with --min-hit-share-arm F >= 0) prefix_aware with
+    router_min_hit_share F; round_robin, routed on arrival."""
     out = {"service_floor": Arm("prefix_aware", -1, one_at_a_time=True)} if args.floor_arm else {}
     out["prefix_aware"] = Arm("prefix_aware", args.prefill_queue_limit)
+    if args.min_hit_share_arm >= 0:
+        out["prefix_aware_min_hit"] = Arm("prefix_aware", args.prefill_queue_limit,
+                                          min_hit_share=args.min_hit_share_arm)
     if args.gated_arm_limit >= 0:
         out["prefix_aware_gated"] = Arm("prefix_aware", args.gated_arm_limit)
     out["round_robin"] = Arm("round_robin", -1)
@@ -156,7 +163,10 @@ def send_plan(offsets: list[float], arm: Arm) -> tuple[list[float], int]:
 
 async def run_policy(arm: Arm, base: dict, args) -> dict:
     t0 = time.monotonic()
-    stack = await start_stack(ServeConfig(**base, router_policy=arm.policy, prefill_queue_limit=arm.gate))
+    cfg = dict(base, router_policy=arm.policy, prefill_queue_limit=arm.gate)
+    if arm.min_hit_share is not None:
+        cfg["router_min_hit_share"] = arm.min_hit_share
+    stack = await start_stack(ServeConfig(**cfg))
     try:
         pinned = await pin_prefill_workers(stack)
         info = stack.backend.model_info()
@@ -287,6 +297,7 @@ def workload_info(args, n: int) -> dict:
              "final_chunk_unpadded": args.final_chunk_unpadded,
              "prefix_aware_prefill_queue_limit": args.prefill_queue_limit,
              "router_min_hit_share": args.min_hit_share, "service_floor_arm": args.floor_arm,
+             "prefix_aware_min_hit_router_min_hit_share": args.min_hit_share_arm if args.min_hit_share_arm >= 0 else None,
              "prefix_aware_gated_prefill_queue_limit": args.gated_arm_limit if args.gated_arm_limit >= 0 else None,
              "kv_blocks_per_worker": args.kv_blocks, "output_len": args.output_len}
     if args.workload == "mooncake":
@@ -329,6 +340,9 @@ def main() -> None:
     p.add_argument("--min-hit-share", type=float, default=0.0,
                    help="ServeConfig.router_min_hit_share (prefix_aware: a node's hit under this share of the "
                         "prompt counts as none; round_robin ignores it)")
+    p.add_argument("--min-hit-share-arm", type=float, default=-1.0,
+                   help="also run prefix_aware with ServeConfig.router_min_hit_share at this share (arm "
+                        "prefix_aware_min_hit, after prefix_aware), so one run compares both; -1: no such arm")
     p.add_argument("--prefill-queue-limit", type=int, default=-1,
                    help="prefix_aware's ServeConfig.prefill_queue_limit (the prefill gate: arrivals held at the "
                         "frontend while every prefill node has more prompt tokens outstanding; -1: routed on arrival); "

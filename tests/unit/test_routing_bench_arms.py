@@ -27,7 +27,8 @@ def rb():
 
 
 def _args(**kw) -> argparse.Namespace:
-    return argparse.Namespace(**{"floor_arm": False, "prefill_queue_limit": -1, "gated_arm_limit": -1, **kw})
+    return argparse.Namespace(**{"floor_arm": False, "prefill_queue_limit": -1, "gated_arm_limit": -1,
+                                 "min_hit_share_arm": -1.0, **kw})
 
 
 def test_the_floor_arm_runs_first_prefix_aware_and_one_at_a_time(rb):
@@ -37,6 +38,14 @@ def test_the_floor_arm_runs_first_prefix_aware_and_one_at_a_time(rb):
     assert a["service_floor"] == rb.Arm("prefix_aware", -1, one_at_a_time=True)
     assert a["prefix_aware"] == rb.Arm("prefix_aware", 512) and a["prefix_aware_gated"].gate == 0
     assert not any(x.one_at_a_time for k, x in a.items() if k != "service_floor")
+    assert all(x.min_hit_share is None for x in a.values())             # --min-hit-share's, for every arm
+
+
+def test_the_min_hit_share_arm_follows_prefix_aware_with_its_own_share(rb):
+    a = rb.arms(_args(min_hit_share_arm=0.2, prefill_queue_limit=512))
+    assert list(a) == ["prefix_aware", "prefix_aware_min_hit", "round_robin"]
+    assert a["prefix_aware_min_hit"] == rb.Arm("prefix_aware", 512, min_hit_share=0.2)
+    assert list(rb.arms(_args(min_hit_share_arm=0.0))) == ["prefix_aware", "prefix_aware_min_hit", "round_robin"]
 
 
 def test_send_plans(rb):
