@@ -37,7 +37,7 @@ import time
 import tracemalloc
 from collections import Counter, deque
 
-from cluster.router import (PolicyConfig, PrefixIndex, Router, RouterConfig, RoutingRequest,
+from cluster.router import (CostWeights, PolicyConfig, PrefixIndex, Router, RouterConfig, RoutingRequest,
                             WorkerLoad)
 from engine.block_hash import block_hashes, root_hash
 from engine.kv_events import KVEvent, KVEventKind, Tier
@@ -203,6 +203,8 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=20000)
     ap.add_argument("--policy", default="prefix_aware")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--min-hit-share", type=float, default=0.0,
+                    help="CostWeights.min_hit_share (a prefill node's hit under this share of the prompt counts as none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interval-s", type=float, default=0.0002,
                     help="router clock time between two decisions (a virtual clock: runs are repeatable)")
@@ -224,7 +226,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     clock = VirtualClock()
     in_flight = {} if args.track_in_flight is None else {"track_in_flight": bool(args.track_in_flight)}
-    router = Router(RouterConfig(policy=args.policy, policy_config=PolicyConfig(temperature=args.temperature),
+    pc = PolicyConfig(temperature=args.temperature, weights=CostWeights(min_hit_share=args.min_hit_share))
+    router = Router(RouterConfig(policy=args.policy, policy_config=pc,
                                  **in_flight),
                     rng=random.Random(args.seed + 1), clock=clock,
                     **({"native_decisions": False} if args.compare_full_scan else {}))   # the policy's own picks
@@ -292,7 +295,7 @@ def main() -> None:
             report_load(f"w{rng.randrange(args.workers):03d}")
 
     out = {
-        "bench": "router_overhead", "policy": args.policy, "workers": args.workers,
+        "bench": "router_overhead", "policy": args.policy, "min_hit_share": args.min_hit_share, "workers": args.workers,
         "prefill_workers": n_prefill, "decode_workers": args.workers - n_prefill,
         "indexed_entries": router.index.num_entries, "unique_blocks": router.index.num_unique_blocks,
         "prompt_tokens": args.prompt_tokens, "block_size": args.block_size, "decisions": args.decisions,

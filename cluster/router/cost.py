@@ -40,7 +40,10 @@ prefill nodes got no request at all on two samples of ten. With ``min_hit_share`
 > 0 a prefill node's hit under that share of the prompt counts as none (SGLang's
 cache-aware router has the same kind of threshold): such a conversation is placed
 by queue and the tie rule, while a later turn, whose hit is most of its prompt,
-still goes home. Off by default (0): measured in the simulator only.
+still goes home. The C decider applies it too (decide.c), so it costs no decision
+time. Off by default (0): in the simulator it lowers prefix-aware's TTFT p90 by 14-18%,
+in real runs by 7% side by side on one sample (p99 higher) and 13% on another, runs
+apart (docs/benchmarks.md, seeds46 and floor47): not yet enough to change the default.
 
 A block cached on the host or disk tier counts as a fraction of a device hit
 (``host_hit`` / ``disk_hit``): reading it back is cheaper than recomputing but

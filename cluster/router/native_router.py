@@ -10,8 +10,7 @@ lives in the decider's arrays: a load report is one ``set_load`` call when
 it arrives, a change of the live workers one ``set_roles`` call; nothing is
 marshalled per decision. The Python path (router.py, policy.py) answers the
 same (tests/unit/test_router_decider.py compares them decision by decision);
-it serves the other policies, a positive temperature, short hits ignored
-(``CostWeights.min_hit_share``), a host without a C
+it serves the other policies, a positive temperature, a host without a C
 compiler (``PDSERVE_ROUTER_NATIVE=0``), and takes over for good, the
 optimistic additions copied back (``pending``), when a table turns itself
 off (a 65th worker, a hash that is not a 64-bit unsigned int).
@@ -52,12 +51,11 @@ class NativeDecisions:
         """One for this router where the C path can decide as the Python one does, else None."""
         w = config.weights
         weights = (w.uncached_token, w.queued_token, w.running, w.kv_usage, w.transfer_block, w.host_hit,
-                   w.disk_hit, w.in_flight_hit, w.busy_pool_miss)
+                   w.disk_hit, w.in_flight_hit, w.busy_pool_miss, w.min_hit_share)
         flight = in_flight.table if isinstance(in_flight, InFlightPrefixes) else None
         if (type(policy) is not PrefixAwarePolicy or config.temperature != 0 or index.native_table is None
                 or (flight is None and not isinstance(in_flight, NoInFlightPrefixes))
-                or not all(type(x) is float for x in weights)       # int weights: Python's int arithmetic
-                or w.min_hit_share):                                  # short hits ignored: the Python path only
+                or not all(type(x) is float for x in weights)):     # int weights: Python's int arithmetic
             return None
         ttl = in_flight.ttl_s if isinstance(in_flight, InFlightPrefixes) else 1.0
         epochs = in_flight.epochs if isinstance(in_flight, InFlightPrefixes) else None

@@ -392,7 +392,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         rc, start = self._vector(workers, "prefill", matches), _tie_start(req, workers, matches)
         busy = C.busy_pool(x.load.queued_prefill_tokens for x in workers)
         w = self._busy_weights if busy else self.config.weights
-        if w.min_hit_share:   # short hits count as none (cost.py); the per-worker path, Python only
+        if w.min_hit_share:   # short hits count as none (cost.py; decide.c the same); the per-worker path
             rc, matches = None, _long_hits(req, matches, w)
         if rc is None:
             costs: list[float] | np.ndarray = self._prefill_costs(req, workers, matches, w)

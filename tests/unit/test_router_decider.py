@@ -107,7 +107,9 @@ def _churn(rng: random.Random, pair: tuple[Router, Router], feed: _Feed, clock: 
 
 MODES = [dict(), dict(track_in_flight=False), dict(colocated=True),
          dict(local_prefill_threshold=0, local_prefill_hit_ratio=1.0,
-              weights=CostWeights(uncached_token=1.0, host_hit=0.3, in_flight_hit=0.5, busy_pool_miss=3.5))]
+              weights=CostWeights(uncached_token=1.0, host_hit=0.3, in_flight_hit=0.5, busy_pool_miss=3.5)),
+         dict(local_prefill_threshold=0, local_prefill_hit_ratio=1.0,          # short hits count as none
+              weights=CostWeights(host_hit=0.3, disk_hit=0.7, in_flight_hit=0.5, min_hit_share=0.4))]
 
 
 def _compare(mode: int, n: int, seed: int, queues: tuple[int, ...]) -> Counter:
@@ -147,7 +149,7 @@ def test_the_c_decision_equals_the_python_policy(mode, n, seed):
     assert busy[False] > 0 and (n > 6 or busy[True] > 0), busy
 
 
-@pytest.mark.parametrize("mode", [0, 3])
+@pytest.mark.parametrize("mode", [0, 3, 4])
 @pytest.mark.parametrize("n,seed", [(6, 3), (40, 4), (64, 5)])
 def test_the_c_decision_equals_the_python_policy_on_a_pool_busy_everywhere(mode, n, seed):
     """Every load report has queued prefill tokens: most decisions weigh a miss

@@ -56,14 +56,15 @@ def test_off_a_shared_preamble_pulls_new_conversations_to_the_nodes_holding_it(n
     assert follow == homes[0]
 
 
-def test_min_hit_shares_spread_new_conversations_and_later_turns_still_go_home():
-    homes, follow = _placements(0.2)
+@pytest.mark.parametrize("native", [True, False])
+def test_min_hit_shares_spread_new_conversations_and_later_turns_still_go_home(native):
+    homes, follow = _placements(0.2, native)
     assert sorted(homes) == ["p0", "p1", "p2", "p3"], homes   # 32 of 480 tokens hit: under 20%, none
     assert follow == homes[0]                                 # 480 of 544 hit
 
 
-def test_min_hit_shares_are_decided_in_python_and_bad_values_are_a_clear_error():
-    assert _router(0.2)._fast is None and _router(0.0)._fast is not None
+def test_min_hit_shares_are_decided_in_c_and_bad_values_are_a_clear_error():
+    assert _router(0.2)._fast is not None and _router(0.0)._fast is not None
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="min_hit_share"):
             CostWeights(min_hit_share=bad)

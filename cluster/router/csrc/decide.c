@@ -49,16 +49,22 @@ static void find_matches(Decider *d, const Keys *K, int32_t flight, Py_ssize_t d
     if (extra > 0) s->m.inf += extra;
 }
 
+/* cost.effective_cached_blocks: a host, disk or in-flight hit weighs less than a device hit. */
+static inline double effective_blocks(const double *w, const Match *m) {
+    return (double)m->dev + w[W_HOST] * (double)m->host + w[W_DISK] * (double)m->disk + w[W_IN_FLIGHT] * (double)m->inf;
+}
+
 /* policy._prefill_costs for one worker (cost.prefill_cost of its uncached blocks and queue), a miss
- * weighing wu (W_UNCACHED, or cost.busy_weights' on a pool busy everywhere). */
-static double prefill_cost(const Decider *d, const WSlot *s, double total, long long bs, double wu) {
+ * weighing wu (W_UNCACHED, or cost.busy_weights' on a pool busy everywhere); a match under
+ * min_hit (blocks; policy._long_hits: W_MIN_HIT_SHARE of the prompt, 0: off) counts as none. */
+static double prefill_cost(const Decider *d, const WSlot *s, double total, long long bs, double wu, double min_hit) {
     const double *w = d->w;
     const Match *m = match_of(d, s);
+    if (min_hit > 0 && effective_blocks(w, m) < min_hit) m = &NO_MATCH;
     long long q = eff_queued(s);
     double uncached;
     if (m->host || m->disk || m->inf) {
-        uncached = total - ((double)m->dev + w[W_HOST] * (double)m->host + w[W_DISK] * (double)m->disk
-                            + w[W_IN_FLIGHT] * (double)m->inf);
+        uncached = total - effective_blocks(w, m);
         if (m->inf) q -= m->inf * bs;
     } else {
         uncached = total - (double)m->dev;
@@ -130,14 +136,16 @@ static int busy_pool(const Decider *d) {
 }
 
 /* The prefill pool's node (ties: select_least_assigned from start; a miss weighs busy_pool_miss x
- * more when every node has a queue); colocated (role DECODE): prefill_cost + decode_cost, ties to
- * the lowest index. */
-static Pick pick_prefill(Decider *d, int role, double *c, double total, long long bs, Py_ssize_t start) {
+ * more when every node has a queue; hits under min_hit_share of the prompt count as none);
+ * colocated (role DECODE): prefill_cost + decode_cost, ties to the lowest index. */
+static Pick pick_prefill(Decider *d, int role, double *c, long long prompt, long long bs, Py_ssize_t start) {
     Py_ssize_t n = d->nrole[role];
+    double total = (double)prompt / (double)bs;
     double wu = role == PREFILL && busy_pool(d) ? d->w[W_UNCACHED] * d->w[W_BUSY_POOL] : d->w[W_UNCACHED];
+    double min_hit = role == PREFILL ? d->w[W_MIN_HIT_SHARE] * (double)prompt / (double)bs : 0.0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const WSlot *s = &d->slots[d->role[role][i]];
-        c[i] = prefill_cost(d, s, total, bs, wu);
+        c[i] = prefill_cost(d, s, total, bs, wu, min_hit);
         if (d->colocated) c[i] += d->w[W_RUNNING] * (double)eff_running(s) + d->w[W_KV] * s->kv;
     }
     if (role != PREFILL) return pick(d, role, c, start);
@@ -182,10 +190,9 @@ static PyObject *choose(Decider *d, const Keys *K, long long prompt, long long b
     Py_ssize_t nd = d->nrole[DECODE], np = d->nrole[PREFILL], n = nd > np ? nd : np;
     double stack[128], *c = n <= 128 ? stack : PyMem_Malloc(n * sizeof(double));
     if (!c) return PyErr_NoMemory();
-    double total = (double)prompt / (double)bs;
     PyObject *out;
     if (d->colocated) {
-        Pick dk = pick_prefill(d, DECODE, c, total, bs, 0);
+        Pick dk = pick_prefill(d, DECODE, c, prompt, bs, 0);
         *ch = (Chosen){dk.s, dk.s, blocks_of(match_of(d, dk.s)) * bs};
         out = decision(d, req_id, &dk, NULL, bs);
     } else {
@@ -195,7 +202,7 @@ static PyObject *choose(Decider *d, const Keys *K, long long prompt, long long b
             *ch = (Chosen){dk.s, dk.s, d_cached};
             out = decision(d, req_id, &dk, NULL, bs);
         } else {
-            Pick pk = pick_prefill(d, PREFILL, c, total, bs, tie_start(d, K, tie, np));
+            Pick pk = pick_prefill(d, PREFILL, c, prompt, bs, tie_start(d, K, tie, np));
             *ch = (Chosen){dk.s, pk.s, blocks_of(match_of(d, pk.s)) * bs};
             out = decision(d, req_id, &dk, &pk, bs);
         }

@@ -9,8 +9,8 @@ static PyObject *dc_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     PyObject *blocks, *flight, *epochs, *spec;
     if (!d) return NULL;
     for (int b = 0; b < LANE; b++) d->bit_slot[b] = -1;
-    if (!PyArg_ParseTuple(args, "O!OO(ddddddddd)LdpddO", &BlockTableType, &blocks, &flight, &epochs,
-                          &d->w[0], &d->w[1], &d->w[2], &d->w[3], &d->w[4], &d->w[5], &d->w[6], &d->w[7], &d->w[8],
+    if (!PyArg_ParseTuple(args, "O!OO(dddddddddd)LdpddO", &BlockTableType, &blocks, &flight, &epochs,
+                          &d->w[0], &d->w[1], &d->w[2], &d->w[3], &d->w[4], &d->w[5], &d->w[6], &d->w[7], &d->w[8], &d->w[9],
                           &d->threshold, &d->hit_ratio, &d->colocated, &d->pending_ttl, &d->flight_ttl, &spec))
         goto fail;
     if (flight != Py_None && (!PyObject_TypeCheck(flight, &InFlightTableType) || !PyList_Check(epochs))) {

@@ -6,7 +6,8 @@
 
 enum { PREFILL = 0, DECODE = 1 };
 /* CostWeights, in this order */
-enum { W_UNCACHED, W_QUEUED, W_RUNNING, W_KV, W_TRANSFER, W_HOST, W_DISK, W_IN_FLIGHT, W_BUSY_POOL, N_WEIGHTS };
+enum { W_UNCACHED, W_QUEUED, W_RUNNING, W_KV, W_TRANSFER, W_HOST, W_DISK, W_IN_FLIGHT, W_BUSY_POOL, W_MIN_HIT_SHARE,
+       N_WEIGHTS };
 
 typedef struct {
     PyObject *id;                          /* worker id; NULL: removed */
