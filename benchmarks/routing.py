@@ -140,9 +140,9 @@ class Arm:
 
 def arms(args) -> dict[str, Arm]:
     """The arms in the order they run: (with --floor-arm) the service floor, prefix_aware one
-    request at a time; prefix_aware with --prefill-queue-limit; (with --gated-arm-limit L >= 0)
-    prefix_aware with the gate at L; (with --min-hit-share-arm F >= 0) prefix_aware with
-    router_min_hit_share F; round_robin, routed on arrival."""
+    request at a time; prefix_aware with --prefill-queue-limit; (with --min-hit-share-arm F >= 0)
+    prefix_aware with router_min_hit_share F; (with --gated-arm-limit L >= 0) prefix_aware with the
+    gate at L; round_robin, routed on arrival."""
     out = {"service_floor": Arm("prefix_aware", -1, one_at_a_time=True)} if args.floor_arm else {}
     out["prefix_aware"] = Arm("prefix_aware", args.prefill_queue_limit)
     if args.min_hit_share_arm >= 0:

@@ -41,9 +41,9 @@ prefill nodes got no request at all on two samples of ten. With ``min_hit_share`
 cache-aware router has the same kind of threshold): such a conversation is placed
 by queue and the tie rule, while a later turn, whose hit is most of its prompt,
 still goes home. The C decider applies it too (decide.c), so it costs no decision
-time. Off by default (0): in the simulator it lowers prefix-aware's TTFT p90 by 14-18%,
-in real runs by 7% side by side on one sample (p99 higher) and 13% on another, runs
-apart (docs/benchmarks.md, seeds46 and floor47): not yet enough to change the default.
+time. Off by default (0): in the simulator it lowers prefix-aware's TTFT p90 by 14-18%;
+in real runs, side by side on two samples, by 7% and 13%, while the p99 rose by 24% and
+9% (docs/benchmarks.md, floor47): a trade left to the user.
 
 A block cached on the host or disk tier counts as a fraction of a device hit
 (``host_hit`` / ``disk_hit``): reading it back is cheaper than recomputing but
