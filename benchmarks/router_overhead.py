@@ -19,7 +19,9 @@ decisions of a millisecond or more) in microseconds of wall time and of
 thread CPU time (the CPU figure leaves out time the OS gave other processes,
 which dominates wall p99 on a shared machine; ``loadavg_1m`` says how shared),
 hash p50/p99, event ingest rate, index size and memory (tracemalloc of an
-identical index, hash ints included).
+identical index, hash ints included), and the in-flight prefixes left at the end
+(entries, and the C table's slot arrays in MB: both generations and a next array
+made ready for the current one; None where the dicts hold them).
 """
 from __future__ import annotations
 
@@ -219,6 +221,10 @@ def main() -> None:
                     help="also time the same prompts with prefix_aware costing every worker (the Python "
                          "policy decides throughout, not the C decider)")
     args = ap.parse_args()
+    if args.workers * args.capacity <= args.blocks:
+        ap.error(f"--blocks {args.blocks} (worker, block) entries cannot be indexed: {args.workers} workers "
+                 f"hold at most --workers x --capacity = {args.workers * args.capacity}; raise --capacity "
+                 f"or --workers, or lower --blocks")
     if args.compare_tree:
         compare(args)
         return
@@ -308,6 +314,9 @@ def main() -> None:
         "ingest_events_per_s": world["ingest_events_per_s"], "ingest_blocks_per_s": world["ingest_blocks_per_s"],
         "events": world["events"], "index_mb": round(index_bytes(world.pop("log")) / 2**20, 1),
         "build_rss_delta_mb": world["index_rss_mb"],
+        "in_flight_entries": len(router.in_flight),
+        "in_flight_table_mb": (round(table.nbytes() / 2**20, 1)
+                               if hasattr(table := getattr(router.in_flight, "table", None), "nbytes") else None),
         "decision_kinds": dict(kinds), "decisions_sha256": digest.hexdigest()[:16], "mean_prefill_hit_ratio": round(sum(cached) / len(cached), 3),
         "target_p99_us": 30, "track_in_flight": router.config.track_in_flight, "prehash": args.prehash, **({"same_prompts_fast_vs_full_scan": full_scan} if full_scan else {}), "python": platform.python_version(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -339,7 +348,8 @@ def compare(args) -> None:
             line = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=env, check=True,
                                   capture_output=True, text=True).stdout.strip().splitlines()[-1]
             d = json.loads(line)
-            runs[side].append({k: d[k] for k in COMPARED} | {"loadavg_1m": d["loadavg_1m"]})
+            runs[side].append({k: d[k] for k in COMPARED} | {"loadavg_1m": d["loadavg_1m"]}
+                              | {k: d.get(k) for k in ("in_flight_entries", "in_flight_table_mb")})
     median = {side: {k: statistics.median(r[k] for r in rs) for k in COMPARED[:-2]} for side, rs in runs.items()}
     same = {r["decisions_sha256"] for rs in runs.values() for r in rs}
     print(json.dumps({"bench": "router_overhead_compare", "before_tree": os.path.abspath(args.compare_tree),
