@@ -6,9 +6,13 @@ same prompts and load reports), each ``route()`` call bracketed by
 context switches) and counted against ``gc.callbacks`` events. Prints one JSON
 line: wall p50 / p99 / p99.9 / max / mean, the collections seen, and the
 slowest decisions with what each did (the in-flight table's doublings show as
-faults and system time where the new array is first touched in the call).
+faults and system time where the new array is first touched in the call), when
+on the router's clock, and how many sends were open (routed, prefill not ended:
+none ends here, as in router_overhead.py, so every decision so far is open and
+each refresh of them, every half in-flight ttl, shows at t = 5, 10, ... s once
+``--interval-s`` takes the run past 5 s).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/router_stalls.py [--decisions 20000] [--slowest 10]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/router_stalls.py [--decisions 20000] [--slowest 10] [--interval-s 0.002]
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decisions", type=int, default=20000)
     ap.add_argument("--slowest", type=int, default=10)
+    ap.add_argument("--interval-s", type=float, default=0.0002,
+                    help="router clock time between two decisions (router_overhead.py's; 0.002: 40 s, four ttls)")
     args = ap.parse_args()
     world_args = argparse.Namespace(workers=64, blocks=1_000_000, capacity=20_000, systems=400, system_blocks=32,
                                     host_share=0.1, prompt_tokens=2000, block_size=16)
@@ -58,17 +64,17 @@ def main() -> None:
         router.route(req)
         t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
         r1 = resource.getrusage(resource.RUSAGE_THREAD)
-        rows.append({"decision": i, "wall_us": round((t1 - t0) / 1e3, 1), "cpu_us": round((c1 - c0) / 1e3, 1),
+        rows.append({"decision": i, "t_s": round(clock.now, 4), "open_sends": router.open_sends, "wall_us": round((t1 - t0) / 1e3, 1), "cpu_us": round((c1 - c0) / 1e3, 1),
                      "minflt": r1.ru_minflt - r0.ru_minflt, "majflt": r1.ru_majflt - r0.ru_majflt,
                      "user_us": round((r1.ru_utime - r0.ru_utime) * 1e6), "sys_us": round((r1.ru_stime - r0.ru_stime) * 1e6),
                      "switches": r1.ru_nvcsw - r0.ru_nvcsw + r1.ru_nivcsw - r0.ru_nivcsw,
                      "collections": len(collections) - g0})
-        clock.now += 0.0002
+        clock.now += args.interval_s
         if i % 4 == 0:
             report_load(f"w{rng.randrange(64):03d}")
     wall = [r["wall_us"] for r in rows]
     slow = sorted(rows, key=lambda r: -r["wall_us"])
-    print(json.dumps({"bench": "router_stalls", "decisions": args.decisions,
+    print(json.dumps({"bench": "router_stalls", "decisions": args.decisions, "interval_s": args.interval_s,
                       "route_p50_us": ro.pct(wall, 0.5), "route_p99_us": ro.pct(wall, 0.99),
                       "route_p999_us": ro.pct(wall, 0.999), "route_max_us": max(wall),
                       "route_mean_us": round(sum(wall) / len(wall), 1),
