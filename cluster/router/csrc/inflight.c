@@ -20,13 +20,12 @@ static int fg_alloc(FGen *g, uint64_t cap) {
 #define F_CLEAR(s) ((s)->worker = -1)
 OPEN_ADDRESSING(fg, FGen, FSlot, F_EMPTY, F_CLEAR)
 
-/* fg_find then fg_place in one probe sequence: the slot holding v's key, else the first empty one
- * from its home (where fg_find stopped), takes v. */
-static inline void fg_upsert(FGen *g, const FSlot *v) {
-    for (uint64_t i = mix(v->key) & g->mask;; i = (i + 1) & g->mask) {
+/* fg_find and fg_place's probe in one run: the slot holding k, else the first empty one from its
+ * home (where fg_place would put it; writing one there is the caller's, count included). */
+static inline FSlot *fg_slot(const FGen *g, uint64_t k) {
+    for (uint64_t i = mix(k) & g->mask;; i = (i + 1) & g->mask) {
         FSlot *s = &g->slots[i];
-        if (F_EMPTY(s)) { *s = *v; g->count++; return; }
-        if (s->key == v->key) { *s = *v; return; }
+        if (F_EMPTY(s) || s->key == k) return s;
     }
 }
 
@@ -83,7 +82,9 @@ int ft_record_keys(InFlightTable *t, const Keys *K, int32_t worker, uint32_t epo
     for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) __builtin_prefetch(&g->slots[mix(keys[i]) & g->mask], 1);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n) __builtin_prefetch(&g->slots[mix(keys[i + PREFETCH_AHEAD]) & g->mask], 1);
-        fg_upsert(g, &(FSlot){keys[i], expiry, worker, epoch});
+        FSlot *s = fg_slot(g, keys[i]);
+        if (F_EMPTY(s)) g->count++;
+        *s = (FSlot){keys[i], expiry, worker, epoch};
     }
     ft_prepare(t);
     return 0;
@@ -163,15 +164,16 @@ static int ft_refresh_keys(InFlightTable *t, const Keys *K, int32_t worker, uint
     while ((uint64_t)(g->count + K->n) * 2 > (g->mask + 1))      /* at most half full, as record */
         if (ft_grow(t) < 0) return -1;
     for (Py_ssize_t i = 0; i < K->n; i++) {
-        FSlot mine = {K->keys[i], expiry, worker, epoch}, *s = fg_find(g, K->keys[i]);
-        if (s) {
+        FSlot mine = {K->keys[i], expiry, worker, epoch}, *s = fg_slot(g, K->keys[i]);
+        if (!F_EMPTY(s)) {
             if (!slot_live(s, now, epochs)) *s = mine;
             else if (s->expiry < expiry) s->expiry = expiry;
             continue;
         }
         const FSlot *p = fg_find(&t->prev, K->keys[i]);
         if (p && slot_live(p, now, epochs)) { mine = *p; if (mine.expiry < expiry) mine.expiry = expiry; }
-        fg_place(g, &mine);
+        *s = mine;                                 /* the empty slot found: nothing moved since */
+        g->count++;
     }
     ft_prepare(t);
     return 0;
