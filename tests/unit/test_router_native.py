@@ -210,3 +210,34 @@ def test_a_refresh_keeps_owners_and_lives_a_ttl_from_now_in_c_and_in_the_dicts(n
     f.drop_worker("p0")
     f.refresh("p1", (1, 2), 3.6)                 # stale entries (p0's old epoch): p1's now
     assert f.match((1, 2, 3, 4), 3.7) == InFlightMatch("p1", 2)
+
+
+def test_a_new_generation_starts_in_an_array_sized_from_the_last_one():
+    """Half-way through a generation the array the next one starts in is made ready (csrc/inflight.c
+    ft_prepare_fresh), sized so twice what the current one holds then fits at most half full; the
+    next generation, taking as many sends, then records them without doubling (starting again at
+    1,024 slots it doubled six times, each a rehash in the decision that filled it)."""
+    slot = 24
+    rng = random.Random(11)
+    f = InFlightPrefixes(10.0)
+    table = f.table
+    assert table is not None
+
+    def one_generation(start: float) -> None:
+        for i in range(2_000):                     # 2,000 sends of 10 blocks over 8 s
+            f.record("p0", tuple(rng.getrandbits(64) for _ in range(10)), start + i * 0.004)
+
+    one_generation(0.0)                            # 20,000 entries; past 5 s the next array is made at 10,000
+    cur = 2**16                                    # 20,000 entries at most half full
+    fresh = 2**16                                  # 4 x 10,000 -> 65,536 slots
+    assert table.nbytes() >= (cur + 2**10 + fresh) * slot
+    chain = tuple(rng.getrandbits(64) for _ in range(10))
+    f.record("p1", chain, 10.0)                    # a new generation: cur is the array made ready
+    after_rotation = table.nbytes()
+    # cur: the 65,536 made ready; prev: the last cur; the array made ready for a doubling of that
+    # size (131,072), kept: it suits the new cur too
+    assert after_rotation == (fresh + cur + 2 * cur) * slot
+    one_generation(10.004)                         # as many again (until 18 s): no doubling,
+    assert table.nbytes() == after_rotation + fresh * slot      # only the next generation's array
+    assert f.match(chain, 18.0) == InFlightMatch("p1", 10)
+    assert len(f) == 20_000 + 10 + 20_000

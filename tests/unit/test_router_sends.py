@@ -137,3 +137,63 @@ def test_a_send_whose_end_never_comes_is_kept_in_flight_max_s_at_most():
 def test_in_flight_max_s_must_be_positive():
     with pytest.raises(ValueError, match="in_flight_max_s"):
         RouterConfig(in_flight_max_s=0)
+
+
+def spy_refreshes(r, monkeypatch):
+    """The chains route() refreshes, as the real InFlightPrefixes.refresh is called (then run)."""
+    seen: list[tuple[int, ...]] = []
+    real = r.in_flight.refresh
+
+    def refresh(worker_id, block_hashes, now):
+        seen.append(tuple(block_hashes))
+        real(worker_id, block_hashes, now)
+
+    monkeypatch.setattr(r.in_flight, "refresh", refresh)
+    return seen
+
+
+def lone_req(i):
+    return group_req(0, system=list(range(200_000 + 1000 * i, 200_000 + 1000 * i + 384)))
+
+
+def test_each_open_send_is_refreshed_half_a_ttl_after_it_was_sent_not_all_at_once(monkeypatch):
+    """Ten pending sends 0.1 s apart (ttl 2 s): each decision refreshes the one due since the last,
+    half a ttl after it was sent (refreshing every open send in the decision that found the first
+    one due paused that decision 10-30 us per open send); every chain stays in flight for 5 ttls."""
+    clock = Clock()
+    r = router(clock)
+    pending = [replace(lone_req(i), request_id=f"p{i}") for i in range(10)]
+    where = {}
+    for req in pending:
+        where[req.request_id] = r.route(req).prefill_worker_id
+        clock.t += 0.1
+    seen = spy_refreshes(r, monkeypatch)
+    per_decision = []
+    for k in range(100):                               # decisions 0.1 s apart, 5 ttls
+        clock.t = 101.05 + 0.1 * k
+        before = len(seen)
+        r.route(replace(lone_req(100 + k), request_id=f"o{k}"))
+        r.on_prefill_end(f"o{k}")
+        per_decision.append(seen[before:])
+        for req in pending:
+            assert r.in_flight.match(req.block_hashes, clock.t) == InFlightMatch(where[req.request_id], 26), k
+    # decision k (at 101.05 + 0.1 k) refreshes p(k mod 10), sent or last refreshed at 100 + 0.1 k
+    assert per_decision == [[pending[k % 10].block_hashes] for k in range(100)]
+    assert r.open_sends == 10
+
+
+def test_an_abort_refreshes_the_sends_sharing_its_first_block_only(monkeypatch):
+    """q0 aborted: the next decision writes back q1 (the same system prompt, pending on the same
+    node) and leaves the unrelated pending send alone until it is due."""
+    clock = Clock()
+    r = router(clock)
+    lone = replace(lone_req(7), request_id="lone")
+    r.route(lone)
+    node = r.route(group_req(0)).prefill_worker_id
+    assert r.route(group_req(1)).prefill_worker_id == node        # (in flight there)
+    seen = spy_refreshes(r, monkeypatch)
+    r.on_prefill_end("q0", computed=False)
+    clock.t += 0.1
+    r.route(OTHER)
+    assert seen == [group_req(1).block_hashes]
+    assert r.in_flight.match(group_req(1).block_hashes, clock.t) == InFlightMatch(node, 26)

@@ -39,6 +39,7 @@ static PyObject *ft_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 
 static void ft_dealloc(InFlightTable *t) {
     prep_drop(&t->next);
+    prep_drop(&t->fresh);
     PyMem_RawFree(t->cur.slots);
     PyMem_RawFree(t->prev.slots);
     Py_TYPE(t)->tp_free((PyObject *)t);
@@ -107,21 +108,40 @@ static PyObject *ft_record(InFlightTable *t, PyObject *args) {
     return ret;
 }
 
-/* prev = cur if keep else empty; cur = empty. */
+/* prev = cur if keep else empty; cur = empty: the array made ready for it (ft_prepare_fresh) if
+ * there is one, else 1,024 slots. */
 static int ft_rotate_gens(InFlightTable *t, int keep) {
     FGen fresh, fresh2;
-    if (fg_alloc(&fresh, 1u << MIN_BITS) < 0) return -1;
+    size_t bytes = t->fresh.bytes;
+    FSlot *ready = prep_take(&t->fresh, bytes);
+    if (ready) { fresh.slots = ready; fresh.mask = bytes / sizeof(FSlot) - 1; fresh.count = 0; }
+    else if (fg_alloc(&fresh, 1u << MIN_BITS) < 0) return -1;
     if (keep) { PyMem_RawFree(t->prev.slots); t->prev = t->cur; t->cur = fresh; return 0; }
     if (fg_alloc(&fresh2, 1u << MIN_BITS) < 0) { PyMem_RawFree(fresh.slots); return -1; }
+    prep_drop(&t->next);                           /* sized for the cur dropped here */
     PyMem_RawFree(t->prev.slots); PyMem_RawFree(t->cur.slots);
     t->prev = fresh2; t->cur = fresh;
     return 0;
 }
 
+/* Half-way through a generation, the array the next one starts in is made ready off the routing
+ * thread, sized so that twice what cur holds now (what it will hold at the end, at a steady rate)
+ * keeps it at most half full: the next generation does not double its way up from 1,024 slots,
+ * each doubling a rehash in the decision that fills it (2-19 ms at 0.5-2 M entries). */
+static void ft_prepare_fresh(InFlightTable *t) {
+    uint64_t cap = (uint64_t)1 << MIN_BITS;
+    while (cap < 4 * (uint64_t)t->cur.count) cap *= 2;
+    if (cap < ((uint64_t)1 << PREP_MIN_BITS)) return;
+    prep_start(&t->fresh, cap * sizeof(FSlot), fslots_init);
+}
+
 /* InFlightPrefixes._age: a generation lasts ttl; one older than 2 ttl is dropped whole. */
 int ft_age(InFlightTable *t, double now, double ttl) {
     if (!t->has_gen) { t->gen_start = now; t->has_gen = 1; return 0; }
-    if (now - t->gen_start < ttl) return 0;
+    if (now - t->gen_start < ttl) {
+        if (!t->fresh.mem && now - t->gen_start >= ttl / 2) ft_prepare_fresh(t);
+        return 0;
+    }
     if (ft_rotate_gens(t, now - t->gen_start < 2 * ttl) < 0) return -1;
     t->gen_start = now;
     return 0;
@@ -163,14 +183,24 @@ static int ft_refresh_keys(InFlightTable *t, const Keys *K, int32_t worker, uint
     FGen *g = &t->cur;
     while ((uint64_t)(g->count + K->n) * 2 > (g->mask + 1))      /* at most half full, as record */
         if (ft_grow(t) < 0) return -1;
+    const FGen *pg = &t->prev;
+    for (Py_ssize_t i = 0; i < K->n && i < PREFETCH_AHEAD; i++) {
+        __builtin_prefetch(&g->slots[mix(K->keys[i]) & g->mask], 1);
+        if (pg->count) __builtin_prefetch(&pg->slots[mix(K->keys[i]) & pg->mask], 0);
+    }
     for (Py_ssize_t i = 0; i < K->n; i++) {
+        if (i + PREFETCH_AHEAD < K->n) {             /* both homes ahead: a prev read follows a cur miss */
+            uint64_t h = mix(K->keys[i + PREFETCH_AHEAD]);
+            __builtin_prefetch(&g->slots[h & g->mask], 1);
+            if (pg->count) __builtin_prefetch(&pg->slots[h & pg->mask], 0);
+        }
         FSlot mine = {K->keys[i], expiry, worker, epoch}, *s = fg_slot(g, K->keys[i]);
         if (!F_EMPTY(s)) {
             if (!slot_live(s, now, epochs)) *s = mine;
             else if (s->expiry < expiry) s->expiry = expiry;
             continue;
         }
-        const FSlot *p = fg_find(&t->prev, K->keys[i]);
+        const FSlot *p = pg->count ? fg_find(pg, K->keys[i]) : NULL;
         if (p && slot_live(p, now, epochs)) { mine = *p; if (mine.expiry < expiry) mine.expiry = expiry; }
         *s = mine;                                 /* the empty slot found: nothing moved since */
         g->count++;
@@ -279,13 +309,15 @@ static PyObject *ft_dump(InFlightTable *t, PyObject *unused) {
     return out;
 }
 
-/* Bytes of both generations' slot arrays and of a next array made ready for cur. */
+/* Bytes of both generations' slot arrays, of a next array made ready for cur and of the one made
+ * ready for the next generation. */
 static PyObject *ft_nbytes(InFlightTable *t, PyObject *unused) {
-    return PyLong_FromUnsignedLongLong((t->cur.mask + 1 + t->prev.mask + 1) * sizeof(FSlot) + t->next.bytes);
+    return PyLong_FromUnsignedLongLong((t->cur.mask + 1 + t->prev.mask + 1) * sizeof(FSlot) + t->next.bytes
+                                       + t->fresh.bytes);
 }
 
 static PyMethodDef ft_methods[] = {
-    {"nbytes", (PyCFunction)ft_nbytes, METH_NOARGS, "bytes of both generations' slot arrays and a prepared next one"},
+    {"nbytes", (PyCFunction)ft_nbytes, METH_NOARGS, "bytes of both generations' slot arrays and the arrays made ready (a doubling, the next generation)"},
     {"dump", (PyCFunction)ft_dump, METH_NOARGS, "dump() -> (cur, prev) lists of (hash, worker, epoch, expiry)"},
     {"record", (PyCFunction)ft_record, METH_VARARGS, "record(hashes, worker, epoch, expiry)"},
     {"refresh", (PyCFunction)ft_refresh, METH_VARARGS, "refresh(hashes, worker, epoch, expiry, now, epochs)"},

@@ -104,8 +104,9 @@ void bt_walk_keys(const BlockTable *t, const Keys *k, Walk *w);
 /* ---- InFlightTable (inflight.c) */
 typedef struct { uint64_t key; double expiry; int32_t worker; uint32_t epoch; } FSlot;   /* worker < 0: empty */
 typedef struct { FSlot *slots; uint64_t mask; Py_ssize_t count; } FGen;
-/* next: the array cur will double into, made ready once cur is a quarter full (it doubles at half) */
-typedef struct { PyObject_HEAD FGen cur, prev; double gen_start; int has_gen; Prep next; } InFlightTable;
+/* next: the array cur will double into, made ready once cur is a quarter full (it doubles at half);
+ * fresh: the array the next generation starts in, made ready half-way through this one */
+typedef struct { PyObject_HEAD FGen cur, prev; double gen_start; int has_gen; Prep next, fresh; } InFlightTable;
 extern PyTypeObject InFlightTableType;
 
 int ft_is_empty(const InFlightTable *t);
