@@ -164,6 +164,82 @@ def test_the_in_flight_table_grown_into_prepared_arrays_answers_as_the_dicts():
     assert c.native and len(c) > 150_000
 
 
+def test_while_a_doubling_runs_off_the_routing_thread_the_table_answers_as_the_dicts():
+    """Past 2**15 slots the current generation doubles on a helper thread (csrc/inflight.c):
+    meanwhile it is read-only and writes go to a delta laid over it (a removal there a tombstone).
+    Sends, refreshes of earlier sends, evictions of their blocks and re-sends of evicted ones,
+    with every answer compared to the dicts while a doubling runs; len and the dump once it ends."""
+    rng = random.Random(5)
+    c, py = InFlightPrefixes(10.0), InFlightPrefixes(10.0, use_native=False)
+    table = c.table
+    assert table is not None
+    sent: list[tuple[int, ...]] = []
+    during, now = 0, 0.0
+    for step in range(40_000):
+        now = step * 1e-4                          # 4 s: one generation
+        w = rng.choice(("p0", "p1", "p2"))
+        roll = rng.random()
+        if roll < 0.7 or len(sent) < 10:
+            chain = tuple(rng.getrandbits(64) for _ in range(rng.randint(1, 12)))
+            if sent and rng.random() < 0.3:        # a later turn: an earlier send's chain extended
+                chain = rng.choice(sent) + chain
+            for f in (c, py):
+                f.record(w, chain, now)
+            sent.append(chain)
+        elif roll < 0.8:                           # a pending send kept alive (sends.py)
+            chain = rng.choice(sent)
+            for f in (c, py):
+                f.refresh(w, chain, now)
+        elif roll < 0.9:                           # evicted blocks, some owned by w
+            chain = rng.choice(sent)
+            gone = rng.sample(chain, rng.randint(1, len(chain)))
+            for f in (c, py):
+                f.on_removed(w, gone)
+        else:                                      # an evicted chain sent again
+            chain, again = rng.choice(sent), rng.choice(("p0", "p1", "p2"))
+            for f in (c, py):
+                f.on_removed(w, chain)
+                f.record(again, chain, now)
+        if table.doubling():
+            during += 1
+            for prompt in rng.sample(sent, 3):
+                _same(c, py, prompt, now)
+    assert during >= 50                            # steps taken while the helper was at work (~200 here)
+    assert len(c) == len(py) and not table.doubling()     # len() ends a doubling under way
+    assert {h: (w, e, x) for h, w, e, x in table.dump()[0]} == {
+        h: (c.number(w), e, x) for h, (w, e, x) in py._cur.items()}
+
+
+def test_a_new_generation_while_a_doubling_runs_keeps_every_answer():
+    """A generation that ends while the helper is still doubling cur is not waited for: the
+    helper stops, the delta is laid over cur, which becomes the previous generation as it is."""
+    rng = random.Random(9)
+    c, py = InFlightPrefixes(10.0), InFlightPrefixes(10.0, use_native=False)
+    table = c.table
+    assert table is not None
+    for f in (c, py):
+        f.record("p0", (1,), 0.0)                  # the generation starts at 0
+    sent: list[tuple[int, ...]] = []
+    recorded = 0
+    while not (recorded > 70_000 and table.doubling()):    # the 2**17-slot cur's doubling under way
+        chain, w = tuple(rng.getrandbits(64) for _ in range(8)), rng.choice(("p0", "p1"))
+        for f in (c, py):
+            f.record(w, chain, 5.0)
+        sent.append(chain)
+        recorded += 8
+    for chain in rng.sample(sent, 20):             # written to the delta: evictions and refreshes
+        for f in (c, py):
+            f.on_removed("p0", chain[:4])
+            f.refresh("p1", chain, 6.0)
+    assert table.doubling()
+    for f in (c, py):
+        f.record("p1", (2, 3), 10.0)               # a new generation: cur becomes prev
+    assert not table.doubling()
+    for prompt in rng.sample(sent, 500) + [(2, 3), (1,)]:
+        _same(c, py, prompt, 10.0)
+    assert len(c) == len(py)
+
+
 def test_the_in_flight_table_doubles_before_it_is_half_full_and_counts_its_bytes():
     """A record probes until the hash's slot or a free one (csrc/inflight.c fg_slot): the table
     doubles before a send would fill it past half, so a probe for a new hash is short. nbytes()
@@ -228,6 +304,7 @@ def test_a_new_generation_starts_in_an_array_sized_from_the_last_one():
             f.record("p0", tuple(rng.getrandbits(64) for _ in range(10)), start + i * 0.004)
 
     one_generation(0.0)                            # 20,000 entries; past 5 s the next array is made at 10,000
+    assert len(f) == 20_000                        # (len() settles a doubling still on the helper thread)
     cur = 2**16                                    # 20,000 entries at most half full
     fresh = 2**16                                  # 4 x 10,000 -> 65,536 slots
     assert table.nbytes() >= (cur + 2**10 + fresh) * slot

@@ -16,7 +16,8 @@ static int fg_alloc(FGen *g, uint64_t cap) {
     return 0;
 }
 
-#define F_EMPTY(s) ((s)->worker < 0)
+#define F_EMPTY(s) ((s)->worker == -1)
+#define F_TOMB(s) ((s)->worker == -2)           /* only in a doubling's delta: removed from cur */
 #define F_CLEAR(s) ((s)->worker = -1)
 OPEN_ADDRESSING(fg, FGen, FSlot, F_EMPTY, F_CLEAR)
 
@@ -37,7 +38,10 @@ static PyObject *ft_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return (PyObject *)t;
 }
 
+static void ft_abandon(InFlightTable *t);
+
 static void ft_dealloc(InFlightTable *t) {
+    ft_abandon(t);
     prep_drop(&t->next);
     prep_drop(&t->fresh);
     PyMem_RawFree(t->cur.slots);
@@ -45,20 +49,128 @@ static void ft_dealloc(InFlightTable *t) {
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
-/* cur doubled: into the prepared array where it is ready-made (prepare.c), else as any table. */
-static int ft_grow(InFlightTable *t) {
+/* ---- A doubling of cur off the routing thread.
+ *
+ * Doubling cur in the call that fills it rehashed up to 2 M entries there (2-18 ms, in the first
+ * generation of a busy router, before ft_prepare_fresh sizes one). Instead, once cur is half full
+ * (and at least 2**PREP_MIN_BITS slots), a helper thread places cur's entries into the doubled
+ * array (made ready by ft_prepare) while the router goes on: cur is read-only meanwhile, so the
+ * helper reads nothing the router writes. The router's writes go to a small ``delta`` table that
+ * answers before cur (a removal there is a tombstone, which hides cur's entry only); the first
+ * write after the helper is done lays delta over the doubled array and makes it cur. */
+
+#define DOUBLING_CHUNK 32768     /* slots placed between looks at the stop flag */
+
+static void ft_prepare(InFlightTable *t);
+
+static void *doubling_run(void *arg) {
+    Doubling *d = arg;
+    const FGen *from = &d->from;
+    FGen *to = &d->to;
+    uint64_t cap = from->mask + 1;
+    if (d->need_init) { want_huge_pages(to->slots, (to->mask + 1) * sizeof(FSlot)); fslots_init(to->slots, (to->mask + 1) * sizeof(FSlot)); }
+    for (uint64_t i = 0; i < cap; i++) {                    /* home slots prefetched ahead: misses overlap */
+        const FSlot *a = &from->slots[(i + PREFETCH_AHEAD) & (cap - 1)];
+        if (!F_EMPTY(a)) __builtin_prefetch(&to->slots[mix(a->key) & to->mask], 1);
+        if (!F_EMPTY(&from->slots[i])) fg_place(to, &from->slots[i]);
+        if ((i & (DOUBLING_CHUNK - 1)) == DOUBLING_CHUNK - 1 && __atomic_load_n(&d->stop, __ATOMIC_ACQUIRE)) break;
+    }
+    __atomic_store_n(&d->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+/* Starts doubling cur into the array made ready for it (else a new one the helper readies first).
+ * 0: started; 1: not (cur is small, or no memory: the caller doubles in place); -1: error. */
+static int ft_start_doubling(InFlightTable *t) {
     FGen *g = &t->cur;
     uint64_t cap = g->mask + 1;
-    FSlot *old = g->slots, *s = prep_take(&t->next, 2 * cap * sizeof(FSlot));
-    if (!s) return fg_grow(g);
-    g->slots = s; g->mask = 2 * cap - 1; g->count = 0;
-    for (uint64_t i = 0; i < cap; i++) {                    /* home slots prefetched ahead: misses overlap */
-        const FSlot *a = &old[(i + PREFETCH_AHEAD) & (cap - 1)];
-        if (!F_EMPTY(a)) __builtin_prefetch(&s[mix(a->key) & g->mask], 1);
-        if (!F_EMPTY(&old[i])) fg_place(g, &old[i]);
-    }
-    PyMem_RawFree(old);
+    if (cap < ((uint64_t)1 << PREP_MIN_BITS)) return 1;
+    Doubling *d = &t->dbl;
+    FSlot *s = prep_take(&t->next, 2 * cap * sizeof(FSlot));
+    d->need_init = !s;
+    if (!s && !(s = PyMem_RawMalloc(2 * cap * sizeof(FSlot)))) return 1;
+    if (fg_alloc(&d->delta, 1u << MIN_BITS) < 0) { PyErr_Clear(); PyMem_RawFree(s); return 1; }
+    d->from = *g;
+    d->to = (FGen){s, 2 * cap - 1, 0};
+    d->done = d->stop = 0;
+    d->running = 1;
+    d->threaded = pthread_create(&d->thread, NULL, doubling_run, d) == 0;
+    if (!d->threaded) doubling_run(d);             /* no thread: done here, as before */
     return 0;
+}
+
+/* delta's writes applied to g (its tombstones as removals). */
+static void delta_apply(FGen *g, const FGen *dl) {
+    for (uint64_t i = 0; i <= dl->mask; i++) {                /* g's home slots prefetched ahead */
+        const FSlot *a = &dl->slots[(i + PREFETCH_AHEAD) & dl->mask], *v = &dl->slots[i];
+        if (!F_EMPTY(a)) __builtin_prefetch(&g->slots[mix(a->key) & g->mask], 1);
+        if (F_EMPTY(v)) continue;
+        FSlot *s = fg_slot(g, v->key);
+        if (F_TOMB(v)) { if (!F_EMPTY(s)) fg_remove(g, s); continue; }
+        if (F_EMPTY(s)) g->count++;
+        *s = *v;
+    }
+}
+
+/* Ends a doubling under way (waiting for the helper if it is not done): delta laid over the
+ * doubled array, which becomes cur. Allocates nothing: the array has room (cur was at most half
+ * of its half, delta is kept under a quarter). */
+static void ft_settle(InFlightTable *t) {
+    Doubling *d = &t->dbl;
+    if (!d->running) return;
+    if (d->threaded) pthread_join(d->thread, NULL);
+    delta_apply(&d->to, &d->delta);
+    PyMem_RawFree(d->from.slots);
+    PyMem_RawFree(d->delta.slots);
+    t->cur = d->to;
+    memset(d, 0, sizeof *d);
+    ft_prepare(t);                                 /* the array the next doubling takes */
+}
+
+/* Drops a doubling under way without waiting for it (a new generation, the table's end): the
+ * helper stops at its next chunk, delta is laid over cur itself (then up to 3/4 full: read only
+ * from now on, as the previous generation). */
+static void ft_abandon(InFlightTable *t) {
+    Doubling *d = &t->dbl;
+    if (!d->running) return;
+    __atomic_store_n(&d->stop, 1, __ATOMIC_RELEASE);
+    if (d->threaded) pthread_join(d->thread, NULL);
+    delta_apply(&t->cur, &d->delta);
+    PyMem_RawFree(d->to.slots);
+    PyMem_RawFree(d->delta.slots);
+    memset(d, 0, sizeof *d);
+}
+
+/* Before writing n entries: room in the table they go to (fg_slot's empty slot stays valid
+ * through the write). A doubling whose helper is done is settled first; delta grows in place. */
+static int ft_room(InFlightTable *t, Py_ssize_t n) {
+    Doubling *d = &t->dbl;
+    if (d->running) {
+        uint64_t cap = t->cur.mask + 1;
+        if (__atomic_load_n(&d->done, __ATOMIC_ACQUIRE) || (uint64_t)(d->delta.count + n) * 4 > cap)
+            ft_settle(t);
+    }
+    for (;;) {
+        FGen *g = d->running ? &d->delta : &t->cur;
+        /* At most half full after this write: a probe for a new hash (most of a prompt's) runs to
+         * the first empty slot, 2.5 slots on average at a half against 8.5 at 0.75 (linear probing). */
+        if ((uint64_t)(g->count + n) * 2 <= g->mask + 1) return 0;
+        int r = d->running ? 1 : ft_start_doubling(t);
+        if (r < 0) return -1;
+        if (r == 1 && fg_grow(g) < 0) return -1;
+    }
+}
+
+/* The table writes go to: a doubling's delta, else cur. */
+static FGen *ft_target(InFlightTable *t) { return t->dbl.running ? &t->dbl.delta : &t->cur; }
+
+/* cur's entry for k (NULL: none), a doubling's delta first (its tombstone: none). */
+static const FSlot *ft_cur_find(const InFlightTable *t, uint64_t k) {
+    if (t->dbl.running) {
+        const FSlot *v = fg_find(&t->dbl.delta, k);
+        if (v) return F_TOMB(v) ? NULL : v;
+    }
+    return fg_find(&t->cur, k);
 }
 
 /* Past a quarter full (half-way to a doubling) a big cur's next array is made ready; one of
@@ -67,19 +179,17 @@ static void ft_prepare(InFlightTable *t) {
     const FGen *g = &t->cur;
     uint64_t cap = g->mask + 1;
     size_t bytes = 2 * cap * sizeof(FSlot);
-    if (cap < ((uint64_t)1 << PREP_MIN_BITS) || (uint64_t)g->count * 4 <= cap || t->next.bytes == bytes) return;
+    if (t->dbl.running || cap < ((uint64_t)1 << PREP_MIN_BITS) || (uint64_t)g->count * 4 <= cap
+        || t->next.bytes == bytes) return;
     prep_drop(&t->next);
     prep_start(&t->next, bytes, fslots_init);
 }
 
 int ft_record_keys(InFlightTable *t, const Keys *K, int32_t worker, uint32_t epoch, double expiry) {
-    FGen *g = &t->cur;
     const uint64_t *keys = K->keys; Py_ssize_t n = K->n;
     if (K->bad) { PyErr_SetString(PyExc_OverflowError, "block hashes must be 64-bit unsigned ints"); return -1; }
-    /* At most half full after this send: a probe for a new hash (most of a prompt's) runs to the
-     * first empty slot, 2.5 slots on average at a half against 8.5 at 0.75 (linear probing). */
-    while ((uint64_t)(g->count + n) * 2 > (g->mask + 1))
-        if (ft_grow(t) < 0) return -1;
+    if (ft_room(t, n) < 0) return -1;
+    FGen *g = ft_target(t);
     for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) __builtin_prefetch(&g->slots[mix(keys[i]) & g->mask], 1);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n) __builtin_prefetch(&g->slots[mix(keys[i + PREFETCH_AHEAD]) & g->mask], 1);
@@ -112,6 +222,8 @@ static PyObject *ft_record(InFlightTable *t, PyObject *args) {
  * there is one, else 1,024 slots. */
 static int ft_rotate_gens(InFlightTable *t, int keep) {
     FGen fresh, fresh2;
+    if (__atomic_load_n(&t->dbl.done, __ATOMIC_ACQUIRE)) ft_settle(t);
+    else ft_abandon(t);                            /* not waited for: cur becomes prev as it is */
     size_t bytes = t->fresh.bytes;
     FSlot *ready = prep_take(&t->fresh, bytes);
     if (ready) { fresh.slots = ready; fresh.mask = bytes / sizeof(FSlot) - 1; fresh.count = 0; }
@@ -126,11 +238,11 @@ static int ft_rotate_gens(InFlightTable *t, int keep) {
 
 /* Half-way through a generation, the array the next one starts in is made ready off the routing
  * thread, sized so that twice what cur holds now (what it will hold at the end, at a steady rate)
- * keeps it at most half full: the next generation does not double its way up from 1,024 slots,
- * each doubling a rehash in the decision that fills it (2-19 ms at 0.5-2 M entries). */
+ * keeps it at most half full: the next generation does not double its way up from 1,024 slots
+ * (each doubling a rehash on the helper thread, and its delta laid over it by the router). */
 static void ft_prepare_fresh(InFlightTable *t) {
     uint64_t cap = (uint64_t)1 << MIN_BITS;
-    while (cap < 4 * (uint64_t)t->cur.count) cap *= 2;
+    while (cap < 4 * (uint64_t)(t->cur.count + t->dbl.delta.count)) cap *= 2;
     if (cap < ((uint64_t)1 << PREP_MIN_BITS)) return;
     prep_start(&t->fresh, cap * sizeof(FSlot), fslots_init);
 }
@@ -170,7 +282,7 @@ static int slot_live(const FSlot *s, double now, PyObject *epochs) {
 /* The live entry for key k (InFlightPrefixes._live): cur's if any, else prev's; NULL when absent,
  * expired or of an older epoch. */
 static const FSlot *ft_live(const InFlightTable *t, uint64_t k, double now, PyObject *epochs) {
-    const FSlot *s = fg_find(&t->cur, k);
+    const FSlot *s = ft_cur_find(t, k);
     if (!s) s = fg_find(&t->prev, k);
     return s && slot_live(s, now, epochs) ? s : NULL;
 }
@@ -180,10 +292,9 @@ static const FSlot *ft_live(const InFlightTable *t, uint64_t k, double now, PyOb
  * stale one (cur's shadows prev's) becomes this send's. */
 static int ft_refresh_keys(InFlightTable *t, const Keys *K, int32_t worker, uint32_t epoch, double expiry,
                            double now, PyObject *epochs) {
-    FGen *g = &t->cur;
-    while ((uint64_t)(g->count + K->n) * 2 > (g->mask + 1))      /* at most half full, as record */
-        if (ft_grow(t) < 0) return -1;
-    const FGen *pg = &t->prev;
+    if (ft_room(t, K->n) < 0) return -1;                          /* at most half full, as record */
+    FGen *g = ft_target(t);
+    const FGen *pg = &t->prev, *frozen = t->dbl.running ? &t->cur : NULL;   /* cur under a doubling */
     for (Py_ssize_t i = 0; i < K->n && i < PREFETCH_AHEAD; i++) {
         __builtin_prefetch(&g->slots[mix(K->keys[i]) & g->mask], 1);
         if (pg->count) __builtin_prefetch(&pg->slots[mix(K->keys[i]) & pg->mask], 0);
@@ -195,15 +306,19 @@ static int ft_refresh_keys(InFlightTable *t, const Keys *K, int32_t worker, uint
             if (pg->count) __builtin_prefetch(&pg->slots[h & pg->mask], 0);
         }
         FSlot mine = {K->keys[i], expiry, worker, epoch}, *s = fg_slot(g, K->keys[i]);
-        if (!F_EMPTY(s)) {
+        const FSlot *c = F_EMPTY(s) ? NULL : s;      /* cur's entry: delta's (a tombstone: none), else frozen cur's */
+        if (c && F_TOMB(c)) c = NULL;
+        else if (!c && frozen) c = fg_find(frozen, K->keys[i]);
+        if (c == s) {
             if (!slot_live(s, now, epochs)) *s = mine;
             else if (s->expiry < expiry) s->expiry = expiry;
             continue;
         }
-        const FSlot *p = pg->count ? fg_find(pg, K->keys[i]) : NULL;
+        const FSlot *p = c ? c : (pg->count ? fg_find(pg, K->keys[i]) : NULL);
+        if (c && !slot_live(c, now, epochs)) p = NULL;             /* cur's lapsed entry: this send's now */
         if (p && slot_live(p, now, epochs)) { mine = *p; if (mine.expiry < expiry) mine.expiry = expiry; }
-        *s = mine;                                 /* the empty slot found: nothing moved since */
-        g->count++;
+        if (F_EMPTY(s)) g->count++;                /* the empty slot (or tombstone) found: nothing moved since */
+        *s = mine;
     }
     ft_prepare(t);
     return 0;
@@ -255,6 +370,20 @@ static PyObject *ft_match(InFlightTable *t, PyObject *args) {
     return Py_BuildValue("(in)", worker, depth);
 }
 
+/* Removes k's entry owned by worker from cur: under a doubling, as a tombstone in delta. */
+static void ft_cur_remove(InFlightTable *t, uint64_t k, int worker) {
+    if (!t->dbl.running) {
+        FSlot *s = t->cur.count ? fg_find(&t->cur, k) : NULL;
+        if (s && s->worker == worker) fg_remove(&t->cur, s);
+        return;
+    }
+    FGen *dl = &t->dbl.delta;
+    FSlot *v = fg_slot(dl, k);
+    if (!F_EMPTY(v)) { if (v->worker == worker) v->worker = -2; return; }   /* a tombstone has worker -2 */
+    const FSlot *c = fg_find(&t->cur, k);
+    if (c && c->worker == worker) { *v = (FSlot){k, 0.0, -2, 0}; dl->count++; }
+}
+
 /* on_removed(worker, hashes): drop these hashes' entries owned by worker, in both generations. */
 static PyObject *ft_on_removed(InFlightTable *t, PyObject *args) {
     PyObject *hashes; int worker;
@@ -263,14 +392,14 @@ static PyObject *ft_on_removed(InFlightTable *t, PyObject *args) {
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (int gi = 0; gi < 2; gi++) {
-        FGen *g = gi ? &t->prev : &t->cur;
-        for (Py_ssize_t i = 0; g->count && i < n; i++) {
-            uint64_t k;
-            if (to_key(items[i], &k) < 0) { PyErr_Clear(); continue; }
-            FSlot *s = fg_find(g, k);
-            if (s && s->worker == worker) fg_remove(g, s);
-        }
+    if (t->dbl.running && ft_room(t, n) < 0) { Py_DECREF(seq); return NULL; }   /* delta's tombstones */
+    FGen *pg = &t->prev;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t k;
+        if (to_key(items[i], &k) < 0) { PyErr_Clear(); continue; }
+        ft_cur_remove(t, k, worker);
+        FSlot *s = pg->count ? fg_find(pg, k) : NULL;
+        if (s && s->worker == worker) fg_remove(pg, s);
     }
     Py_DECREF(seq);
     Py_RETURN_NONE;
@@ -278,13 +407,14 @@ static PyObject *ft_on_removed(InFlightTable *t, PyObject *args) {
 
 /* Distinct hashes in either generation (len of InFlightPrefixes). */
 static Py_ssize_t ft_len(InFlightTable *t) {
+    ft_settle(t);
     Py_ssize_t n = t->cur.count;
     for (uint64_t i = 0; i <= t->prev.mask; i++)
         if (t->prev.slots[i].worker >= 0 && !fg_find(&t->cur, t->prev.slots[i].key)) n++;
     return n;
 }
 
-int ft_is_empty(const InFlightTable *t) { return !t->cur.count && !t->prev.count; }
+int ft_is_empty(const InFlightTable *t) { return !t->cur.count && !t->dbl.delta.count && !t->prev.count; }
 
 static PyObject *ft_empty(InFlightTable *t, PyObject *unused) {
     return PyBool_FromLong(ft_is_empty(t));
@@ -292,6 +422,7 @@ static PyObject *ft_empty(InFlightTable *t, PyObject *unused) {
 
 /* dump() -> (cur, prev): [(hash, worker, epoch, expiry)] per generation (to fall back to dicts). */
 static PyObject *ft_dump(InFlightTable *t, PyObject *unused) {
+    ft_settle(t);
     PyObject *out = PyTuple_New(2);
     for (int gi = 0; out && gi < 2; gi++) {
         const FGen *g = gi ? &t->prev : &t->cur;
@@ -309,12 +440,16 @@ static PyObject *ft_dump(InFlightTable *t, PyObject *unused) {
     return out;
 }
 
-/* Bytes of both generations' slot arrays, of a next array made ready for cur and of the one made
- * ready for the next generation. */
+/* Bytes of both generations' slot arrays, of a next array made ready for cur, of the one made
+ * ready for the next generation and of a doubling's array and delta. */
 static PyObject *ft_nbytes(InFlightTable *t, PyObject *unused) {
-    return PyLong_FromUnsignedLongLong((t->cur.mask + 1 + t->prev.mask + 1) * sizeof(FSlot) + t->next.bytes
+    const Doubling *d = &t->dbl;
+    uint64_t dbl = d->running ? d->to.mask + 1 + d->delta.mask + 1 : 0;
+    return PyLong_FromUnsignedLongLong((t->cur.mask + 1 + t->prev.mask + 1 + dbl) * sizeof(FSlot) + t->next.bytes
                                        + t->fresh.bytes);
 }
+
+static PyObject *ft_doubling(InFlightTable *t, PyObject *unused) { return PyBool_FromLong(t->dbl.running); }
 
 static PyMethodDef ft_methods[] = {
     {"nbytes", (PyCFunction)ft_nbytes, METH_NOARGS, "bytes of both generations' slot arrays and the arrays made ready (a doubling, the next generation)"},
@@ -326,6 +461,7 @@ static PyMethodDef ft_methods[] = {
     {"match", (PyCFunction)ft_match, METH_VARARGS, "match(hashes, now, epochs) -> (worker, blocks) | None"},
     {"on_removed", (PyCFunction)ft_on_removed, METH_VARARGS, "on_removed(worker, hashes)"},
     {"empty", (PyCFunction)ft_empty, METH_NOARGS, "no entry in either generation"},
+    {"doubling", (PyCFunction)ft_doubling, METH_NOARGS, "whether a doubling of the current generation runs off the routing thread"},
     {NULL}
 };
 

@@ -2,7 +2,8 @@
  * into one extension, ``routerfast``):
  *
  *   blocktable.c  BlockTable: block hash -> PrefixIndex._held's three 64-bit lanes, walked per prompt
- *   inflight.c    InFlightTable: InFlightPrefixes' two generations (hash -> worker, epoch, expiry)
+ *   inflight.c    InFlightTable: InFlightPrefixes' two generations (hash -> worker, epoch, expiry),
+ *                 the current one doubled by a helper thread while the router goes on
  *   prepare.c     Prep: a table's next slot array faulted in by a helper thread before it is needed
  *   decider.c     Decider: one routing decision (prefix_aware, temperature 0) in one call
  *   records.c     the decision's frozen records (RoutingDecision, CostInputs, ...) built in C
@@ -104,9 +105,15 @@ void bt_walk_keys(const BlockTable *t, const Keys *k, Walk *w);
 /* ---- InFlightTable (inflight.c) */
 typedef struct { uint64_t key; double expiry; int32_t worker; uint32_t epoch; } FSlot;   /* worker < 0: empty */
 typedef struct { FSlot *slots; uint64_t mask; Py_ssize_t count; } FGen;
+/* A doubling of cur off the routing thread (inflight.c): a helper thread places ``from`` (cur,
+ * read-only meanwhile) into ``to``; the router's writes go to ``delta`` (a removal as a tombstone,
+ * worker -2), which is laid over ``to`` when the helper is done. stop (the router's: give up) and
+ * done (the helper's) are read and written atomically by both threads. */
+typedef struct { FGen from, to, delta; pthread_t thread; int running, threaded, need_init, stop, done; } Doubling;
 /* next: the array cur will double into, made ready once cur is a quarter full (it doubles at half);
- * fresh: the array the next generation starts in, made ready half-way through this one */
-typedef struct { PyObject_HEAD FGen cur, prev; double gen_start; int has_gen; Prep next, fresh; } InFlightTable;
+ * fresh: the array the next generation starts in, made ready half-way through this one;
+ * dbl: a doubling of cur under way (dbl.running) */
+typedef struct { PyObject_HEAD FGen cur, prev; double gen_start; int has_gen; Prep next, fresh; Doubling dbl; } InFlightTable;
 extern PyTypeObject InFlightTableType;
 
 int ft_is_empty(const InFlightTable *t);
