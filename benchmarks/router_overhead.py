@@ -18,7 +18,9 @@ Prints one JSON line: decision p50/p99 (wall: also p99.9, max, mean and the
 decisions of a millisecond or more) in microseconds of wall time and of
 thread CPU time (the CPU figure leaves out time the OS gave other processes,
 which dominates wall p99 on a shared machine; ``loadavg_1m`` says how shared),
-hash p50/p99, event ingest rate, index size and memory (tracemalloc of an
+hash p50/p99, event ingest rate and the wall time of one ingest call (``on_events``
+for one store: p99, max and the calls of a millisecond or more, which run on the
+router's loop as decisions do), index size and memory (tracemalloc of an
 identical index, hash ints included), and the in-flight prefixes left at the end
 (entries, and the C table's slot arrays in MB: both generations and a next array
 made ready for the current one; None where the dicts hold them).
@@ -106,6 +108,7 @@ def build(args, router: Router, rng: random.Random) -> dict:
     convs: list[tuple[int, list[int], list[int]]] = []                     # (system, tokens, hashes)
     log: list[tuple[str, list[KVEvent]]] = []                              # every event, for index_bytes
     ingest_s = 0.0
+    ingest_calls: list[float] = []                                         # each on_events call's wall s
     n_events = n_blocks = 0
     base = 10**9
     rss0 = rss_bytes()
@@ -122,7 +125,8 @@ def build(args, router: Router, rng: random.Random) -> dict:
             convs.append((s, tokens, chain))
         t0 = time.perf_counter()
         res = router.on_events(w.wid, events)
-        ingest_s += time.perf_counter() - t0
+        ingest_calls.append(time.perf_counter() - t0)
+        ingest_s += ingest_calls[-1]
         log.append((w.wid, events))
         assert not res.needs_resync, res
         n_events += len(events)
@@ -130,6 +134,8 @@ def build(args, router: Router, rng: random.Random) -> dict:
     gc.collect()
     return {"workers_sim": workers, "sys_tokens": sys_tokens, "convs": convs, "log": log,
             "ingest_events_per_s": round(n_events / ingest_s), "ingest_blocks_per_s": round(n_blocks / ingest_s),
+            "ingest_call_p99_us": round(pct(ingest_calls, 0.99) * 1e6, 1), "ingest_call_max_us": round(max(ingest_calls) * 1e6, 1),
+            "ingest_calls_over_1ms": sum(1 for x in ingest_calls if x >= 1e-3),
             "events": n_events, "index_rss_mb": round((rss_bytes() - rss0) / 2**20, 1)}
 
 
@@ -312,6 +318,8 @@ def main() -> None:
         "route_cpu_p50_us": round(pct(route_cpu_us, 0.50), 1), "route_cpu_p99_us": round(pct(route_cpu_us, 0.99), 1),
         "hash_p50_us": round(pct(hash_us, 0.50), 1), "hash_p99_us": round(pct(hash_us, 0.99), 1),
         "ingest_events_per_s": world["ingest_events_per_s"], "ingest_blocks_per_s": world["ingest_blocks_per_s"],
+        "ingest_call_p99_us": world["ingest_call_p99_us"], "ingest_call_max_us": world["ingest_call_max_us"],
+        "ingest_calls_over_1ms": world["ingest_calls_over_1ms"],
         "events": world["events"], "index_mb": round(index_bytes(world.pop("log")) / 2**20, 1),
         "build_rss_delta_mb": world["index_rss_mb"],
         "in_flight_entries": len(router.in_flight),
@@ -326,7 +334,7 @@ def main() -> None:
 
 COMPARED = ("route_p50_us", "route_p99_us", "route_p999_us", "route_max_us", "route_mean_us", "route_over_1ms",
             "route_cpu_p50_us", "route_cpu_p99_us", "hash_p50_us",
-            "hash_p99_us", "ingest_events_per_s", "index_mb", "mean_prefill_hit_ratio", "decisions_sha256",
+            "hash_p99_us", "ingest_events_per_s", "ingest_call_p99_us", "ingest_call_max_us", "ingest_calls_over_1ms", "index_mb", "mean_prefill_hit_ratio", "decisions_sha256",
             "decision_kinds")
 
 

@@ -66,6 +66,35 @@ def test_the_c_walk_equals_the_python_search_and_a_plain_scan(seed):
     check_mirror(feed.idx)
 
 
+def test_the_block_table_through_its_doublings_mirrors_the_index():
+    """120k blocks stored by three workers, some removed between, take the block table
+    (csrc/blocktable.c, at most 0.8 full) from 1,024 to 2**18 slots; the mirror and every walk
+    stay equal to the Python index."""
+    rng = random.Random(4)
+    idx, py = PrefixIndex(), PrefixIndex(use_native=False)
+    table = idx._native
+    assert table is not None
+    chains: list[tuple[int, ...]] = []
+    event_ids = {"w0": 0, "w1": 0, "w2": 0}                 # each worker's events numbered without gaps
+    for step in range(4_000):
+        w = rng.choice(("w0", "w1", "w2"))
+        base = chains[rng.randrange(len(chains))][:rng.randint(1, 10)] if chains and rng.random() < 0.3 else ()
+        chain = base + tuple(rng.getrandbits(63) for _ in range(30))
+        event_ids[w] += 1
+        events = [KVEvent(event_ids[w], KVEventKind.STORED, chain, None, Tier.DEVICE)]
+        if step % 7 == 0 and chains:
+            event_ids[w] += 1
+            events.append(KVEvent(event_ids[w], KVEventKind.REMOVED, rng.choice(chains)[-5:], None, Tier.DEVICE))
+        for i in (idx, py):
+            assert not i.apply(w, events).needs_resync
+        chains.append(chain)
+    assert 0.4 * 2**18 < len(table) < 0.8 * 2**18 and table.nbytes() == 2**18 * 32     # slots of 32 bytes
+    check_mirror(idx)
+    for chain in rng.sample(chains, 300):
+        prompt = list(chain[:rng.randint(1, len(chain))])
+        assert idx.match(prompt) == py.match(prompt)
+
+
 def test_a_65th_worker_or_a_wide_hash_turns_the_table_off_and_answers_stay_right():
     idx = PrefixIndex()
     for i in range(64):

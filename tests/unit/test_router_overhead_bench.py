@@ -46,3 +46,20 @@ def test_more_blocks_than_the_workers_can_hold_is_refused_with_the_fix():
                          text=True, timeout=120)
     assert res.returncode == 2 and not res.stdout
     assert "--workers x --capacity = 400" in res.stderr and "raise --capacity" in res.stderr
+
+
+def test_ingest_calls_are_timed_and_the_slowest_split_into_the_c_table_and_the_rest():
+    a = run()
+    assert 0 < a["ingest_call_p99_us"] <= a["ingest_call_max_us"] and a["ingest_calls_over_1ms"] >= 0
+    out = subprocess.run([sys.executable, str(BENCH / "router_ingest.py"), "--blocks", "20000", "--slowest", "3"],
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True, capture_output=True,
+                         text=True, timeout=300).stdout.strip().splitlines()
+    assert len(out) == 1, out
+    d = json.loads(out[0])
+    assert d["calls"] > 100 and len(d["slowest"]) == 3
+    assert d["call_p50_us"] <= d["call_p99_us"] <= d["call_max_ms"] * 1000 + 10      # (max rounded to 10 us)
+    walls = [s["wall_ms"] for s in d["slowest"]]
+    assert walls == sorted(walls, reverse=True) and walls[0] == d["call_max_ms"]
+    for s in d["slowest"]:
+        assert 0 <= s["c_table_ms"] <= s["wall_ms"] and s["blocks_held"] > 0
+        assert (s["c_table_mb"] > 0) == d["native_table"]
