@@ -47,8 +47,7 @@ def main() -> None:
     ap.add_argument("--slowest", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    world = argparse.Namespace(workers=64, blocks=args.blocks, capacity=20_000, systems=400, system_blocks=32,
-                               host_share=0.1, prompt_tokens=2000, block_size=16, interval_s=0.0002)
+    world = ro.default_world(args.blocks)
     router = Router(RouterConfig(policy="prefix_aware"), rng=random.Random(args.seed + 1), clock=time.monotonic)
     index = router.index
     table = index.native_table

@@ -99,6 +99,12 @@ class SimWorker:
         return ev
 
 
+def default_world(blocks: int = 1_000_000) -> argparse.Namespace:
+    """This script's defaults (its world: 64 workers of 20,000 blocks, 400 shared system prompts,
+    2,000-token prompts) with ``blocks`` indexed, as ``build`` and ``make_prompt`` read them."""
+    return parser().parse_args(["--blocks", str(blocks)])
+
+
 def build(args, router: Router, rng: random.Random) -> dict:
     bs = args.block_size
     sys_tokens = [[s * 1_000_003 + t for t in range(args.system_blocks * bs)] for s in range(args.systems)]
@@ -134,7 +140,8 @@ def build(args, router: Router, rng: random.Random) -> dict:
     gc.collect()
     return {"workers_sim": workers, "sys_tokens": sys_tokens, "convs": convs, "log": log,
             "ingest_events_per_s": round(n_events / ingest_s), "ingest_blocks_per_s": round(n_blocks / ingest_s),
-            "ingest_call_p99_us": round(pct(ingest_calls, 0.99) * 1e6, 1), "ingest_call_max_us": round(max(ingest_calls) * 1e6, 1),
+            "ingest_call_p99_us": round(pct(ingest_calls, 0.99) * 1e6, 1),
+            "ingest_call_max_us": round(max(ingest_calls) * 1e6, 1),
             "ingest_calls_over_1ms": sum(1 for x in ingest_calls if x >= 1e-3),
             "events": n_events, "index_rss_mb": round((rss_bytes() - rss0) / 2**20, 1)}
 
@@ -197,7 +204,7 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--prefill-share", type=float, default=0.5, help="share of workers in the prefill pool")
@@ -226,6 +233,11 @@ def main() -> None:
     ap.add_argument("--compare-full-scan", action="store_true",
                     help="also time the same prompts with prefix_aware costing every worker (the Python "
                          "policy decides throughout, not the C decider)")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     if args.workers * args.capacity <= args.blocks:
         ap.error(f"--blocks {args.blocks} (worker, block) entries cannot be indexed: {args.workers} workers "
@@ -334,8 +346,8 @@ def main() -> None:
 
 COMPARED = ("route_p50_us", "route_p99_us", "route_p999_us", "route_max_us", "route_mean_us", "route_over_1ms",
             "route_cpu_p50_us", "route_cpu_p99_us", "hash_p50_us",
-            "hash_p99_us", "ingest_events_per_s", "ingest_call_p99_us", "ingest_call_max_us", "ingest_calls_over_1ms", "index_mb", "mean_prefill_hit_ratio", "decisions_sha256",
-            "decision_kinds")
+            "hash_p99_us", "ingest_events_per_s", "ingest_call_p99_us", "ingest_call_max_us",
+            "ingest_calls_over_1ms", "index_mb", "mean_prefill_hit_ratio", "decisions_sha256", "decision_kinds")
 
 
 def compare(args) -> None:

@@ -36,8 +36,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--blocks", type=int, default=1_000_000, help="(worker, block) entries to index")
     args = ap.parse_args()
-    world_args = argparse.Namespace(workers=64, blocks=args.blocks, capacity=20_000, systems=400, system_blocks=32,
-                                    host_share=0.1, prompt_tokens=2000, block_size=16, interval_s=0.0002)
+    world_args = ro.default_world(args.blocks)
     rng, clock = random.Random(args.seed), ro.VirtualClock()
     router = Router(RouterConfig(policy_config=PolicyConfig(), track_in_flight=bool(args.track_in_flight)),
                     rng=random.Random(args.seed + 1), clock=clock)

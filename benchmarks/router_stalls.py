@@ -42,8 +42,7 @@ def main() -> None:
                     help="end each send this long (router clock) after it was routed, as a cluster's prefill "
                          "does (Router.on_prefill_end); default: none ends")
     args = ap.parse_args()
-    world_args = argparse.Namespace(workers=64, blocks=1_000_000, capacity=20_000, systems=400, system_blocks=32,
-                                    host_share=0.1, prompt_tokens=2000, block_size=16)
+    world_args = ro.default_world()
     rng, clock = random.Random(0), ro.VirtualClock()
     router = Router(RouterConfig(policy_config=PolicyConfig()), rng=random.Random(1), clock=clock)
     for i in range(64):

@@ -68,7 +68,8 @@ static void *doubling_run(void *arg) {
     const FGen *from = &d->from;
     FGen *to = &d->to;
     uint64_t cap = from->mask + 1;
-    if (d->need_init) { want_huge_pages(to->slots, (to->mask + 1) * sizeof(FSlot)); fslots_init(to->slots, (to->mask + 1) * sizeof(FSlot)); }
+    size_t bytes = (to->mask + 1) * sizeof(FSlot);
+    if (d->need_init) { want_huge_pages(to->slots, bytes); fslots_init(to->slots, bytes); }
     for (uint64_t i = 0; i < cap; i++) {                    /* home slots prefetched ahead: misses overlap */
         const FSlot *a = &from->slots[(i + PREFETCH_AHEAD) & (cap - 1)];
         if (!F_EMPTY(a)) __builtin_prefetch(&to->slots[mix(a->key) & to->mask], 1);
@@ -80,23 +81,23 @@ static void *doubling_run(void *arg) {
 }
 
 /* Starts doubling cur into the array made ready for it (else a new one the helper readies first).
- * 0: started; 1: not (cur is small, or no memory: the caller doubles in place); -1: error. */
+ * 1: started; 0: not (cur is small, or no memory: the caller doubles in place). */
 static int ft_start_doubling(InFlightTable *t) {
     FGen *g = &t->cur;
     uint64_t cap = g->mask + 1;
-    if (cap < ((uint64_t)1 << PREP_MIN_BITS)) return 1;
+    if (cap < ((uint64_t)1 << PREP_MIN_BITS)) return 0;
     Doubling *d = &t->dbl;
     FSlot *s = prep_take(&t->next, 2 * cap * sizeof(FSlot));
     d->need_init = !s;
-    if (!s && !(s = PyMem_RawMalloc(2 * cap * sizeof(FSlot)))) return 1;
-    if (fg_alloc(&d->delta, 1u << MIN_BITS) < 0) { PyErr_Clear(); PyMem_RawFree(s); return 1; }
+    if (!s && !(s = PyMem_RawMalloc(2 * cap * sizeof(FSlot)))) return 0;
+    if (fg_alloc(&d->delta, 1u << MIN_BITS) < 0) { PyErr_Clear(); PyMem_RawFree(s); return 0; }
     d->from = *g;
     d->to = (FGen){s, 2 * cap - 1, 0};
     d->done = d->stop = 0;
     d->running = 1;
     d->threaded = pthread_create(&d->thread, NULL, doubling_run, d) == 0;
     if (!d->threaded) doubling_run(d);             /* no thread: done here, as before */
-    return 0;
+    return 1;
 }
 
 /* delta's writes applied to g (its tombstones as removals). */
@@ -155,9 +156,7 @@ static int ft_room(InFlightTable *t, Py_ssize_t n) {
         /* At most half full after this write: a probe for a new hash (most of a prompt's) runs to
          * the first empty slot, 2.5 slots on average at a half against 8.5 at 0.75 (linear probing). */
         if ((uint64_t)(g->count + n) * 2 <= g->mask + 1) return 0;
-        int r = d->running ? 1 : ft_start_doubling(t);
-        if (r < 0) return -1;
-        if (r == 1 && fg_grow(g) < 0) return -1;
+        if ((d->running || !ft_start_doubling(t)) && fg_grow(g) < 0) return -1;   /* delta, or a small cur */
     }
 }
 
