@@ -9,16 +9,19 @@ loads the shared library; it registers ``torch.ops.pdserve.paged_attention``,
 ``decoder_layers`` (a step's decoder layers in one call, engine/model/layer_stack.py) and
 ``pin_intra_op_threads`` (engine/thread_pinning.py).
 
-Cache directory: ``$PDSERVE_KERNEL_DIR`` or ``~/.cache/pdserve/kernels``.
+Cache directory: ``$PDSERVE_KERNEL_DIR`` or ``~/.cache/pdserve/kernels``. Builds and loads
+take an ``flock`` there (``_build_lock``), so a process killed midway never blocks the next.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +34,7 @@ _SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "rotary_kv.cpp", _CSRC / "sil
             _CSRC / "decoder_layers.cpp")
 _HEADERS = (_CSRC / "ops.h",)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+_NAME = "pdserve_paged_attention"
 
 
 def kernel_dir() -> Path:
@@ -54,15 +58,47 @@ def _build_key() -> str:
     return h.hexdigest()[:16]
 
 
-def _drop_stale_lock(lock: Path, max_age_s: float = 600.0) -> None:
-    """cpp_extension waits for ``lock`` to vanish; one left by a build killed midway (a
-    timeout, a crash) would hang every later load. A build takes well under a minute."""
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """Holds an exclusive ``flock`` on ``build/pdserve.lock`` while the kernel is built or loaded.
+
+    cpp_extension guards a build directory with a ``lock`` *file* that it waits on, forever,
+    for as long as the file exists; a process killed while it holds it (a Ray actor killed in
+    its ``__init__``, a timeout) leaves it behind and every later load in that directory hangs.
+    A kernel lock is released by the kernel when its holder dies, so with it held no other live
+    pdserve process can be inside cpp_extension here, and a ``lock`` file found then is stale.
+    """
+    with open(build / "pdserve.lock", "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                stale.unlink()
+                log.warning("attention: removed a kernel build lock left by a killed process (%s)", stale)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _load_built(build: Path) -> bool:
+    """Loads the library a finished build left (its ``built`` mark written after it loaded once):
+    no ninja run and no cpp_extension lock. False when there is none, or it does not load."""
+    lib = build / f"{_NAME}.so"
+    if not ((build / "built").exists() and lib.exists()):
+        return False
     try:
-        if time.time() - lock.stat().st_mtime > max_age_s:
-            lock.unlink()
-            log.warning("attention: removed a stale kernel build lock %s", lock)
-    except FileNotFoundError:
-        pass
+        torch.ops.load_library(str(lib))
+    except (OSError, RuntimeError) as exc:
+        log.warning("attention: the built kernel %s did not load (%s); building it again", lib, exc)
+        (build / "built").unlink(missing_ok=True)
+        return False
+    return True
+
+
+def _mark_built(build: Path) -> None:
+    tmp = build / f"built.{os.getpid()}"
+    tmp.write_text(_build_key() + "\n")
+    os.replace(tmp, build / "built")
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,10 +111,12 @@ def load_cpu_kernel() -> str | None:
 
         build = kernel_dir() / f"paged_attention_{_build_key()}"
         build.mkdir(parents=True, exist_ok=True)
-        _drop_stale_lock(build / "lock")
-        load(name="pdserve_paged_attention", sources=[str(src) for src in _SOURCES], extra_cflags=_FLAGS,
-             extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
-             verbose=False)
+        with _build_lock(build):
+            if not _load_built(build):
+                load(name=_NAME, sources=[str(src) for src in _SOURCES], extra_cflags=_FLAGS,
+                     extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
+                     verbose=False)
+                _mark_built(build)
     except Exception as exc:  # no compiler, no ninja, a read-only cache dir, ...: say why once
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
     return None

@@ -176,23 +176,6 @@ def test_unknown_backend_names_the_choices():
         get_attention_backend("flash", AttentionShape(1, 3, 1, 64, 16))
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
-    import os
-    import time
-
-    from engine.attention.kernels import _drop_stale_lock
-
-    lock = tmp_path / "lock"
-    lock.touch()
-    _drop_stale_lock(lock)
-    assert lock.exists()
-    old = time.time() - 3600
-    os.utime(lock, (old, old))
-    _drop_stale_lock(lock)
-    assert not lock.exists()
-    _drop_stale_lock(lock)      # absent: nothing to do
-
-
 @needs_kernel
 @pytest.mark.parametrize("seqs", [[(77, 77), (1, 20), (1, 300)], [(40, 95), (9, 9), (1, 1), (1, 129)],
                                   [(1, 33)] * 5])
