@@ -68,16 +68,13 @@ def _build_lock(build: Path) -> Iterator[None]:
     A kernel lock is released by the kernel when its holder dies, so with it held no other live
     pdserve process can be inside cpp_extension here, and a ``lock`` file found then is stale.
     """
-    with open(build / "pdserve.lock", "a+") as fh:
+    with open(build / "pdserve.lock", "a+") as fh:   # closing it releases the flock
         fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            stale = build / "lock"
-            if stale.exists():
-                stale.unlink()
-                log.warning("attention: removed a kernel build lock left by a killed process (%s)", stale)
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        stale = build / "lock"
+        if stale.exists():
+            stale.unlink()
+            log.warning("attention: removed a kernel build lock left by a killed process (%s)", stale)
+        yield
 
 
 def _load_built(build: Path) -> bool:
@@ -95,9 +92,9 @@ def _load_built(build: Path) -> bool:
     return True
 
 
-def _mark_built(build: Path) -> None:
+def _mark_built(build: Path, key: str) -> None:
     tmp = build / f"built.{os.getpid()}"
-    tmp.write_text(_build_key() + "\n")
+    tmp.write_text(key + "\n")
     os.replace(tmp, build / "built")
 
 
@@ -109,14 +106,15 @@ def load_cpu_kernel() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        build = kernel_dir() / f"paged_attention_{_build_key()}"
+        key = _build_key()
+        build = kernel_dir() / f"paged_attention_{key}"
         build.mkdir(parents=True, exist_ok=True)
         with _build_lock(build):
             if not _load_built(build):
                 load(name=_NAME, sources=[str(src) for src in _SOURCES], extra_cflags=_FLAGS,
                      extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
                      verbose=False)
-                _mark_built(build)
+                _mark_built(build, key)
     except Exception as exc:  # no compiler, no ninja, a read-only cache dir, ...: say why once
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
     return None

@@ -25,7 +25,7 @@ LOAD = ("import sys; from engine.attention.kernels import load_cpu_kernel; why =
         "print(why); sys.exit(0 if why is None else 1)")
 
 # Takes pdserve's lock, leaves cpp_extension's lock file as a build midway would, and dies by SIGKILL.
-DIE_HOLDING = ("import os, signal; from pathlib import Path; from engine.attention import kernels; "
+DIE_HOLDING = ("import os, signal; from engine.attention import kernels; "
                "b = kernels.kernel_dir() / f'paged_attention_{kernels._build_key()}'\n"
                "with kernels._build_lock(b):\n"
                "    (b / 'lock').touch(); os.kill(os.getpid(), signal.SIGKILL)")
@@ -37,10 +37,16 @@ def _run(code: str, kernel_root: Path) -> subprocess.CompletedProcess:
                           timeout=180)
 
 
-def test_a_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_path):
+def _copy_of_the_build(root: Path) -> Path:
+    """The real build directory (built by this process's import) under ``root``, without its locks and mark."""
     name = f"paged_attention_{kernels._build_key()}"
-    build = tmp_path / name
+    build = root / name
     shutil.copytree(kernels.kernel_dir() / name, build, ignore=shutil.ignore_patterns("lock", "built*", "pdserve.lock"))
+    return build
+
+
+def test_a_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_path):
+    build = _copy_of_the_build(tmp_path)
 
     # 1. No finished-build mark yet: cpp_extension runs (ninja has nothing to do) with a fresh lock file there.
     (build / "lock").touch()
@@ -59,9 +65,7 @@ def test_a_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_path):
 
 
 def test_a_mark_whose_library_does_not_load_is_dropped_and_rebuilt(tmp_path):
-    name = f"paged_attention_{kernels._build_key()}"
-    build = tmp_path / name
-    shutil.copytree(kernels.kernel_dir() / name, build, ignore=shutil.ignore_patterns("lock", "built*", "pdserve.lock"))
+    build = _copy_of_the_build(tmp_path)
     (build / "built").write_text(kernels._build_key() + "\n")
     lib = build / "pdserve_paged_attention.so"
     lib.write_bytes(b"not a shared library")
